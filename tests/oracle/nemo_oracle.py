@@ -1,0 +1,218 @@
+"""Oracle harness: drives NVIDIA NeMo AutoModel 0.7.0's DeepSeek-V4.1 port on CPU.
+
+Runs in its own virtual environment (torch 2.13.0 CPU, transformers 5.18.0,
+``nemo-automodel==0.7.0 --no-deps``; `.ci/run` and `tests/oracle/setup_venv.sh` build it) and
+writes plain files that the JAX test-suite reads (no pickle anywhere):
+
+``model`` sub-command, into ``--out DIR``:
+  config.json            the text config (released field names)
+  tokenizer.json         the synthetic word-level tokenizer (Engram needs a tokenizer)
+  weights.safetensors    every weight under its *released* checkpoint name (state_dict_adapter.to_hf), FP32
+  reference.safetensors  input_ids [B,S], logits [B,S,V], hidden [L,B,S,hc,H] (block inputs),
+                         engram_hashes [B,S,n_engram,heads], token_map [vocab],
+                         topk_<layer> [B,S,K] (selected compressed positions, ascending, -1 = none),
+                         candidates_<layer> [B,S,G] (candidate source only)
+  timing.json            forward wall time (first and steady-state)
+
+``quant`` sub-command: quantize_cache of random tensors incl. e2m1 rounding ties and zero blocks,
+into ``quant.safetensors`` (input_<fmt>, output_<fmt>).
+
+The model config comes from the project's presets (``v41cp/config.py`` is plain Python and
+importable here); ``--set key=value`` overrides fields; ``--fake-quant off`` replaces the port's
+cache quantizer with the identity.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+from safetensors.torch import save_file
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, REPO)
+
+from v41cp.config import PRESETS  # noqa: E402  (pure Python, no jax)
+
+NEMO = "nemo_automodel.components.models.deepseek_v41"
+
+
+def synthetic_tokenizer(vocab: int):
+    """A word-level tokenizer whose ids have case variants, so the Engram compressed vocabulary
+    (normalised, lower-cased text) is smaller than the raw vocabulary, as in the release."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<bos>", "<eos>", "<pad>"]
+    i = 0
+    while len(words) < vocab - 1 and i < 120:
+        words += [f"w{i}", f"W{i}"]
+        i += 1
+    while len(words) < vocab:
+        words.append(f"x{len(words)}")
+    tok = Tokenizer(models.WordLevel(vocab={w: j for j, w in enumerate(words[:vocab])}, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+    return tok, fast
+
+
+def parse_overrides(items):
+    out = {}
+    for item in items or []:
+        key, _, value = item.partition("=")
+        out[key] = json.loads(value)
+    return out
+
+
+def build_model(text: dict, seed: int, tokenizer):
+    from nemo_automodel.components.models.common import BackendConfig
+    from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config, DeepseekV41TextConfig
+    from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
+
+    kw = {k: (list(v) if isinstance(v, tuple) else v) for k, v in text.items()}
+    kw.update(dtype="float32", dspark_target_layer_ids=[],
+              rope_scaling={"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
+                            "original_max_position_embeddings": 65536})
+    cfg = DeepseekV41Config(text_config=DeepseekV41TextConfig(**kw), vision_config={"num_hidden_layers": 0},
+                            dtype="float32")
+    backend = BackendConfig(attn="eager", linear="torch", rms_norm="torch_fp32", experts="torch",
+                            dispatcher="torch", enable_hf_state_dict_adapter=True)
+    torch.manual_seed(seed)
+    model = DeepseekV41ForCausalLM(cfg, backend=backend, tokenizer=tokenizer)
+    model.initialize_weights(buffer_device=torch.device("cpu"), dtype=torch.float32)
+    # Non-trivial values where the port initialises constants (sinks 0, norms 1, biases 0),
+    # so that the comparison exercises them.
+    g = torch.Generator().manual_seed(seed + 17)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("sinks_param.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            elif name.endswith("norm.weight") or name.endswith("q_weight") or name.endswith("k_weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith(".base") or name.endswith(".scale"):
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias") or name.endswith("bias_vl"):
+                b.copy_(0.05 * torch.randn(b.shape, generator=g))
+    model.eval()
+    return model
+
+
+def cmd_model(args):
+    from importlib import import_module
+
+    attention = import_module(f"{NEMO}.attention")
+    if args.fake_quant == "off":
+        attention.quantize_cache = lambda values, **_: values
+    text = dict(PRESETS[args.preset])
+    text.update(parse_overrides(args.set))
+    text.pop("dtype", None)
+    tok, fast = synthetic_tokenizer(text["vocab_size"])
+    if text.get("engram_layer_ids"):
+        from nemo_automodel.components.models.deepseek_v41.engram import _compressed_token_map
+        token_map, compressed = _compressed_token_map(fast)
+        text["engram_compressed_vocab_size"] = compressed
+    model = build_model(text, args.seed, fast)
+
+    captured = {}
+    original = attention._Indexer.forward
+
+    def spy(self, *a, **kw):
+        state = original(self, *a, **kw)
+        captured[self._layer] = (state.topk_indices.clone(), None if state.candidates is None
+                                 else state.candidates.clone())
+        return state
+
+    for name, module in model.named_modules():
+        if isinstance(module, attention._Indexer):
+            module._layer = int(name.split(".")[2])
+    attention._Indexer.forward = spy
+
+    ids = torch.randint(3, text["vocab_size"], (args.batch, args.seq), generator=torch.Generator().manual_seed(args.seed + 1))
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        logits = model(ids).logits
+        first = time.perf_counter() - t0
+        times = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            logits = model(ids).logits
+            times.append(time.perf_counter() - t0)
+        _, hidden = model.model(ids, output_hidden_states=True)
+        hashes = model.model.engram_hash(ids) if model.model.engram_hash is not None else torch.zeros(0)
+    os.makedirs(args.out, exist_ok=True)
+    ref = {"input_ids": ids.to(torch.int64), "logits": logits.float(),
+           "hidden": torch.stack(list(hidden)).float(), "engram_hashes": hashes.to(torch.int64)}
+    if text.get("engram_layer_ids"):
+        ref["token_map"] = torch.tensor(token_map, dtype=torch.int64)
+    for layer, (topk, cand) in captured.items():
+        ref[f"topk_{layer}"] = topk.to(torch.int64)
+        if cand is not None and layer == text["candidate_source_layer_id"]:
+            ref[f"candidates_{layer}"] = cand.to(torch.uint8)
+    save_file({k: v.contiguous() for k, v in ref.items()}, os.path.join(args.out, "reference.safetensors"))
+    hf = model.state_dict_adapter.to_hf(dict(model.state_dict()))
+    save_file({k: v.float().contiguous() for k, v in hf.items()}, os.path.join(args.out, "weights.safetensors"))
+    cfg_out = {k: (list(v) if isinstance(v, tuple) else v) for k, v in text.items()}
+    cfg_out["dtype"] = "float32"
+    with open(os.path.join(args.out, "config.json"), "w") as f:
+        json.dump({"model_type": "deepseek_v41", "text_config": cfg_out}, f, indent=1)
+    tok.save(os.path.join(args.out, "tokenizer.json"))
+    with open(os.path.join(args.out, "timing.json"), "w") as f:
+        json.dump({"first_forward_s": first, "steady_forward_s": sorted(times)[len(times) // 2] if times else first,
+                   "batch": args.batch, "seq": args.seq}, f)
+    print(f"oracle: wrote {args.out} (logits {tuple(logits.shape)}, first forward {first:.3f}s)")
+
+
+def cmd_quant(args):
+    from nemo_automodel.components.models.deepseek_v41.quantization import quantize_cache
+
+    g = torch.Generator().manual_seed(args.seed)
+    x = torch.randn(64, 96, generator=g) * torch.logspace(-3, 2, 64).unsqueeze(1)
+    x[3] = 0.0                                             # zero rows / blocks
+    x[4, :32] = 0.0
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 5.5])
+    # Rows whose block maximum is exactly 6 (scale 1 for mxfp4) so the tie values land exactly.
+    for r in range(8, 16):
+        row = torch.cat([ties, -ties]).repeat(3) * (2.0 ** (r - 12))
+        x[r] = row
+    x[16, :16] = torch.tensor([6.0] + [0.25 * k for k in range(15)])
+    x[17] = torch.randn(96, generator=g) * 1e-30           # subnormal-range magnitudes
+    x[18] = torch.randn(96, generator=g) * 1e4             # fp8 clipping range
+    out = {}
+    for fmt, block in (("fp8", 32), ("nvfp4", 16), ("mxfp4", 32)):
+        out[f"input_{fmt}"] = x.clone()
+        out[f"output_{fmt}"] = quantize_cache(x, format=fmt, block_size=block)
+    # A ragged channel count exercises the zero padding of a trailing partial block.
+    y = torch.randn(8, 40, generator=g)
+    out["input_ragged"] = y
+    out["output_ragged_mxfp4"] = quantize_cache(y, format="mxfp4", block_size=32)
+    os.makedirs(args.out, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in out.items()}, os.path.join(args.out, "quant.safetensors"))
+    print(f"oracle: wrote {args.out}/quant.safetensors")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("model", help="tiny model: weights, logits, hidden states, selections")
+    m.add_argument("--out", required=True)
+    m.add_argument("--preset", default="tiny")
+    m.add_argument("--set", action="append", help="override a config field: key=<json value>")
+    m.add_argument("--fake-quant", choices=("on", "off"), default="on")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--batch", type=int, default=1)
+    m.add_argument("--seq", type=int, default=40)
+    m.add_argument("--repeats", type=int, default=0, help="extra timed forwards")
+    q = sub.add_parser("quant", help="quantizer vectors")
+    q.add_argument("--out", required=True)
+    q.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    {"model": cmd_model, "quant": cmd_quant}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()

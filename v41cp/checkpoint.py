@@ -1,0 +1,142 @@
+"""Released DeepSeek-V4.1 tensor names ↔ the model's own parameter tree.
+
+`params_from_released(cfg, tensors)` builds the (unboxed) parameter tree from a mapping of
+released checkpoint names (v41-architecture.md §5.1, no ``model.`` prefix) to unquantized arrays
+(BF16/FP32, as other frameworks export them). Quantized FP8/FP4 tensors with ``.scale``
+companions are read by the checkpoint reader (a later issue), not here.
+
+Every error names the offending key and, for shape/dtype problems, the expected and given values.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Mapping
+
+import flax.linen as nn
+import jax
+import numpy as np
+
+from v41cp.config import ModelConfig
+
+__all__ = ["CheckpointError", "params_from_released", "released_to_tree", "IGNORED_PREFIXES"]
+
+log = logging.getLogger(__name__)
+
+IGNORED_PREFIXES = ("vision.", "aligner.", "image_start", "image_end", "image_newline", "mtp.")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint tensor is missing, unexpected, or has the wrong shape / dtype (message names the key)."""
+
+
+def _t(a):
+    return np.asarray(a).T
+
+
+def released_to_tree(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[tuple[str, ...], Callable]]:
+    """Target path in the parameter tree → (released source keys, function of the source arrays)."""
+    nh, d, g = cfg.num_attention_heads, cfg.head_dim, cfg.o_groups
+    ih, idim = cfg.index_n_heads, cfg.index_head_dim
+    m: dict[tuple[str, ...], tuple[tuple[str, ...], Callable]] = {
+        ("embed",): (("embed.weight",), np.asarray),
+        ("head",): (("head.weight",), _t),
+        ("norm", "weight"): (("norm.weight",), np.asarray),
+    }
+    for role in cfg.layer_roles:
+        i = role.index
+        L, R = f"layers_{i}", f"layers.{i}"
+        add = lambda path, keys, fn: m.__setitem__((L, *path), (tuple(f"{R}.{k}" for k in keys), fn))
+        for site in ("attn", "ffn"):
+            add((f"{site}_norm", "weight"), (f"{site}_norm.weight",), np.asarray)
+            for part in ("fn", "base", "scale"):
+                add((f"hc_{site}", part), (f"hc_{site}_{part}",), np.asarray)
+        add(("attn", "wq_a"), ("attn.wq_a.weight",), _t)
+        add(("attn", "q_norm", "weight"), ("attn.q_norm.weight",), np.asarray)
+        add(("attn", "wq_b"), ("attn.wq_b.weight",),
+            lambda a: np.asarray(a).reshape(nh, d, -1).transpose(2, 0, 1))
+        add(("attn", "wkv"), ("attn.wkv.weight",), _t)
+        add(("attn", "kv_norm", "weight"), ("attn.kv_norm.weight",), np.asarray)
+        add(("attn", "wo_a"), ("attn.wo_a.weight",),
+            lambda a: np.asarray(a).reshape(g, cfg.o_lora_rank, -1).transpose(0, 2, 1))
+        add(("attn", "wo_b"), ("attn.wo_b.weight",), lambda a: np.asarray(a).T.reshape(g, cfg.o_lora_rank, -1))
+        add(("attn", "attn_sink"), ("attn.attn_sink",), np.asarray)
+        if role.is_kv_source:
+            add(("attn", "compressor", "wkv"), ("attn.compressor.wkv.weight",), _t)
+            add(("attn", "compressor", "norm", "weight"), ("attn.compressor.norm.weight",), np.asarray)
+            if role.ratio > 1:
+                add(("attn", "compressor", "wgate"), ("attn.compressor.wgate.weight",), _t)
+            add(("attn", "indexer", "wk"), ("attn.indexer.wk.weight",), _t)
+            add(("attn", "indexer", "k_norm", "weight"), ("attn.indexer.k_norm.weight",), np.asarray)
+        if role.is_index_source:
+            add(("attn", "indexer", "wq_b"), ("attn.indexer.wq_b.weight",),
+                lambda a: np.asarray(a).reshape(ih, idim, -1).transpose(2, 0, 1))
+            add(("attn", "indexer", "weights_proj"), ("attn.indexer.weights_proj.weight",), _t)
+        add(("ffn", "gate_weight"), ("ffn.gate.weight",), _t)
+        add(("ffn", "gate_bias"), ("ffn.gate.bias",), np.asarray)
+        add(("ffn", "gate_bias_vl"), ("ffn.gate.bias_vl",), np.asarray)
+        for w in ("w1", "w2", "w3"):
+            experts = tuple(f"ffn.experts.{e}.{w}.weight" for e in range(cfg.n_routed_experts))
+            add(("ffn", f"experts_{w}"), experts, lambda *a: np.stack([np.asarray(x).T for x in a]))
+            add(("ffn", f"shared_{w}"), (f"ffn.shared_experts.{w}.weight",), _t)
+        if role.engram_slot >= 0:
+            add(("engram", "embed"), ("engram.embed.weight",), np.asarray)
+            add(("engram", "wkv"), ("engram.wkv.weight",), _t)
+            add(("engram", "q_weight"), ("engram.q_weight",), np.asarray)
+            add(("engram", "k_weight"), ("engram.k_weight",), np.asarray)
+    return m
+
+
+def params_from_released(cfg: ModelConfig, tensors: Mapping[str, Any]) -> dict:
+    """Parameter tree (NumPy leaves in the model's dtypes) from released-name tensors.
+
+    Raises `CheckpointError` for a missing key, a quantized tensor (``.scale`` companion), a key
+    the config does not explain, or a shape mismatch. Vision, aligner and DSpark (``mtp.*``)
+    tensors are skipped with a log line.
+    """
+    from v41cp.model import abstract_params  # local import: model imports are heavier
+
+    abstract = nn.unbox(abstract_params(cfg))
+    mapping = released_to_tree(cfg)
+    used: set[str] = set()
+    scales = sorted(k for k in tensors if k.endswith(".scale") and not k.startswith(IGNORED_PREFIXES))
+    if scales:
+        raise CheckpointError(f"tensor {scales[0]!r} is a quantization scale: quantized checkpoints are read by "
+                              f"the released-format reader, params_from_released takes unquantized arrays")
+    out: dict = {}
+    for path, (keys, fn) in mapping.items():
+        node = abstract
+        for p in path:
+            node = node[p]
+        for k in keys:
+            if k not in tensors:
+                raise CheckpointError(f"checkpoint is missing tensor {k!r} (needed for layer role "
+                                      f"{_role_note(cfg, k)})")
+        arr = fn(*[tensors[k] for k in keys])
+        if tuple(arr.shape) != tuple(node.shape):
+            raw = tuple(np.shape(tensors[keys[0]]))
+            raise CheckpointError(f"tensor {keys[0]!r} has shape {raw}, which does not fit the config "
+                                  f"(expected parameter {'/'.join(path)} of shape {tuple(node.shape)})")
+        if not (np.issubdtype(arr.dtype, np.floating) or arr.dtype.name in ("bfloat16", "float8_e4m3fn")):
+            raise CheckpointError(f"tensor {keys[0]!r} has dtype {arr.dtype}, expected a floating dtype")
+        used.update(keys)
+        cur = out
+        for p in path[:-1]:
+            cur = cur.setdefault(p, {})
+        cur[path[-1]] = np.asarray(arr).astype(node.dtype)
+    ignored = [k for k in tensors if k.startswith(IGNORED_PREFIXES)]
+    if ignored:
+        log.info("ignored %d vision/aligner/DSpark tensors (e.g. %s)", len(ignored), ignored[0])
+    extra = sorted(k for k in tensors if k not in used and not k.startswith(IGNORED_PREFIXES))
+    if extra:
+        raise CheckpointError(f"unexpected tensor {extra[0]!r}: the config gives it no place "
+                              f"({len(extra)} unexpected in all)")
+    return out
+
+
+def _role_note(cfg: ModelConfig, key: str) -> str:
+    parts = key.split(".")
+    if parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) < cfg.num_hidden_layers:
+        r = cfg.layer_roles[int(parts[1])]
+        return f"{r.kind}, ratio {r.ratio}, layer {r.index}"
+    return "model-wide"

@@ -1,0 +1,440 @@
+"""DeepSeek-V4.1 text-model configuration: parsing, validation, per-layer roles and presets.
+
+`ModelConfig` is a frozen, hashable dataclass so it can be a static argument of jitted
+functions. It is parsed from the released ``config.json`` (the composite config with a
+``text_config`` entry, or the text config alone) and validated with the rules of
+``v41-architecture.md`` §1.2; every error names the offending field.
+
+Per-layer roles (§1.2, §2.6):
+
+* ``swa``     compress ratio 0, sliding window only;
+* ``full``    KV source: owns a compressor, publishes compressed KV + index keys + top-k;
+* ``reindex`` index source that is not a KV source: recomputes the top-k only;
+* ``reuse``   consumes the latest compressed KV and top-k unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+__all__ = ["ConfigError", "ModelConfig", "LayerRole", "PRESETS", "preset"]
+
+
+class ConfigError(ValueError):
+    """A config field is missing, malformed or inconsistent; the message names the field."""
+
+
+@dataclass(frozen=True)
+class LayerRole:
+    """Static description of one backbone layer, derived from the config.
+
+    Attributes:
+      index: layer id.
+      ratio: compress ratio (0 = SWA only, 1 = unpooled decoder source, 2 = pooled).
+      kind: ``"swa" | "full" | "reindex" | "reuse"``.
+      kv_source: id of the KV source whose compressed cache this layer reads (-1 for SWA).
+      index_source: id of the index source whose selection this layer uses (-1 for SWA).
+      candidate_source: this layer produces the two-level candidate mask.
+      uses_candidates: this layer's indexer scores only inside the candidate mask.
+      engram_slot: position in ``engram_layer_ids`` (-1 when the layer has no Engram).
+    """
+
+    index: int
+    ratio: int
+    kind: str
+    kv_source: int
+    index_source: int
+    candidate_source: bool
+    uses_candidates: bool
+    engram_slot: int
+
+    @property
+    def is_kv_source(self) -> bool:
+        return self.kind == "full"
+
+    @property
+    def is_index_source(self) -> bool:
+        return self.kind in ("full", "reindex")
+
+
+def _default_rope_scaling() -> dict:
+    return {"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
+            "original_max_position_embeddings": 65536}
+
+
+# Released DeepSeek-V4.1-Flash text config (v41-architecture.md §1.1).
+_FLASH: dict[str, Any] = dict(
+    vocab_size=129280, hidden_size=5120, num_hidden_layers=40, num_attention_heads=64,
+    num_key_value_heads=1, head_dim=512, qk_rope_head_dim=64, q_lora_rank=1280, o_groups=8,
+    o_lora_rank=1024, sliding_window=128, compress_ratios=(0, 0) + (2,) * 18 + (1,) * 20 + (0, 0, 0),
+    kv_source_layer_ids=(2, 8, 14, 20), index_source_layer_ids=(2, 8, 14, 20, 24, 28, 32, 36),
+    candidate_source_layer_id=20, candidate_topk_blocks=2048, candidate_block_size=8,
+    index_n_heads=32, index_head_dim=128, index_topk=512, rope_theta=10000.0,
+    compress_rope_theta=160000.0, max_position_embeddings=1048576, n_routed_experts=384,
+    num_experts_per_tok=6, n_shared_experts=1, moe_intermediate_size=2304,
+    scoring_func="sqrtsoftplus", topk_method="noaux_tc", norm_topk_prob=True,
+    routed_scaling_factor=1.5, swiglu_limit=10.0, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6,
+    rms_norm_eps=1e-20, engram_layer_ids=(1, 14), engram_num_embeddings=(384006168, 384016682),
+    engram_vocab_size=16000000, engram_max_ngram_size=4, engram_n_heads=8, engram_head_dim=256,
+    engram_pad_token_id=2, engram_compressed_vocab_size=99092, num_nextn_predict_layers=3,
+    bos_token_id=0, eos_token_id=1, pad_token_id=2, dtype="bfloat16",
+)
+
+# The oracle's tiny config (v41-architecture.md §6.3/§6.4): every layer kind + Engram.
+# 0 SWA | 1 ratio-2 Full (+Engram) | 2 Reuse | 3 Reindex (+Engram) | 4 ratio-1 Full + candidate source
+# | 5 ratio-1 Reindex inside the candidates.
+_TINY: dict[str, Any] = dict(
+    vocab_size=256, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=6,
+    num_attention_heads=4, num_key_value_heads=1, head_dim=64, qk_rope_head_dim=16, q_lora_rank=32,
+    o_lora_rank=32, o_groups=2, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+    sliding_window=8, compress_ratios=(0, 2, 2, 2, 1, 1), kv_source_layer_ids=(1, 4),
+    index_source_layer_ids=(1, 3, 4, 5), candidate_source_layer_id=4, candidate_topk_blocks=2,
+    candidate_block_size=2, index_n_heads=2, index_head_dim=32, index_topk=4,
+    engram_layer_ids=(1, 3), engram_num_embeddings=(2000, 2000), engram_vocab_size=97,
+    engram_n_heads=2, engram_head_dim=32, engram_max_ngram_size=3, engram_compressed_vocab_size=136,
+    engram_pad_token_id=2, num_nextn_predict_layers=0, rope_theta=10000.0,
+    compress_rope_theta=160000.0, max_position_embeddings=1048576, scoring_func="sqrtsoftplus",
+    topk_method="noaux_tc", norm_topk_prob=True, routed_scaling_factor=1.5, swiglu_limit=10.0,
+    hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-20, bos_token_id=0,
+    eos_token_id=1, pad_token_id=2, dtype="float32",
+)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "v41-flash": _FLASH,
+    # the oracle's tiny model, sparse selection (top-4 of the compressed entries, 2 candidate blocks)
+    "tiny": _TINY,
+    # same shape, selection complete (every visible entry selected): no top-k tie effects
+    "tiny-dense": {**_TINY, "index_topk": 64, "candidate_topk_blocks": 64},
+    # sparse selection with no score tie at any top-k / candidate-block boundary (asserted by the
+    # oracle test): 8 index heads make exact ReLU-zero ties rare, 3 candidate blocks > index_topk
+    "tiny-sparse": {**_TINY, "index_n_heads": 8, "candidate_topk_blocks": 3},
+    # 8 heads / 8 experts / 8 index heads so that every TP axis divides 8 simulated devices
+    "tiny-tp8": {**_TINY, "num_attention_heads": 8, "o_groups": 8, "n_routed_experts": 8,
+                 "index_n_heads": 8, "engram_layer_ids": (1, 3)},
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Validated DeepSeek-V4.1 text config (field names follow the released ``config.json``).
+
+    ``fake_quant`` switches the release's cache fake-quantisation (FP8 window KV, NVFP4
+    compressed KV, MXFP4 indexer Q/K) on or off. ``dtype`` is the activation/weight dtype of
+    the backbone (``float32`` or ``bfloat16``); FP32-critical parts (mHC, sink, router, compressor
+    pooling, logits) are always FP32.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    head_dim: int
+    qk_rope_head_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    sliding_window: int
+    compress_ratios: tuple[int, ...]
+    kv_source_layer_ids: tuple[int, ...]
+    index_source_layer_ids: tuple[int, ...]
+    candidate_source_layer_id: int
+    candidate_topk_blocks: int
+    candidate_block_size: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    num_key_value_heads: int = 1
+    n_shared_experts: int = 1
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    rope_scaling: tuple[tuple[str, Any], ...] = tuple(sorted(_default_rope_scaling().items()))
+    max_position_embeddings: int = 1048576
+    scoring_func: str = "sqrtsoftplus"
+    topk_method: str = "noaux_tc"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.5
+    swiglu_limit: float = 10.0
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    rms_norm_eps: float = 1e-20
+    engram_layer_ids: tuple[int, ...] = ()
+    engram_num_embeddings: tuple[int, ...] = ()
+    engram_vocab_size: int = 16000000
+    engram_max_ngram_size: int = 4
+    engram_n_heads: int = 8
+    engram_head_dim: int = 256
+    engram_pad_token_id: int = 2
+    engram_compressed_vocab_size: int = 99092
+    num_nextn_predict_layers: int = 0
+    bos_token_id: int = 0
+    eos_token_id: int = 1
+    pad_token_id: int = 2
+    dtype: str = "bfloat16"
+    fake_quant: bool = True
+    # Engram compressed-token map (token id -> compressed id), derived from the tokenizer.
+    # Used only by host-side hashing, never inside jitted code, hence excluded from eq/hash.
+    engram_token_map: tuple[int, ...] | None = field(default=None, compare=False, repr=False)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], **overrides: Any) -> "ModelConfig":
+        """Build from a released config dict (composite with ``text_config`` or text-only).
+
+        Unknown keys (vision, quantization, DSpark extras, HF metadata) are ignored.
+        ``overrides`` replace parsed fields (e.g. ``fake_quant=False``, ``dtype="float32"``).
+        """
+        if not isinstance(d, Mapping):
+            raise ConfigError(f"config must be a mapping, got {type(d).__name__}")
+        if "text_config" in d:
+            text = d["text_config"]
+            if not isinstance(text, Mapping):
+                raise ConfigError(f"text_config must be a mapping, got {type(text).__name__}")
+        else:
+            text = d
+        names = {f.name: f for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in text.items():
+            if key == "torch_dtype" and "dtype" not in text:
+                key = "dtype"
+            if key not in names:
+                continue
+            kwargs[key] = value
+        if "rope_scaling" in kwargs and kwargs["rope_scaling"] is None:
+            kwargs.pop("rope_scaling")
+        kwargs.update(overrides)
+        missing = [f.name for f in dataclasses.fields(cls)
+                   if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+                   and f.name not in kwargs]
+        if missing:
+            raise ConfigError(f"config is missing required field(s): {', '.join(missing)}")
+        for key in ("compress_ratios", "kv_source_layer_ids", "index_source_layer_ids",
+                    "engram_layer_ids", "engram_num_embeddings", "engram_token_map"):
+            if key in kwargs and kwargs[key] is not None:
+                if not isinstance(kwargs[key], (list, tuple)):
+                    raise ConfigError(f"{key} must be a list of integers, got {kwargs[key]!r}")
+                kwargs[key] = tuple(kwargs[key])
+        if "rope_scaling" in kwargs:
+            rs = kwargs["rope_scaling"]
+            if isinstance(rs, Mapping):
+                kwargs["rope_scaling"] = tuple(sorted(rs.items()))
+            elif not isinstance(rs, tuple):
+                raise ConfigError(f"rope_scaling must be a mapping, got {rs!r}")
+        if isinstance(kwargs.get("dtype"), str):
+            kwargs["dtype"] = {"bf16": "bfloat16", "fp32": "float32"}.get(kwargs["dtype"], kwargs["dtype"])
+        cfg = cls(**kwargs)
+        cfg.validate()
+        return cfg
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike, **overrides: Any) -> "ModelConfig":
+        """Parse a ``config.json`` file (see `from_dict`)."""
+        with open(path, "r", encoding="utf-8") as f:
+            try:
+                d = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}: not valid JSON ({e})") from e
+        return cls.from_dict(d, **overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The text config as a JSON-serialisable dict (released field names)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            if f.name == "engram_token_map":
+                continue
+            v = getattr(self, f.name)
+            if f.name == "rope_scaling":
+                v = dict(v)
+            elif isinstance(v, tuple):
+                v = list(v)
+            out[f.name] = v
+        return out
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        """A validated copy with some fields changed."""
+        cfg = dataclasses.replace(self, **changes)
+        cfg.validate()
+        return cfg
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Raise `ConfigError` naming the first offending field (architecture.md §1.2)."""
+        def pos_int(name: str) -> None:
+            v = getattr(self, name)
+            if type(v) is not int or v <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
+                     "qk_rope_head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window",
+                     "index_n_heads", "index_head_dim", "index_topk", "n_routed_experts",
+                     "num_experts_per_tok", "moe_intermediate_size", "hc_mult", "hc_sinkhorn_iters",
+                     "max_position_embeddings"):
+            pos_int(name)
+        if self.num_key_value_heads != 1:
+            raise ConfigError(f"num_key_value_heads must be 1 (one shared K=V latent), got {self.num_key_value_heads!r}")
+        if self.n_shared_experts != 1:
+            raise ConfigError(f"n_shared_experts must be 1, got {self.n_shared_experts!r}")
+        if self.num_attention_heads % self.o_groups:
+            raise ConfigError(f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                              f"o_groups ({self.o_groups})")
+        if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > min(self.head_dim, self.index_head_dim):
+            raise ConfigError(f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even and at most "
+                              f"head_dim ({self.head_dim}) and index_head_dim ({self.index_head_dim})")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise ConfigError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds n_routed_experts "
+                              f"({self.n_routed_experts})")
+        for name in ("rms_norm_eps", "hc_eps", "rope_theta", "compress_rope_theta", "routed_scaling_factor"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ConfigError(f"{name} must be a finite positive number, got {v!r}")
+        if not isinstance(self.swiglu_limit, (int, float)) or self.swiglu_limit < 0:
+            raise ConfigError(f"swiglu_limit must be a non-negative number, got {self.swiglu_limit!r}")
+        if self.scoring_func != "sqrtsoftplus":
+            raise ConfigError(f"scoring_func must be 'sqrtsoftplus' for V4.1, got {self.scoring_func!r}")
+        if self.topk_method != "noaux_tc":
+            raise ConfigError(f"topk_method must be 'noaux_tc' for V4.1, got {self.topk_method!r}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if not isinstance(self.fake_quant, bool):
+            raise ConfigError(f"fake_quant must be a boolean, got {self.fake_quant!r}")
+        rs = dict(self.rope_scaling)
+        if rs:
+            if rs.get("rope_type", rs.get("type")) != "yarn":
+                raise ConfigError(f"rope_scaling.rope_type must be 'yarn', got {rs.get('rope_type')!r}")
+            for k in ("factor", "beta_fast", "beta_slow", "original_max_position_embeddings"):
+                if k not in rs:
+                    raise ConfigError(f"rope_scaling is missing field {k!r}")
+        self._validate_schedule()
+        self._validate_engram()
+
+    def _validate_schedule(self) -> None:
+        n = self.num_hidden_layers
+        ratios = self.compress_ratios
+        if len(ratios) < n:
+            raise ConfigError(f"compress_ratios has {len(ratios)} entries but num_hidden_layers is {n}")
+        for i, r in enumerate(ratios):
+            if type(r) is not int or r not in (0, 1, 2):
+                raise ConfigError(f"compress_ratios[{i}] must be 0, 1 or 2 for V4.1, got {r!r}")
+        for name in ("kv_source_layer_ids", "index_source_layer_ids", "engram_layer_ids"):
+            ids = getattr(self, name)
+            if any(type(i) is not int or i < 0 for i in ids):
+                raise ConfigError(f"{name} must contain non-negative integer layer ids, got {list(ids)}")
+            if list(ids) != sorted(set(ids)):
+                raise ConfigError(f"{name} must be strictly increasing, got {list(ids)}")
+            if any(i >= n for i in ids):
+                raise ConfigError(f"{name} refers to layer(s) {[i for i in ids if i >= n]} beyond "
+                                  f"num_hidden_layers={n}")
+        if not set(self.kv_source_layer_ids) <= set(self.index_source_layer_ids):
+            extra = sorted(set(self.kv_source_layer_ids) - set(self.index_source_layer_ids))
+            raise ConfigError(f"kv_source_layer_ids {extra} must also be in index_source_layer_ids")
+        owner_ratio = None
+        for i in range(n):
+            r = ratios[i]
+            if r == 0:
+                if i in self.kv_source_layer_ids or i in self.index_source_layer_ids:
+                    raise ConfigError(f"layer {i} has compress_ratios[{i}]=0 (SWA-only) and cannot be a KV or "
+                                      f"index source (kv_source_layer_ids / index_source_layer_ids)")
+                continue
+            if i in self.kv_source_layer_ids:
+                owner_ratio = r
+            if owner_ratio != r:
+                raise ConfigError(f"layer {i} (compress_ratios[{i}]={r}) has no KV source with the same ratio "
+                                  f"at or before it in kv_source_layer_ids={list(self.kv_source_layer_ids)}")
+        c = self.candidate_source_layer_id
+        if type(c) is not int or c < -1:
+            raise ConfigError(f"candidate_source_layer_id must be -1 (off) or a layer id, got {c!r}")
+        if c >= 0:
+            if c not in self.kv_source_layer_ids:
+                raise ConfigError(f"candidate_source_layer_id={c} must be one of kv_source_layer_ids="
+                                  f"{list(self.kv_source_layer_ids)}")
+            for name in ("candidate_topk_blocks", "candidate_block_size"):
+                v = getattr(self, name)
+                if type(v) is not int or v <= 0:
+                    raise ConfigError(f"{name} must be a positive integer when candidates are on, got {v!r}")
+        for name, dim in (("head_dim", self.head_dim), ("index_head_dim", self.index_head_dim)):
+            if self.fake_quant and dim % 32:
+                raise ConfigError(f"{name}={dim} must be a multiple of 32 for the block-32 cache fake-quant "
+                                  f"(or set fake_quant=false)")
+        if self.fake_quant and self.head_dim % 16:
+            raise ConfigError(f"head_dim={self.head_dim} must be a multiple of 16 for NVFP4 compressed KV")
+
+    def _validate_engram(self) -> None:
+        if len(self.engram_layer_ids) != len(self.engram_num_embeddings):
+            raise ConfigError(f"engram_num_embeddings has {len(self.engram_num_embeddings)} entries but "
+                              f"engram_layer_ids has {len(self.engram_layer_ids)}")
+        if not self.engram_layer_ids:
+            return
+        for name in ("engram_n_heads", "engram_head_dim", "engram_vocab_size", "engram_compressed_vocab_size"):
+            v = getattr(self, name)
+            if type(v) is not int or v <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        if type(self.engram_max_ngram_size) is not int or self.engram_max_ngram_size < 2:
+            raise ConfigError(f"engram_max_ngram_size must be an integer >= 2, got {self.engram_max_ngram_size!r}")
+        if not 0 <= self.engram_pad_token_id < self.vocab_size:
+            raise ConfigError(f"engram_pad_token_id={self.engram_pad_token_id} is outside [0, vocab_size="
+                              f"{self.vocab_size})")
+        if any(type(r) is not int or r <= 0 for r in self.engram_num_embeddings):
+            raise ConfigError(f"engram_num_embeddings must be positive integers, got {list(self.engram_num_embeddings)}")
+        tm = self.engram_token_map
+        if tm is not None:
+            if len(tm) != self.vocab_size:
+                raise ConfigError(f"engram_token_map has {len(tm)} entries, expected vocab_size={self.vocab_size}")
+            if max(tm) + 1 != self.engram_compressed_vocab_size:
+                raise ConfigError(f"engram_token_map has {max(tm) + 1} compressed ids but "
+                                  f"engram_compressed_vocab_size={self.engram_compressed_vocab_size}")
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def layer_roles(self) -> tuple[LayerRole, ...]:
+        """Role of every backbone layer (see the module docstring)."""
+        roles = []
+        kv_src, idx_src = -1, -1
+        for i in range(self.num_hidden_layers):
+            r = self.compress_ratios[i]
+            if r == 0:
+                kind = "swa"
+            elif i in self.kv_source_layer_ids:
+                kind, kv_src = "full", i
+            elif i in self.index_source_layer_ids:
+                kind = "reindex"
+            else:
+                kind = "reuse"
+            if kind in ("full", "reindex"):
+                idx_src = i
+            c = self.candidate_source_layer_id
+            roles.append(LayerRole(
+                index=i, ratio=r, kind=kind,
+                kv_source=kv_src if r else -1, index_source=idx_src if r else -1,
+                candidate_source=(i == c),
+                uses_candidates=kind in ("full", "reindex") and 0 <= c < i,
+                engram_slot=self.engram_layer_ids.index(i) if i in self.engram_layer_ids else -1))
+        return tuple(roles)
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any]:
+        return dict(self.rope_scaling)
+
+    @property
+    def engram_hash_heads(self) -> int:
+        """Hash heads per Engram layer: (max n-gram − 1) · heads."""
+        return (self.engram_max_ngram_size - 1) * self.engram_n_heads
+
+    @property
+    def hc_mix_width(self) -> int:
+        """Width of an mHC mixer output: pre (hc) + post (hc) + comb (hc²)."""
+        return self.hc_mult * (self.hc_mult + 2)
+
+
+def preset(name: str, **overrides: Any) -> ModelConfig:
+    """A named preset (`PRESETS`): ``v41-flash``, ``tiny``, ``tiny-dense``, ``tiny-tp8``."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return ModelConfig.from_dict(PRESETS[name], **overrides)

@@ -1,0 +1,148 @@
+"""CSA2 attention of one V4.1 layer (§2.1–2.9), full-sequence reference path.
+
+Keys of query ``t`` = its sliding window ``{kv_s : t−W < s ≤ t}`` (FP8 window KV, K = V) ∪ the
+selected compressed entries ``{ckv_j : j ∈ topk(t)}``; one softmax over their union plus the
+per-head sink logit (sink value 0, no scaling). Output: inverse RoPE, grouped low-rank ``wo_a``,
+then ``wo_b``.
+
+CSA2 state (`CSAState`) flows from layer to layer: Full layers publish compressed KV, index keys
+and top-k; Reindex layers replace the top-k; Reuse layers read both unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from v41cp.config import LayerRole, ModelConfig
+from v41cp.layers.common import RMSNorm, declare, dtype_of, zeros_init
+from v41cp.layers.compressor import Compressor
+from v41cp.layers.indexer import Indexer
+from v41cp.layers.rope import apply_rope, rope_angles
+from v41cp.quant import fp8_block32, nvfp4_block16
+from v41cp.sharding.rules import ShardingContext, constrain
+
+__all__ = ["CSAState", "Attention", "sink_attention"]
+
+
+class CSAState(NamedTuple):
+    """Shared state of one forward. ``ckv [B,G,D]`` (rotated, NVFP4), ``ikeys [B,G,Di]``,
+    ``topk [B,S,K]`` int32 (−1 = none), ``candidates [B,S,G]`` bool; fields are None until published."""
+
+    ckv: Optional[jax.Array] = None
+    ikeys: Optional[jax.Array] = None
+    topk: Optional[jax.Array] = None
+    candidates: Optional[jax.Array] = None
+
+
+def window_indices(seq_len: int, window: int) -> tuple[jax.Array, jax.Array]:
+    """Key positions ``[S, W]`` of each query's window (oldest first) and their validity mask."""
+    w = min(window, seq_len)
+    idx = jnp.arange(seq_len)[:, None] - (w - 1) + jnp.arange(w)[None, :]
+    return jnp.maximum(idx, 0), idx >= 0
+
+
+def sink_attention(q: jax.Array, keys: jax.Array, valid: jax.Array, sink: jax.Array) -> jax.Array:
+    """Softmax attention with an additive sink column (value 0), K = V.
+
+    Args:
+      q: ``[B,S,Hq,D]``; keys: ``[B,S,K,D]`` per-query gathered keys; valid: ``[B,S,K]`` bool;
+      sink: ``[Hq]`` FP32 logits.
+    Returns: ``[B,S,Hq,D]`` in ``q.dtype``; a row with no valid key returns 0.
+    """
+    d = q.shape[-1]
+    kf = keys.astype(jnp.float32)
+    logits = jnp.einsum("bshd,bskd->bshk", q.astype(jnp.float32), kf,
+                        precision=jax.lax.Precision.HIGHEST) * d ** -0.5
+    logits = jnp.where(valid[:, :, None, :], logits, -jnp.inf)
+    sink_col = jnp.broadcast_to(sink.astype(jnp.float32)[None, None, :, None], (*logits.shape[:3], 1))
+    probs = jax.nn.softmax(jnp.concatenate([logits, sink_col], axis=-1), axis=-1)[..., :-1]
+    out = jnp.einsum("bshk,bskd->bshd", probs, kf, precision=jax.lax.Precision.HIGHEST)
+    return out.astype(q.dtype)
+
+
+class Attention(nn.Module):
+    """One layer's attention. Parameters: ``wq_a [H, q_lora]``, ``q_norm``, ``wq_b [q_lora, heads, D]``,
+    ``wkv [H, D]``, ``kv_norm``, ``wo_a [o_groups, heads/o_groups·D, o_lora]``,
+    ``wo_b [o_groups, o_lora, H]``, ``attn_sink [heads]`` (FP32), plus ``compressor`` / ``indexer``."""
+
+    cfg: ModelConfig
+    role: LayerRole
+    shard: ShardingContext | None = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array, state: CSAState) -> tuple[jax.Array, CSAState]:
+        """``x [B,S,H]`` (attention-normed) → ``([B,S,H], new state)``."""
+        cfg, role = self.cfg, self.role
+        dt = dtype_of(cfg.dtype)
+        nh, d = cfg.num_attention_heads, cfg.head_dim
+        b, s, _ = x.shape
+        wq_a = declare(self, "wq_a", (cfg.hidden_size, cfg.q_lora_rank), ("embed", "q_lora"), dt)
+        wq_b = declare(self, "wq_b", (cfg.q_lora_rank, nh, d), ("q_lora", "heads", "head_dim"), dt)
+        wkv = declare(self, "wkv", (cfg.hidden_size, d), ("embed", "head_dim"), dt)
+        g_in = nh // cfg.o_groups * d
+        wo_a = declare(self, "wo_a", (cfg.o_groups, g_in, cfg.o_lora_rank), ("o_groups", None, "o_lora"), dt)
+        wo_b = declare(self, "wo_b", (cfg.o_groups, cfg.o_lora_rank, cfg.hidden_size),
+                       ("o_groups", "o_lora", "embed"), dt)
+        sink = declare(self, "attn_sink", (nh,), ("heads",), jnp.float32, zeros_init)
+
+        compressed = role.ratio > 0
+        angles = rope_angles(cfg, jnp.broadcast_to(jnp.arange(s), (b, s)), compressed)
+        qr = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dt, name="q_norm")(
+            jnp.einsum("bsh,hr->bsr", x, wq_a.astype(x.dtype)))
+        q = apply_rope(jnp.einsum("bsr,rnd->bsnd", qr, wq_b.astype(qr.dtype)), angles)
+        q = constrain(q, ("batch", None, "heads", None), self.shard)
+        kv = apply_rope(RMSNorm(d, cfg.rms_norm_eps, dt, name="kv_norm")(
+            jnp.einsum("bsh,hd->bsd", x, wkv.astype(x.dtype))), angles)
+        if cfg.fake_quant:
+            kv = fp8_block32(kv)
+
+        widx, wvalid = window_indices(s, cfg.sliding_window)
+        keys = kv[:, widx]                                                   # [B,S,W,D]
+        valid = jnp.broadcast_to(wvalid[None], (b, *wvalid.shape))
+        if compressed:
+            state = self._update_state(x, qr, angles, state)
+            g = state.ckv.shape[1]
+            if g:
+                sel = state.topk
+                keys = jnp.concatenate([keys, jax.vmap(lambda c, i: c[jnp.maximum(i, 0)])(state.ckv, sel)], axis=2)
+                valid = jnp.concatenate([valid, sel >= 0], axis=2)
+        o = sink_attention(q, keys, valid, sink)
+        o = apply_rope(o, angles, inverse=True)
+        o = o.reshape(b, s, cfg.o_groups, g_in)
+        y = jnp.einsum("bsgi,gio->bsgo", o, wo_a.astype(o.dtype))
+        out = jnp.einsum("bsgo,goh->bsh", y, wo_b.astype(y.dtype))
+        return out, state
+
+    def _update_state(self, x, qr, angles, state: CSAState) -> CSAState:
+        cfg, role = self.cfg, self.role
+        b, s, _ = x.shape
+        latent = compressed_angles = None
+        if role.is_kv_source:
+            latent = Compressor(cfg, role.ratio, name="compressor")(x)        # [B,G,D]
+            g = latent.shape[1]
+            compressed_angles = rope_angles(cfg, jnp.broadcast_to(jnp.arange(g) * role.ratio, (b, g)), True)
+            ckv = apply_rope(latent, compressed_angles)
+            state = CSAState(ckv=nvfp4_block16(ckv) if cfg.fake_quant else ckv)
+        if state.ckv is None:
+            raise ValueError(f"layer {role.index}: a {role.kind} layer needs compressed KV from a KV source before it")
+        g = state.ckv.shape[1]
+        if role.is_index_source:
+            if g == 0:
+                # no complete compression group yet: nothing to score or select
+                keys = state.ikeys if state.ikeys is not None else jnp.zeros((b, 0, cfg.index_head_dim), x.dtype)
+                cand = jnp.zeros((b, s, 0), bool) if role.candidate_source else state.candidates
+                state = state._replace(ikeys=keys, topk=jnp.zeros((b, s, 0), jnp.int32), candidates=cand)
+                self.sow("intermediates", "topk", state.topk)
+                return state
+            keys, topk, cand, scores = Indexer(cfg, role, name="indexer")(
+                x, qr, angles, latent, compressed_angles, state.ikeys, state.candidates)
+            self.sow("intermediates", "index_scores", scores)
+            state = state._replace(ikeys=keys, topk=topk, candidates=cand)
+        if state.topk is None:
+            raise ValueError(f"layer {role.index}: a reuse layer needs a selection from an index source before it")
+        self.sow("intermediates", "topk", state.topk)
+        return state

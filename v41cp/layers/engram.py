@@ -1,0 +1,49 @@
+"""Engram: hashed n-gram memory added to every residual stream before a layer's mHC (§3.2)."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from v41cp.config import ModelConfig
+from v41cp.layers.common import declare, dtype_of, ones_init
+
+__all__ = ["Engram"]
+
+
+class Engram(nn.Module):
+    """Table lookup, fused key/value projection and signed-sqrt gate.
+
+    Parameters: ``embed [rows, engram_head_dim]``, ``wkv [hash_heads·head_dim, (hc+1)·H]``
+    (keys for the hc streams first, then the value), ``q_weight``/``k_weight [hc, H]``.
+    """
+
+    cfg: ModelConfig
+    slot: int
+
+    @nn.compact
+    def __call__(self, streams: jax.Array, hash_ids: jax.Array, token_mask: jax.Array | None = None):
+        """``streams [B,S,hc,H]``, ``hash_ids [B,S,hash_heads]`` int32 → updated streams."""
+        cfg = self.cfg
+        dt = dtype_of(cfg.dtype)
+        hc, h = cfg.hc_mult, cfg.hidden_size
+        rows = cfg.engram_num_embeddings[self.slot]
+        table = declare(self, "embed", (rows, cfg.engram_head_dim), ("engram_rows", None), dt)
+        wkv = declare(self, "wkv", (cfg.engram_hash_heads * cfg.engram_head_dim, (hc + 1) * h),
+                      (None, "engram_out"), dt)
+        q_w = declare(self, "q_weight", (hc, h), (None, None), dt, ones_init)
+        k_w = declare(self, "k_weight", (hc, h), (None, None), dt, ones_init)
+        emb = jnp.take(table, hash_ids, axis=0).reshape(*hash_ids.shape[:2], -1).astype(streams.dtype)
+        kv = jnp.einsum("bsi,io->bso", emb, wkv.astype(streams.dtype))
+        key = kv[..., :hc * h].astype(jnp.float32).reshape(*kv.shape[:2], hc, h)
+        value = kv[..., hc * h:].astype(jnp.float32)
+        x = streams.astype(jnp.float32)
+        weights = q_w.astype(jnp.float32) * k_w.astype(jnp.float32)
+        rstd = (jax.lax.rsqrt(jnp.mean(x * x, axis=-1) + cfg.rms_norm_eps)
+                * jax.lax.rsqrt(jnp.mean(key * key, axis=-1) + cfg.rms_norm_eps))
+        dot = jnp.sum(x * weights * key, axis=-1) * rstd * h ** -0.5
+        gate = jax.nn.sigmoid(jnp.copysign(jnp.sqrt(jnp.maximum(jnp.abs(dot), 1e-6)), dot))
+        if token_mask is not None:
+            gate = jnp.where(token_mask[..., None], gate, 0.0)
+        return (x + gate[..., None] * value[:, :, None, :]).astype(streams.dtype)

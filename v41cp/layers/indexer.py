@@ -1,0 +1,111 @@
+"""CSA2 indexer (§2.5): index keys (KV sources), ReLU-weighted scores and the two-level top-k.
+
+Selection convention (shared by the whole code base): top-k order is score descending, then
+logical position ascending (``jax.lax.top_k`` order); picks with score −inf are padding, index −1.
+This differs from ``torch.topk`` only among exactly tied scores, whose order torch leaves
+unspecified (it depends on the row width); the selected *set* is identical whenever the k-th and
+(k+1)-th scores differ.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from v41cp.config import LayerRole, ModelConfig
+from v41cp.layers.common import RMSNorm, declare, dtype_of
+from v41cp.layers.rope import apply_rope
+from v41cp.quant import mxfp4_block32
+
+__all__ = ["Indexer", "select_candidate_blocks", "topk_select"]
+
+
+def select_candidate_blocks(scores: jax.Array, visible_len: jax.Array, topk_blocks: int,
+                            block_size: int) -> jax.Array:
+    """Boolean candidate mask ``[B,S,G]`` from masked scores ``[B,S,G]``.
+
+    Block score = max over its ``block_size`` positions; the block holding the newest visible
+    position ``(len−1)//block_size`` is pinned (+inf); the top ``topk_blocks`` blocks with a finite
+    (or pinned) score are kept.
+    """
+    b, s, g = scores.shape
+    pad = -g % block_size
+    blocks = jnp.pad(scores, ((0, 0), (0, 0), (0, pad)), constant_values=-jnp.inf)
+    blocks = jnp.max(blocks.reshape(b, s, -1, block_size), axis=-1)
+    nb = blocks.shape[-1]
+    last = jnp.floor_divide(visible_len - 1, block_size)                       # [B,S,1]
+    blocks = jnp.where(jnp.arange(nb) == last, jnp.inf, blocks)
+    k = min(topk_blocks, nb)
+    vals, idx = jax.lax.top_k(blocks, k)
+    keep_blocks = jnp.zeros((b, s, nb), bool)
+    keep_blocks = keep_blocks.at[jnp.arange(b)[:, None, None], jnp.arange(s)[None, :, None], idx].set(vals > -jnp.inf)
+    return jnp.repeat(keep_blocks, block_size, axis=-1)[..., :g]
+
+
+def topk_select(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """Top-``k`` of ``scores [..., G]`` in ``lax.top_k`` order; −inf picks → index −1. Returns (idx, vals)."""
+    vals, idx = jax.lax.top_k(scores, k)
+    idx = jnp.where(vals > -jnp.inf, idx, -1)
+    return idx.astype(jnp.int32), vals
+
+
+class Indexer(nn.Module):
+    """Parameters: ``wq_b [q_lora, index_heads, index_head_dim]``, ``weights_proj [H, index_heads]``;
+    KV sources also ``wk [head_dim, index_head_dim]`` and ``k_norm [index_head_dim]``."""
+
+    cfg: ModelConfig
+    role: LayerRole
+
+    def index_keys(self, latent: jax.Array, compressed_angles: jax.Array) -> jax.Array:
+        """Index keys ``[B,G,index_head_dim]`` from the pre-RoPE compressor latent ``[B,G,head_dim]``."""
+        cfg = self.cfg
+        dt = dtype_of(cfg.dtype)
+        wk = declare(self, "wk", (cfg.head_dim, cfg.index_head_dim), (None, None), dt)
+        k = RMSNorm(cfg.index_head_dim, cfg.rms_norm_eps, dt, name="k_norm")(
+            jnp.einsum("bgd,de->bge", latent, wk.astype(latent.dtype)))
+        k = apply_rope(k, compressed_angles)
+        return mxfp4_block32(k) if cfg.fake_quant else k
+
+    @nn.compact
+    def __call__(self, x, qr, angles, latent, compressed_angles, keys, candidates):
+        """Select compressed positions for every query row.
+
+        Args:
+          x: attention input ``[B,S,H]``; qr: normalised q-LoRA latent ``[B,S,q_lora]``.
+          angles: this layer's RoPE angles at the query positions ``[B,S,P]``.
+          latent / compressed_angles: the compressor latent ``[B,G,head_dim]`` and its angles
+            (KV sources only; else None).
+          keys: published index keys ``[B,G,index_head_dim]`` (ignored by KV sources).
+          candidates: candidate mask ``[B,S,G]`` from the candidate source, or None.
+        Returns:
+          ``(keys, topk [B,S,K] int32, candidates, scores [B,S,G])``.
+        """
+        cfg, role = self.cfg, self.role
+        dt = dtype_of(cfg.dtype)
+        if role.is_kv_source:
+            keys = self.index_keys(latent, compressed_angles)
+        wq_b = declare(self, "wq_b", (cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim),
+                       ("q_lora", "index_heads", None), dt)
+        w_proj = declare(self, "weights_proj", (cfg.hidden_size, cfg.index_n_heads), ("embed", "index_heads"), dt)
+        b, s, _ = x.shape
+        g = keys.shape[1]
+        q = apply_rope(jnp.einsum("bsr,rhe->bshe", qr, wq_b.astype(qr.dtype)), angles)
+        if cfg.fake_quant:
+            q = mxfp4_block32(q)
+        weights = jnp.einsum("bsh,hn->bsn", x, w_proj.astype(x.dtype)) * (
+            cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
+        pos = jnp.arange(s)
+        visible_len = ((pos + 1) // role.ratio)[None, :, None]                     # [1,S,1]
+        allowed = jnp.arange(g)[None, None, :] < visible_len                       # [1,S,G]
+        raw = jnp.einsum("bshe,bge->bshg", q.astype(jnp.float32), keys.astype(jnp.float32),
+                         precision=jax.lax.Precision.HIGHEST)
+        scores = jnp.sum(jax.nn.relu(raw) * weights.astype(jnp.float32)[..., None], axis=2)
+        scores = jnp.where(allowed, scores, -jnp.inf)
+        if role.candidate_source:
+            candidates = select_candidate_blocks(scores, jnp.broadcast_to(visible_len, (b, s, 1)),
+                                                 cfg.candidate_topk_blocks, cfg.candidate_block_size) & allowed
+        elif role.uses_candidates:
+            scores = jnp.where(candidates, scores, -jnp.inf)
+        topk, _ = topk_select(scores, min(cfg.index_topk, g))
+        return keys, topk, candidates, scores

@@ -1,0 +1,64 @@
+"""mHC: manifold-constrained hyper-connections with the V4.1 single-pass hand-off (§3.4).
+
+The residual is ``X [B, S, hc, H]``. Each site (attention, FFN) predicts FP32 coefficients
+``pre [B,S,hc]``, ``post [B,S,hc]`` and a Sinkhorn-normalised ``comb [B,S,hc,hc]``
+(input stream × output stream). A site's input is collapsed with the *previous* site's ``pre``.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from v41cp.config import ModelConfig
+from v41cp.layers.common import declare, ones_init, zeros_init
+
+__all__ = ["HyperConnection", "sinkhorn", "collapse", "expand"]
+
+
+def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
+    """Softmax over the last axis, then alternate column/row normalisation (``iters`` column passes)."""
+    x = jax.nn.softmax(logits, axis=-1) + eps
+    x = x / (jnp.sum(x, axis=-2, keepdims=True) + eps)
+    for _ in range(iters - 1):
+        x = x / (jnp.sum(x, axis=-1, keepdims=True) + eps)
+        x = x / (jnp.sum(x, axis=-2, keepdims=True) + eps)
+    return x
+
+
+def collapse(streams: jax.Array, pre: jax.Array) -> jax.Array:
+    """``Σ_k pre_k X_k`` in FP32, cast to the streams' dtype: ``[B,S,hc,H] → [B,S,H]``."""
+    return jnp.sum(pre[..., None] * streams.astype(jnp.float32), axis=2).astype(streams.dtype)
+
+
+def expand(output: jax.Array, streams: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
+    """``X'_k = post_k · F + Σ_j comb[j,k] · X_j`` → ``[B,S,hc,H]`` in ``output``'s dtype."""
+    update = post[..., None] * output[..., None, :].astype(jnp.float32)
+    mixed = jnp.einsum("bsjk,bsjh->bskh", comb, streams.astype(jnp.float32))
+    return (update + mixed).astype(output.dtype)
+
+
+class HyperConnection(nn.Module):
+    """One mHC site's coefficient predictor; parameters ``fn [hc(hc+2), hc·H]``, ``base``, ``scale [3]`` (FP32)."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, streams: jax.Array):
+        cfg = self.cfg
+        hc, width = cfg.hc_mult, cfg.hc_mix_width
+        fn = declare(self, "fn", (width, hc * cfg.hidden_size), ("hc_mix", "hc_embed"), jnp.float32,
+                     nn.initializers.normal(0.02))
+        base = declare(self, "base", (width,), ("hc_mix",), jnp.float32, zeros_init)
+        scale = declare(self, "scale", (3,), (None,), jnp.float32, ones_init)
+        flat = streams.reshape(*streams.shape[:2], -1).astype(jnp.float32)
+        mixes = jnp.einsum("bsi,mi->bsm", flat, fn, precision=jax.lax.Precision.HIGHEST)
+        mixes = mixes * jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + cfg.rms_norm_eps)
+        scales = jnp.concatenate([jnp.broadcast_to(scale[0], (hc,)), jnp.broadcast_to(scale[1], (hc,)),
+                                  jnp.broadcast_to(scale[2], (hc * hc,))])
+        logits = base + mixes * scales
+        pre = jax.nn.sigmoid(logits[..., :hc]) + cfg.hc_eps
+        post = 2 * jax.nn.sigmoid(logits[..., hc:2 * hc])
+        comb = sinkhorn(logits[..., 2 * hc:].reshape(*logits.shape[:-1], hc, hc), cfg.hc_sinkhorn_iters, cfg.hc_eps)
+        return pre, post, comb

@@ -1,0 +1,157 @@
+"""The DeepSeek-V4.1 text backbone as a Flax module, and its jitted full-sequence forward.
+
+Reference order (v41-architecture.md §3.7): embed → 4 mHC streams → for each layer
+[Engram] → attention site (collapse with the previous FFN site's ``pre``) → FFN site
+(collapse with the attention site's ``pre``) → collapse with the last ``pre`` → norm → FP32 head.
+
+Public entry points (all pure; ``params`` is the unboxed parameter tree):
+
+* `forward(params, cfg, tokens)` → logits ``[B,S,vocab]`` FP32;
+* `forward_with_hidden(params, cfg, tokens)` → (logits, block inputs ``[L,B,S,hc,H]``);
+* `forward_debug(...)` → also every layer's selection (``topk``) and index scores;
+* `init_params(cfg, key, mesh=None)` / `abstract_params(cfg)`.
+
+Engram hashing needs 64-bit integers and runs on the host (`v41cp.engram_hash`) before the
+jitted part, so ``tokens`` must be concrete (NumPy or a fetched jax.Array).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from v41cp.config import ModelConfig
+from v41cp.engram_hash import engram_hash_ids
+from v41cp.layers.attention import Attention, CSAState
+from v41cp.layers.common import RMSNorm, declare, dtype_of
+from v41cp.layers.engram import Engram
+from v41cp.layers.mhc import HyperConnection, collapse, expand
+from v41cp.layers.moe import MoE
+from v41cp.sharding.rules import AxisRules, ShardingContext, TP_RULES, constrain, param_shardings
+
+__all__ = ["Transformer", "forward", "forward_with_hidden", "forward_debug", "init_params",
+           "abstract_params", "engram_inputs"]
+
+
+class Block(nn.Module):
+    """One V4.1 layer with the single-pass mHC hand-off."""
+
+    cfg: ModelConfig
+    layer: int
+    shard: ShardingContext | None = None
+
+    @nn.compact
+    def __call__(self, streams, pre_prev, state: CSAState, engram_ids):
+        cfg = self.cfg
+        role = cfg.layer_roles[self.layer]
+        dt = dtype_of(cfg.dtype)
+        if role.engram_slot >= 0:
+            streams = Engram(cfg, role.engram_slot, name="engram")(streams, engram_ids[:, :, role.engram_slot])
+        pre_a, post_a, comb_a = HyperConnection(cfg, name="hc_attn")(streams)
+        x = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="attn_norm")(collapse(streams, pre_prev))
+        y, state = Attention(cfg, role, self.shard, name="attn")(x, state)
+        streams = expand(y, streams, post_a, comb_a)
+        pre_f, post_f, comb_f = HyperConnection(cfg, name="hc_ffn")(streams)
+        z = MoE(cfg, self.shard, name="ffn")(
+            RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="ffn_norm")(collapse(streams, pre_a)))
+        streams = expand(z, streams, post_f, comb_f)
+        return streams, pre_f, state
+
+
+class Transformer(nn.Module):
+    """Embedding, ``num_hidden_layers`` blocks, final norm and LM head.
+
+    Call with ``tokens [B,S]`` int32 and ``engram_ids [B,S,n_engram_layers,hash_heads]`` int32
+    (`engram_inputs`); returns FP32 logits ``[B,S,vocab]`` and the list of block inputs.
+    """
+
+    cfg: ModelConfig
+    shard: ShardingContext | None = None
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array, engram_ids: jax.Array):
+        cfg = self.cfg
+        dt = dtype_of(cfg.dtype)
+        embed = declare(self, "embed", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dt)
+        head = declare(self, "head", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), jnp.float32)
+        b, s = tokens.shape
+        x = jnp.take(embed, tokens, axis=0)
+        streams = jnp.broadcast_to(x[:, :, None, :], (b, s, cfg.hc_mult, cfg.hidden_size))
+        pre = jnp.zeros((b, s, cfg.hc_mult), jnp.float32).at[..., 0].set(1.0)
+        state = CSAState()
+        hidden = []
+        for i in range(cfg.num_hidden_layers):
+            hidden.append(streams)
+            streams, pre, state = Block(cfg, i, self.shard, name=f"layers_{i}")(streams, pre, state, engram_ids)
+        h = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="norm")(collapse(streams, pre))
+        logits = jnp.einsum("bsh,hv->bsv", h.astype(jnp.float32), head, precision=jax.lax.Precision.HIGHEST)
+        logits = constrain(logits, ("batch", None, "vocab"), self.shard)
+        return logits, hidden
+
+
+def engram_inputs(cfg: ModelConfig, tokens) -> np.ndarray:
+    """Host-side Engram row ids ``[B,S,n_engram,hash_heads]`` (an empty last axis without Engram)."""
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [batch, seq], got shape {tokens.shape}")
+    bad = (tokens < 0) | (tokens >= cfg.vocab_size)
+    if bad.any():
+        raise ValueError(f"token id {int(tokens[bad][0])} is outside the vocabulary [0, {cfg.vocab_size})")
+    if not cfg.engram_layer_ids:
+        return np.zeros((*tokens.shape, 0, 0), np.int32)
+    return engram_hash_ids(cfg, tokens)
+
+
+@partial(jax.jit, static_argnames=("cfg", "shard", "mode"))
+def _apply(params, tokens, engram_ids, cfg: ModelConfig, shard: ShardingContext | None, mode: str):
+    model = Transformer(cfg, shard)
+    if mode == "debug":
+        (logits, hidden), inter = model.apply({"params": params}, tokens, engram_ids, mutable=["intermediates"])
+        return logits, jnp.stack(hidden), inter["intermediates"]
+    logits, hidden = model.apply({"params": params}, tokens, engram_ids)
+    if mode == "hidden":
+        return logits, jnp.stack(hidden)
+    return logits
+
+
+def forward(params, cfg: ModelConfig, tokens, *, shard: ShardingContext | None = None) -> jax.Array:
+    """Logits ``[B,S,vocab]`` (FP32) of a full-sequence forward over ``tokens [B,S]``."""
+    return _apply(params, jnp.asarray(tokens, jnp.int32), engram_inputs(cfg, tokens), cfg, shard, "logits")
+
+
+def forward_with_hidden(params, cfg: ModelConfig, tokens, *, shard: ShardingContext | None = None):
+    """(logits, every block's input streams ``[L,B,S,hc,H]``)."""
+    return _apply(params, jnp.asarray(tokens, jnp.int32), engram_inputs(cfg, tokens), cfg, shard, "hidden")
+
+
+def forward_debug(params, cfg: ModelConfig, tokens, *, shard: ShardingContext | None = None):
+    """(logits, hidden, intermediates): intermediates hold each index layer's ``topk`` and ``index_scores``."""
+    return _apply(params, jnp.asarray(tokens, jnp.int32), engram_inputs(cfg, tokens), cfg, shard, "debug")
+
+
+def _dummy_inputs(cfg: ModelConfig, seq: int = 4):
+    tokens = jnp.zeros((1, seq), jnp.int32)
+    n = len(cfg.engram_layer_ids)
+    ids = jnp.zeros((1, seq, n, cfg.engram_hash_heads if n else 0), jnp.int32)
+    return tokens, ids
+
+
+def abstract_params(cfg: ModelConfig) -> Any:
+    """Boxed abstract parameter tree (``nn.Partitioned`` of ShapeDtypeStruct): no allocation."""
+    tokens, ids = _dummy_inputs(cfg)
+    return jax.eval_shape(lambda k: Transformer(cfg).init(k, tokens, ids), jax.random.key(0))["params"]
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, mesh=None, rules: AxisRules = TP_RULES) -> Any:
+    """Random parameters (std 0.02 weights, unit norms, zero biases/sinks), sharded when ``mesh`` is given."""
+    tokens, ids = _dummy_inputs(cfg)
+    init = lambda k: nn.unbox(Transformer(cfg).init(k, tokens, ids)["params"])
+    if mesh is None:
+        return jax.jit(init)(key)
+    shardings = param_shardings(abstract_params(cfg), mesh, rules)
+    return jax.jit(init, out_shardings=shardings)(key)

@@ -1,0 +1,84 @@
+"""The release's cache fake-quant formats (quantize → dequantize), bit-exact.
+
+v41-architecture.md §4.2:
+
+* ``fp8``   window KV, block 32: ``sc = pow2ceil(max(amax, 1e-4) · (1/448))``,
+            ``q = e4m3(clip(x/sc, ±448))`` (round to nearest even).
+* ``nvfp4`` compressed KV, block 16: ``sc = e4m3(max(amax, 6·2⁻⁹) / 6)``; e2m1 grid.
+* ``mxfp4`` indexer Q/K, block 32: ``sc = pow2ceil(max(amax, 6·2⁻¹²⁶) · (1/6))``; e2m1 grid.
+
+The e2m1 grid is {0, .5, 1, 1.5, 2, 3, 4, 6}; a value exactly between two grid points rounds
+to the one with the even code (0.25→0, 0.75→1, 1.25→1, 1.75→2, 2.5→2, 3.5→4, 5→4).
+A trailing partial block is zero-padded (the released kernels need complete blocks).
+All functions take ``[..., channels]`` and return the same shape and dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["pow2ceil", "fake_quant", "fp8_block32", "nvfp4_block16", "mxfp4_block32", "E2M1_LEVELS"]
+
+E2M1_LEVELS = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+_E2M1_MIDPOINTS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)
+
+
+def pow2ceil(x: jax.Array) -> jax.Array:
+    """Round positive normal FP32 values up to a power of two via the IEEE bits (ue8m0 rounding)."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    exponent = (bits >> 23) & 255
+    increment = ((bits & ((1 << 23) - 1)) != 0).astype(jnp.int32)
+    return jax.lax.bitcast_convert_type((exponent + increment) << 23, jnp.float32)
+
+
+def _round_e2m1(normalized: jax.Array) -> jax.Array:
+    """Round values in [-6, 6] to the e2m1 grid with ties to the even code."""
+    mag = jnp.abs(normalized)
+    mids = jnp.asarray(_E2M1_MIDPOINTS)
+    lower = jnp.sum(mag[..., None] > mids, axis=-1)              # number of midpoints strictly below
+    tie = mag == mids[jnp.minimum(lower, 6)]
+    code = lower + (tie & (lower % 2 == 1)).astype(lower.dtype)
+    return jnp.copysign(jnp.asarray(E2M1_LEVELS)[code], normalized)
+
+
+def fake_quant(x: jax.Array, fmt: str, block: int) -> jax.Array:
+    """Quantize-dequantize ``x [..., C]`` in blocks of ``block`` channels with format ``fmt``."""
+    if fmt not in ("fp8", "nvfp4", "mxfp4"):
+        raise ValueError(f"unknown fake-quant format {fmt!r}; expected fp8, nvfp4 or mxfp4")
+    channels = x.shape[-1]
+    pad = -channels % block
+    v = x.astype(jnp.float32)
+    if pad:
+        v = jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, pad)])
+    g = v.reshape(*v.shape[:-1], -1, block)
+    amax = jnp.max(jnp.abs(g), axis=-1, keepdims=True)
+    if fmt == "fp8":
+        scale = pow2ceil(jnp.maximum(amax, jnp.float32(1e-4)) * jnp.float32(1 / 448))
+        q = jnp.clip(g / scale, -448.0, 448.0).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    else:
+        if fmt == "nvfp4":
+            # the e4m3 cast saturates at 448 (as torch's does; ml_dtypes would give NaN)
+            scale = jnp.minimum(jnp.maximum(amax, jnp.float32(6 * 2.0**-9)) / jnp.float32(6), jnp.float32(448))
+            scale = scale.astype(jnp.float8_e4m3fn).astype(jnp.float32)
+        else:
+            scale = pow2ceil(jnp.maximum(amax, jnp.float32(6 * 2.0**-126)) * jnp.float32(1 / 6))
+        q = _round_e2m1(jnp.clip(g / scale, -6.0, 6.0))
+    out = (q * scale).reshape(*v.shape[:-1], -1)[..., :channels]
+    return out.astype(x.dtype)
+
+
+def fp8_block32(x: jax.Array) -> jax.Array:
+    """Window-KV format: FP8 e4m3 with a ue8m0 scale per 32 channels."""
+    return fake_quant(x, "fp8", 32)
+
+
+def nvfp4_block16(x: jax.Array) -> jax.Array:
+    """Compressed-KV format: e2m1 with an e4m3 scale per 16 channels."""
+    return fake_quant(x, "nvfp4", 16)
+
+
+def mxfp4_block32(x: jax.Array) -> jax.Array:
+    """Indexer Q/K format: e2m1 with a ue8m0 scale per 32 channels."""
+    return fake_quant(x, "mxfp4", 32)
