@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from v41cp.config import ModelConfig
@@ -31,7 +32,17 @@ class CheckpointError(ValueError):
 
 
 def _t(a):
-    return np.asarray(a).T
+    return a.T
+
+
+def _stack_t(*arrays):
+    """Stack per-expert ``[out, in]`` weights into ``[E, in, out]`` (NumPy on the host; jnp under tracing)."""
+    xp = np if all(isinstance(a, np.ndarray) for a in arrays) else jnp
+    return xp.stack([a.T for a in arrays])
+
+
+def _ident(a):
+    return a
 
 
 def released_to_tree(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[tuple[str, ...], Callable]]:
@@ -39,51 +50,51 @@ def released_to_tree(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[tuple[str,
     nh, d, g = cfg.num_attention_heads, cfg.head_dim, cfg.o_groups
     ih, idim = cfg.index_n_heads, cfg.index_head_dim
     m: dict[tuple[str, ...], tuple[tuple[str, ...], Callable]] = {
-        ("embed",): (("embed.weight",), np.asarray),
+        ("embed",): (("embed.weight",), _ident),
         ("head",): (("head.weight",), _t),
-        ("norm", "weight"): (("norm.weight",), np.asarray),
+        ("norm", "weight"): (("norm.weight",), _ident),
     }
     for role in cfg.layer_roles:
         i = role.index
         L, R = f"layers_{i}", f"layers.{i}"
         add = lambda path, keys, fn: m.__setitem__((L, *path), (tuple(f"{R}.{k}" for k in keys), fn))
         for site in ("attn", "ffn"):
-            add((f"{site}_norm", "weight"), (f"{site}_norm.weight",), np.asarray)
+            add((f"{site}_norm", "weight"), (f"{site}_norm.weight",), _ident)
             for part in ("fn", "base", "scale"):
-                add((f"hc_{site}", part), (f"hc_{site}_{part}",), np.asarray)
+                add((f"hc_{site}", part), (f"hc_{site}_{part}",), _ident)
         add(("attn", "wq_a"), ("attn.wq_a.weight",), _t)
-        add(("attn", "q_norm", "weight"), ("attn.q_norm.weight",), np.asarray)
+        add(("attn", "q_norm", "weight"), ("attn.q_norm.weight",), _ident)
         add(("attn", "wq_b"), ("attn.wq_b.weight",),
-            lambda a: np.asarray(a).reshape(nh, d, -1).transpose(2, 0, 1))
+            lambda a: a.reshape(nh, d, -1).transpose(2, 0, 1))
         add(("attn", "wkv"), ("attn.wkv.weight",), _t)
-        add(("attn", "kv_norm", "weight"), ("attn.kv_norm.weight",), np.asarray)
+        add(("attn", "kv_norm", "weight"), ("attn.kv_norm.weight",), _ident)
         add(("attn", "wo_a"), ("attn.wo_a.weight",),
-            lambda a: np.asarray(a).reshape(g, cfg.o_lora_rank, -1).transpose(0, 2, 1))
-        add(("attn", "wo_b"), ("attn.wo_b.weight",), lambda a: np.asarray(a).T.reshape(g, cfg.o_lora_rank, -1))
-        add(("attn", "attn_sink"), ("attn.attn_sink",), np.asarray)
+            lambda a: a.reshape(g, cfg.o_lora_rank, -1).transpose(0, 2, 1))
+        add(("attn", "wo_b"), ("attn.wo_b.weight",), lambda a: a.T.reshape(g, cfg.o_lora_rank, -1))
+        add(("attn", "attn_sink"), ("attn.attn_sink",), _ident)
         if role.is_kv_source:
             add(("attn", "compressor", "wkv"), ("attn.compressor.wkv.weight",), _t)
-            add(("attn", "compressor", "norm", "weight"), ("attn.compressor.norm.weight",), np.asarray)
+            add(("attn", "compressor", "norm", "weight"), ("attn.compressor.norm.weight",), _ident)
             if role.ratio > 1:
                 add(("attn", "compressor", "wgate"), ("attn.compressor.wgate.weight",), _t)
             add(("attn", "indexer", "wk"), ("attn.indexer.wk.weight",), _t)
-            add(("attn", "indexer", "k_norm", "weight"), ("attn.indexer.k_norm.weight",), np.asarray)
+            add(("attn", "indexer", "k_norm", "weight"), ("attn.indexer.k_norm.weight",), _ident)
         if role.is_index_source:
             add(("attn", "indexer", "wq_b"), ("attn.indexer.wq_b.weight",),
-                lambda a: np.asarray(a).reshape(ih, idim, -1).transpose(2, 0, 1))
+                lambda a: a.reshape(ih, idim, -1).transpose(2, 0, 1))
             add(("attn", "indexer", "weights_proj"), ("attn.indexer.weights_proj.weight",), _t)
         add(("ffn", "gate_weight"), ("ffn.gate.weight",), _t)
-        add(("ffn", "gate_bias"), ("ffn.gate.bias",), np.asarray)
-        add(("ffn", "gate_bias_vl"), ("ffn.gate.bias_vl",), np.asarray)
+        add(("ffn", "gate_bias"), ("ffn.gate.bias",), _ident)
+        add(("ffn", "gate_bias_vl"), ("ffn.gate.bias_vl",), _ident)
         for w in ("w1", "w2", "w3"):
             experts = tuple(f"ffn.experts.{e}.{w}.weight" for e in range(cfg.n_routed_experts))
-            add(("ffn", f"experts_{w}"), experts, lambda *a: np.stack([np.asarray(x).T for x in a]))
+            add(("ffn", f"experts_{w}"), experts, _stack_t)
             add(("ffn", f"shared_{w}"), (f"ffn.shared_experts.{w}.weight",), _t)
         if role.engram_slot >= 0:
-            add(("engram", "embed"), ("engram.embed.weight",), np.asarray)
+            add(("engram", "embed"), ("engram.embed.weight",), _ident)
             add(("engram", "wkv"), ("engram.wkv.weight",), _t)
-            add(("engram", "q_weight"), ("engram.q_weight",), np.asarray)
-            add(("engram", "k_weight"), ("engram.k_weight",), np.asarray)
+            add(("engram", "q_weight"), ("engram.q_weight",), _ident)
+            add(("engram", "k_weight"), ("engram.k_weight",), _ident)
     return m
 
 
@@ -112,7 +123,7 @@ def params_from_released(cfg: ModelConfig, tensors: Mapping[str, Any]) -> dict:
             if k not in tensors:
                 raise CheckpointError(f"checkpoint is missing tensor {k!r} (needed for layer role "
                                       f"{_role_note(cfg, k)})")
-        arr = fn(*[tensors[k] for k in keys])
+        arr = fn(*[np.asarray(tensors[k]) for k in keys])
         if tuple(arr.shape) != tuple(node.shape):
             raw = tuple(np.shape(tensors[keys[0]]))
             raise CheckpointError(f"tensor {keys[0]!r} has shape {raw}, which does not fit the config "

@@ -141,6 +141,8 @@ class Attention(nn.Module):
             keys, topk, cand, scores = Indexer(cfg, role, name="indexer")(
                 x, qr, angles, latent, compressed_angles, state.ikeys, state.candidates)
             self.sow("intermediates", "index_scores", scores)
+            if role.candidate_source:
+                self.sow("intermediates", "candidates", cand)
             state = state._replace(ikeys=keys, topk=topk, candidates=cand)
         if state.topk is None:
             raise ValueError(f"layer {role.index}: a reuse layer needs a selection from an index source before it")

@@ -1,0 +1,52 @@
+"""Test setup: 8 simulated CPU devices (set before jax is imported) and the live NeMo oracle."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+HARNESS = REPO / "tests" / "oracle" / "nemo_oracle.py"
+
+
+def oracle_python() -> str | None:
+    """The oracle venv's interpreter: $V41CP_ORACLE_PYTHON, else <repo>/.oracle-venv/bin/python."""
+    p = os.environ.get("V41CP_ORACLE_PYTHON") or str(REPO / ".oracle-venv" / "bin" / "python")
+    return p if os.path.exists(p) else None
+
+
+class Oracle:
+    """Runs the NeMo harness once per (sub-command, arguments) and caches the output directory."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.cache: dict[tuple, Path] = {}
+
+    def run(self, cmd: str, *args: str) -> Path:
+        key = (cmd, *args)
+        if key not in self.cache:
+            py = oracle_python()
+            if py is None:
+                msg = ("NeMo oracle venv not found (run tests/oracle/setup_venv.sh or set V41CP_ORACLE_PYTHON)")
+                if os.environ.get("CI"):
+                    pytest.fail(msg + " — CI must run the oracle live")
+                pytest.skip(msg)
+            out = self.root / f"o{len(self.cache)}"
+            env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+            res = subprocess.run([py, str(HARNESS), cmd, "--out", str(out), *args], capture_output=True,
+                                 text=True, env=env, timeout=900)
+            if res.returncode:
+                raise RuntimeError(f"oracle harness failed ({cmd} {args}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+            self.cache[key] = out
+        return self.cache[key]
+
+
+@pytest.fixture(scope="session")
+def oracle(tmp_path_factory) -> Oracle:
+    return Oracle(tmp_path_factory.mktemp("oracle"))

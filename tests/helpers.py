@@ -1,0 +1,57 @@
+"""Shared test helpers: loading an oracle export into the JAX model, error metrics, tie checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file
+
+from v41cp.checkpoint import params_from_released
+from v41cp.config import ModelConfig
+from v41cp.engram_hash import compressed_token_map
+
+
+def load_export(path: Path, **overrides):
+    """(cfg, params, reference arrays) of an oracle export directory."""
+    token_map, _ = compressed_token_map(path / "tokenizer.json")
+    cfg = ModelConfig.from_json(path / "config.json", engram_token_map=token_map, **overrides)
+    params = params_from_released(cfg, load_file(str(path / "weights.safetensors")))
+    return cfg, params, load_file(str(path / "reference.safetensors"))
+
+
+def rel_err(got, want) -> float:
+    """max |got − want| / max |want| (the suite's relative error)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+
+
+def selection_sets(idx: np.ndarray) -> list:
+    """Per-row sets of selected positions (−1 = padding, dropped) for ``idx [..., K]``."""
+    flat = idx.reshape(-1, idx.shape[-1])
+    return [frozenset(int(v) for v in row if v >= 0) for row in flat]
+
+
+def boundary_gap(scores: np.ndarray, k: int) -> np.ndarray:
+    """Per row: relative gap between the k-th and (k+1)-th selectable (> −inf) scores; +inf when a
+    row has at most k selectable entries (everything selectable is selected: no boundary)."""
+    s = -np.sort(-np.asarray(scores, np.float64), axis=-1)
+    flat = s.reshape(-1, s.shape[-1])
+    n_sel = (flat > -np.inf).sum(-1)
+    finite = np.where(np.isfinite(flat), np.abs(flat), 0.0)
+    scale = max(finite.max(), 1e-30)
+    gap = np.full(flat.shape[0], np.inf)
+    rows = n_sel > k
+    if rows.any():
+        a, b = flat[rows, k - 1], flat[rows, k]
+        gap[rows] = np.where(np.isinf(a) & np.isinf(b), 0.0, a - b) / scale
+    return gap
+
+
+def candidate_block_scores(scores: np.ndarray, ratio: int, block: int) -> np.ndarray:
+    """The candidate source's block scores (block max, newest visible block pinned to +inf)."""
+    b, s, g = scores.shape
+    pad = -g % block
+    blk = np.pad(scores, [(0, 0), (0, 0), (0, pad)], constant_values=-np.inf).reshape(b, s, -1, block).max(-1)
+    last = ((np.arange(s) + 1) // ratio - 1) // block
+    return np.where(np.arange(blk.shape[-1])[None, None] == last[None, :, None], np.inf, blk)

@@ -1,0 +1,76 @@
+"""Config parsing, validation errors (each names the field) and derived layer roles."""
+
+import json
+
+import pytest
+
+from v41cp.config import PRESETS, ConfigError, ModelConfig, preset
+
+
+def test_presets_parse():
+    for name in PRESETS:
+        assert preset(name).num_hidden_layers > 0
+
+
+def test_composite_and_text_only_agree(tmp_path):
+    text = dict(PRESETS["tiny"])
+    text = {k: list(v) if isinstance(v, tuple) else v for k, v in text.items()}
+    composite = {"model_type": "deepseek_v41", "text_config": text, "vision_config": {"num_hidden_layers": 32},
+                 "image_token_id": 129264, "quantization_config": {"quant_method": "fp8"}}
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(composite))
+    assert ModelConfig.from_json(p) == ModelConfig.from_dict(text) == preset("tiny")
+    assert ModelConfig.from_dict(preset("tiny").to_dict()) == preset("tiny")
+
+
+def test_flash_roles_match_the_release():
+    roles = preset("v41-flash").layer_roles
+    kinds = [r.kind for r in roles]
+    assert kinds[:2] == ["swa", "swa"]
+    assert [i for i, k in enumerate(kinds) if k == "full"] == [2, 8, 14, 20]
+    assert [i for i, k in enumerate(kinds) if k == "reindex"] == [24, 28, 32, 36]
+    assert all(kinds[i] == "reuse" for i in (3, 7, 9, 19, 21, 23, 37, 39))
+    assert [r.index for r in roles if r.candidate_source] == [20]
+    assert [r.index for r in roles if r.uses_candidates] == [24, 28, 32, 36]
+    assert [r.index for r in roles if r.engram_slot >= 0] == [1, 14]
+    assert roles[19].kv_source == 14 and roles[21].kv_source == 20 and roles[25].index_source == 24
+    assert {r.ratio for r in roles[2:20]} == {2} and {r.ratio for r in roles[20:]} == {1}
+
+
+def _bad(**changes):
+    d = dict(PRESETS["tiny"])
+    d.update(changes)
+    return d
+
+
+@pytest.mark.parametrize("changes,needle", [
+    (dict(compress_ratios=(0, 2, 2, 2, 1, 1), kv_source_layer_ids=(4,), index_source_layer_ids=(3, 4, 5)),
+     "layer 1"),                                            # a ratio-2 layer with no KV source before it
+    (dict(num_attention_heads=5), "o_groups"),               # heads not divisible by o_groups
+    (dict(candidate_source_layer_id=3), "candidate_source_layer_id"),
+    (dict(kv_source_layer_ids=(0, 1, 4), index_source_layer_ids=(0, 1, 3, 4, 5)), "layer 0"),
+    (dict(compress_ratios=(0, 2, 2)), "compress_ratios"),
+    (dict(index_source_layer_ids=(3, 4, 5)), "kv_source_layer_ids"),
+    (dict(head_dim=48), "head_dim"),
+    (dict(dtype="float16"), "dtype"),
+    (dict(num_key_value_heads=2), "num_key_value_heads"),
+    (dict(engram_num_embeddings=(2000,)), "engram_num_embeddings"),
+    (dict(hidden_size=0), "hidden_size"),
+])
+def test_bad_config_names_the_field(changes, needle):
+    with pytest.raises(ConfigError, match=needle):
+        ModelConfig.from_dict(_bad(**changes))
+
+
+def test_missing_field_is_named():
+    d = dict(PRESETS["tiny"])
+    d.pop("q_lora_rank")
+    with pytest.raises(ConfigError, match="q_lora_rank"):
+        ModelConfig.from_dict({"text_config": d})
+
+
+def test_fake_quant_switch_and_hashable():
+    a, b = preset("tiny"), preset("tiny", fake_quant=False)
+    assert a.fake_quant and not b.fake_quant and hash(a) != hash(b)
+    # the Engram token map is host-side data: it does not change the jit cache key
+    assert preset("tiny", engram_token_map=tuple(min(i, 135) for i in range(256))) == a

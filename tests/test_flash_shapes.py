@@ -1,0 +1,66 @@
+"""The v41-flash preset yields exactly the released checkpoint's tensor shapes (architecture.md §5.1,
+§2.10), by abstract evaluation only (nothing is allocated)."""
+
+import flax.linen as nn
+import jax
+import numpy as np
+
+from v41cp.checkpoint import released_to_tree
+from v41cp.config import preset
+from v41cp.model import abstract_params
+
+# Released shapes, written out from the architecture reference (not derived from the code).
+ATTN = {"attn.wq_a.weight": (1280, 5120), "attn.q_norm.weight": (1280,), "attn.wq_b.weight": (32768, 1280),
+        "attn.wkv.weight": (512, 5120), "attn.kv_norm.weight": (512,), "attn.wo_a.weight": (8192, 4096),
+        "attn.wo_b.weight": (5120, 8192), "attn.attn_sink": (64,)}
+BLOCK = {"attn_norm.weight": (5120,), "ffn_norm.weight": (5120,), "hc_attn_fn": (24, 20480), "hc_attn_base": (24,),
+         "hc_attn_scale": (3,), "hc_ffn_fn": (24, 20480), "hc_ffn_base": (24,), "hc_ffn_scale": (3,),
+         "ffn.gate.weight": (384, 5120), "ffn.gate.bias": (384,), "ffn.gate.bias_vl": (384,),
+         "ffn.shared_experts.w1.weight": (2304, 5120), "ffn.shared_experts.w3.weight": (2304, 5120),
+         "ffn.shared_experts.w2.weight": (5120, 2304)}
+EXPERT = {"w1": (2304, 5120), "w3": (2304, 5120), "w2": (5120, 2304)}
+KV_SOURCE = {"attn.compressor.wkv.weight": (512, 5120), "attn.compressor.norm.weight": (512,),
+             "attn.indexer.wk.weight": (128, 512), "attn.indexer.k_norm.weight": (128,)}
+INDEX_SOURCE = {"attn.indexer.wq_b.weight": (4096, 1280), "attn.indexer.weights_proj.weight": (32, 5120)}
+ENGRAM = {"engram.wkv.weight": (25600, 6144), "engram.q_weight": (4, 5120), "engram.k_weight": (4, 5120)}
+
+
+def released_shapes():
+    shapes = {"embed.weight": (129280, 5120), "head.weight": (129280, 5120), "norm.weight": (5120,)}
+    for i in range(40):
+        for table in (ATTN, BLOCK):
+            shapes.update({f"layers.{i}.{k}": v for k, v in table.items()})
+        for e in range(384):
+            shapes.update({f"layers.{i}.ffn.experts.{e}.{w}.weight": v for w, v in EXPERT.items()})
+        if i in (2, 8, 14, 20):
+            shapes.update({f"layers.{i}.{k}": v for k, v in KV_SOURCE.items()})
+            if i != 20:                                    # ratio-1 compressor has no gate
+                shapes[f"layers.{i}.attn.compressor.wgate.weight"] = (512, 5120)
+        if i in (2, 8, 14, 20, 24, 28, 32, 36):
+            shapes.update({f"layers.{i}.{k}": v for k, v in INDEX_SOURCE.items()})
+        if i in (1, 14):
+            shapes.update({f"layers.{i}.{k}": v for k, v in ENGRAM.items()})
+            shapes[f"layers.{i}.engram.embed.weight"] = ({1: 384006168, 14: 384016682}[i], 256)
+    return shapes
+
+
+def test_flash_parameter_shapes_equal_the_release():
+    cfg = preset("v41-flash")
+    abstract = nn.unbox(abstract_params(cfg))
+    mapping = released_to_tree(cfg)
+    expected = released_shapes()
+    used = {k for keys, _ in mapping.values() for k in keys}
+    assert used == set(expected), (sorted(used - set(expected))[:5], sorted(set(expected) - used)[:5])
+    n_params = 0
+    for path, (keys, fn) in mapping.items():
+        node = abstract
+        for p in path:
+            node = node[p]
+        structs = [jax.ShapeDtypeStruct(expected[k], np.float32) for k in keys]
+        got = jax.eval_shape(fn, *structs).shape
+        assert got == node.shape, (path, got, node.shape)
+        n_params += int(np.prod(node.shape))
+    leaves = jax.tree.leaves(abstract)
+    assert n_params == sum(int(np.prod(x.shape)) for x in leaves)   # nothing in the tree is unmapped
+    # 748.5B: the released 763B less the three DSpark draft blocks (~14.5B: 3 x 128 experts x 3 x 2304 x 5120 + attention)
+    assert 7.45e11 < n_params < 7.55e11

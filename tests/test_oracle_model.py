@@ -1,0 +1,94 @@
+"""The single-device model against the independent oracle (NeMo AutoModel 0.7.0's V4.1 port), live.
+
+Tolerances (issue 2): ≤ 1e-5 relative with the cache fake-quant off on both sides, ≤ 1e-4 with it
+on; relative error = max|Δ| / max|reference| per tensor. Selections are compared as sets
+(this code base orders top-k by score desc, then position asc; torch's order among exact ties
+is unspecified, so only sets are comparable and only where the k-th/(k+1)-th scores differ).
+"""
+
+import numpy as np
+import pytest
+
+from helpers import boundary_gap, candidate_block_scores, load_export, rel_err, selection_sets
+from v41cp import model
+
+pytestmark = pytest.mark.oracle
+
+# Relative score gap below which two boundary scores count as tied: JAX and torch scores agree to
+# ~1e-7 relative, so a smaller gap may legitimately flip between the two implementations.
+TIE_GAP = 1e-5
+
+
+def _run(oracle, preset, fake_quant):
+    out = oracle.run("model", "--preset", preset, "--fake-quant", "on" if fake_quant else "off")
+    cfg, params, ref = load_export(out, fake_quant=fake_quant)
+    logits, hidden, inter = model.forward_debug(params, cfg, ref["input_ids"])
+    return cfg, ref, np.asarray(logits), np.asarray(hidden), inter
+
+
+def _topk(inter, layer):
+    return np.asarray(inter[f"layers_{layer}"]["attn"]["topk"][0])
+
+
+def _scores(inter, layer):
+    return np.asarray(inter[f"layers_{layer}"]["attn"]["index_scores"][0])
+
+
+@pytest.mark.parametrize("fake_quant,tol", [(False, 1e-5), (True, 1e-4)], ids=["fq-off", "fq-on"])
+def test_complete_selection_matches_oracle(oracle, fake_quant, tol):
+    """index_topk / candidate blocks large enough that every visible entry is selected."""
+    cfg, ref, logits, hidden, inter = _run(oracle, "tiny-dense", fake_quant)
+    roles = {r.kind for r in cfg.layer_roles} | {"candidate" for r in cfg.layer_roles if r.candidate_source}
+    assert roles == {"swa", "full", "reuse", "reindex", "candidate"}
+    errs = [rel_err(hidden[i], ref["hidden"][i]) for i in range(cfg.num_hidden_layers)]
+    print(f"\n[oracle tiny-dense fake_quant={fake_quant}] logits rel err {rel_err(logits, ref['logits']):.3e}; "
+          f"block inputs max rel err {max(errs):.3e}")
+    assert rel_err(logits, ref["logits"]) <= tol
+    assert max(errs) <= tol
+    for role in cfg.layer_roles:
+        if role.is_index_source:
+            assert selection_sets(_topk(inter, role.index)) == selection_sets(ref[f"topk_{role.index}"])
+
+
+def test_sparse_selection_matches_oracle_tie_free(oracle):
+    """Sparse top-k (4 of up to 20 ratio-2 / 40 ratio-1 entries; 3 candidate blocks of 2) with
+    the release's fake-quant on, on a config/seed whose selection boundaries hold no tie."""
+    cfg, ref, logits, hidden, inter = _run(oracle, "tiny-sparse", True)
+    compared = 0
+    for role in cfg.layer_roles:
+        if not role.is_index_source:
+            continue
+        scores = _scores(inter, role.index)
+        gap = boundary_gap(scores, min(cfg.index_topk, scores.shape[-1]))
+        assert gap.min() > TIE_GAP, f"layer {role.index}: tie at the top-k boundary (gap {gap.min():.2e})"
+        compared += int(np.isfinite(gap).sum())
+        if role.candidate_source:
+            blocks = candidate_block_scores(scores, role.ratio, cfg.candidate_block_size)
+            bgap = boundary_gap(blocks, cfg.candidate_topk_blocks)
+            assert bgap.min() > TIE_GAP, f"layer {role.index}: tie at the candidate-block boundary"
+            cand = np.asarray(inter[f"layers_{role.index}"]["attn"]["candidates"][0])
+            np.testing.assert_array_equal(cand, ref[f"candidates_{role.index}"].astype(bool))
+        assert selection_sets(_topk(inter, role.index)) == selection_sets(ref[f"topk_{role.index}"])
+    assert compared > 100, "the sparse test must actually cut selections"
+    err = rel_err(logits, ref["logits"])
+    herr = max(rel_err(hidden[i], ref["hidden"][i]) for i in range(cfg.num_hidden_layers))
+    print(f"\n[oracle tiny-sparse fake_quant=True] rows with a cut: {compared}; logits rel err {err:.3e}; "
+          f"block inputs {herr:.3e}")
+    assert err <= 1e-4 and herr <= 1e-4
+
+
+def test_sparse_selection_sets_with_ties(oracle):
+    """The oracle's own tiny config (2 index heads: many exact ReLU-zero ties). The first index
+    layer sees identical inputs, so its selected sets must equal the oracle's on every row whose
+    k-th and (k+1)-th scores differ; tied rows are where tie order (documented) may differ."""
+    cfg, ref, logits, hidden, inter = _run(oracle, "tiny", True)
+    first = next(r for r in cfg.layer_roles if r.is_index_source)
+    assert rel_err(hidden[first.index], ref["hidden"][first.index]) <= 1e-4
+    scores = _scores(inter, first.index)
+    gap = boundary_gap(scores, min(cfg.index_topk, scores.shape[-1]))
+    mine, theirs = selection_sets(_topk(inter, first.index)), selection_sets(ref[f"topk_{first.index}"])
+    clear = [i for i, g in enumerate(gap) if g > TIE_GAP]
+    tied = [i for i, g in enumerate(gap) if g <= TIE_GAP]
+    print(f"\n[oracle tiny] layer {first.index}: {len(clear)} rows compared, {len(tied)} tied rows skipped")
+    assert len(clear) >= 20
+    assert all(mine[i] == theirs[i] for i in clear)
