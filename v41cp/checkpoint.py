@@ -20,7 +20,8 @@ import numpy as np
 
 from v41cp.config import ModelConfig
 
-__all__ = ["CheckpointError", "params_from_released", "released_to_tree", "IGNORED_PREFIXES"]
+__all__ = ["CheckpointError", "params_from_released", "released_to_tree", "load_released_dir",
+           "read_released_tensors", "default_checkpoint", "IGNORED_PREFIXES"]
 
 log = logging.getLogger(__name__)
 
@@ -151,3 +152,67 @@ def _role_note(cfg: ModelConfig, key: str) -> str:
         r = cfg.layer_roles[int(parts[1])]
         return f"{r.kind}, ratio {r.ratio}, layer {r.index}"
     return "model-wide"
+
+
+def default_checkpoint() -> str:
+    """The embedded tiny checkpoint (``checkpoints/tiny-v41`` of the source tree), or $V41CP_CHECKPOINT."""
+    import os
+    from pathlib import Path
+
+    env = os.environ.get("V41CP_CHECKPOINT")
+    if env:
+        return env
+    return str(Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-v41")
+
+
+def read_released_tensors(path) -> dict[str, np.ndarray]:
+    """All tensors of a released-layout directory (``model.safetensors.index.json`` + shards, or
+    ``*.safetensors``) as NumPy arrays, read with safetensors (memory-mapped, never unpickled)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.numpy import load_file
+
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no .safetensors files in checkpoint directory {str(path)!r}")
+    tensors: dict[str, np.ndarray] = {}
+    for f in files:
+        for k, v in load_file(str(path / f)).items():
+            if k in tensors:
+                raise CheckpointError(f"tensor {k!r} appears in more than one shard (second: {f})")
+            tensors[k] = v
+    return tensors
+
+
+def load_released_dir(path, **overrides) -> tuple[ModelConfig, dict]:
+    """(config, parameter tree) of a released-layout checkpoint directory with unquantized tensors.
+
+    Reads ``config.json``; when the model has Engram layers, derives the compressed-token map from
+    ``tokenizer.json`` (checked against ``engram_compressed_vocab_size``). ``overrides`` replace
+    config fields (e.g. ``fake_quant=False``).
+    """
+    from pathlib import Path
+
+    from v41cp.engram_hash import compressed_token_map
+
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise CheckpointError(f"checkpoint directory {str(path)!r} has no config.json")
+    cfg = ModelConfig.from_json(path / "config.json", **overrides)
+    if cfg.engram_layer_ids and cfg.engram_token_map is None:
+        tok = path / "tokenizer.json"
+        if not tok.exists():
+            raise CheckpointError(f"{str(path)!r}: Engram layers {list(cfg.engram_layer_ids)} need tokenizer.json "
+                                  f"to build the compressed-token map")
+        token_map, n = compressed_token_map(tok)
+        if n != cfg.engram_compressed_vocab_size:
+            raise CheckpointError(f"tokenizer.json gives an Engram compressed vocabulary of {n}, but config.json "
+                                  f"says engram_compressed_vocab_size={cfg.engram_compressed_vocab_size}")
+        cfg = cfg.replace(engram_token_map=token_map)
+    return cfg, params_from_released(cfg, read_released_tensors(path))

@@ -35,7 +35,7 @@ from v41cp.layers.moe import MoE
 from v41cp.sharding.rules import AxisRules, ShardingContext, TP_RULES, constrain, param_shardings
 
 __all__ = ["Transformer", "forward", "forward_with_hidden", "forward_debug", "init_params",
-           "abstract_params", "engram_inputs"]
+           "abstract_params", "shard_params", "engram_inputs"]
 
 
 class Block(nn.Module):
@@ -145,6 +145,12 @@ def abstract_params(cfg: ModelConfig) -> Any:
     """Boxed abstract parameter tree (``nn.Partitioned`` of ShapeDtypeStruct): no allocation."""
     tokens, ids = _dummy_inputs(cfg)
     return jax.eval_shape(lambda k: Transformer(cfg).init(k, tokens, ids), jax.random.key(0))["params"]
+
+
+def shard_params(params, cfg: ModelConfig, mesh, rules: AxisRules = TP_RULES):
+    """Place an unboxed parameter tree on ``mesh`` with the logical-axis shardings of ``rules``."""
+    shardings = param_shardings(abstract_params(cfg), mesh, rules)
+    return jax.device_put(params, shardings)
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, mesh=None, rules: AxisRules = TP_RULES) -> Any:

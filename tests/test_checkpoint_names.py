@@ -1,0 +1,47 @@
+"""params_from_released: the embedded checkpoint loads; bad tensors get errors naming the key."""
+
+import numpy as np
+import pytest
+
+from v41cp.checkpoint import CheckpointError, default_checkpoint, load_released_dir, params_from_released, \
+    read_released_tensors
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    cfg, params = load_released_dir(default_checkpoint())
+    return cfg, read_released_tensors(default_checkpoint())
+
+
+def test_embedded_checkpoint_roundtrip(embedded):
+    cfg, tensors = embedded
+    params = params_from_released(cfg, tensors)
+    # head is stored [vocab, hidden] in the release and [hidden, vocab] in the tree
+    np.testing.assert_array_equal(params["head"], tensors["head.weight"].T)
+    e1 = tensors["layers.0.ffn.experts.1.w2.weight"]
+    np.testing.assert_array_equal(params["layers_0"]["ffn"]["experts_w2"][1], e1.T)
+    wq_b = tensors["layers.2.attn.wq_b.weight"].reshape(cfg.num_attention_heads, cfg.head_dim, -1)
+    np.testing.assert_array_equal(params["layers_2"]["attn"]["wq_b"][:, 3], wq_b[3].T)
+
+
+@pytest.mark.parametrize("mutate,needle", [
+    (lambda t: t.pop("layers.1.attn.compressor.wgate.weight"), "missing tensor 'layers.1.attn.compressor.wgate.weight'"),
+    (lambda t: t.__setitem__("layers.0.attn.wq_a.weight", np.zeros((32, 65), np.float32)),
+     r"'layers.0.attn.wq_a.weight' has shape \(32, 65\)"),
+    (lambda t: t.__setitem__("layers.2.attn.compressor.wkv.weight", np.zeros((64, 64), np.float32)),
+     "unexpected tensor 'layers.2.attn.compressor.wkv.weight'"),
+    (lambda t: t.__setitem__("layers.0.attn.wq_a.scale", np.zeros((1, 2), np.float32)), "quantization scale"),
+    (lambda t: t.__setitem__("layers.0.attn.attn_sink", np.zeros(4, np.int32)), "dtype int32"),
+])
+def test_bad_tensor_names_the_key(embedded, mutate, needle):
+    cfg, tensors = embedded
+    tensors = dict(tensors)
+    mutate(tensors)
+    with pytest.raises(CheckpointError, match=needle):
+        params_from_released(cfg, tensors)
+
+
+def test_vision_and_dspark_tensors_are_ignored(embedded):
+    cfg, tensors = embedded
+    extra = dict(tensors, **{"vision.blocks.0.w": np.zeros(3, np.float32), "mtp.0.main_norm.weight": np.ones(64)})
+    params_from_released(cfg, extra)

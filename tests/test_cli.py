@@ -1,0 +1,37 @@
+"""The main job: ``python -m v41cp info`` / ``forward`` on the embedded tiny checkpoint."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+
+from v41cp import model
+from v41cp.checkpoint import default_checkpoint, load_released_dir
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "v41cp", *args], capture_output=True, text=True, timeout=600)
+
+
+def test_info_lists_every_layer_role():
+    res = _cli("info", "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert [row["role"] for row in out["layers"]] == ["swa", "full", "reuse", "reindex", "full", "reindex"]
+
+
+def test_forward_matches_the_library():
+    prompt = "5 17 42 99 3 200 7 8 9 10 11 12"
+    res = _cli("forward", "--json", "--tokens", prompt)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    cfg, params = load_released_dir(default_checkpoint())
+    logits = np.asarray(model.forward(params, cfg, np.array([[int(t) for t in prompt.split()]])))
+    assert out["next_token"] == int(np.argmax(logits[0, -1]))
+    assert out["greedy_per_position"] == logits[0].argmax(-1).tolist()
+
+
+def test_forward_rejects_bad_token_id():
+    res = _cli("forward", "--tokens", "1 2 999")
+    assert res.returncode != 0 and "token id 999" in res.stderr

@@ -1,0 +1,132 @@
+"""Command line: ``python -m v41cp {info,forward} [...]`` (prints JSON with ``--json``).
+
+* ``info``    config summary and the per-layer role table.
+* ``forward`` next-token predictions for a prompt of token ids (full-sequence forward).
+
+Both default to the embedded tiny checkpoint (``checkpoints/tiny-v41``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def _load_cfg(args):
+    from v41cp.config import ModelConfig, preset
+
+    if args.preset:
+        return preset(args.preset, fake_quant=not args.no_fake_quant)
+    from pathlib import Path
+    from v41cp.checkpoint import default_checkpoint
+
+    return ModelConfig.from_json(Path(args.checkpoint or default_checkpoint()) / "config.json",
+                                 fake_quant=not args.no_fake_quant)
+
+
+def cmd_info(args) -> int:
+    cfg = _load_cfg(args)
+    roles = cfg.layer_roles
+    summary = {
+        "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "heads": cfg.num_attention_heads,
+        "head_dim": cfg.head_dim, "window": cfg.sliding_window, "experts": f"{cfg.n_routed_experts} top-"
+        f"{cfg.num_experts_per_tok} + 1 shared", "index": f"{cfg.index_n_heads} heads x {cfg.index_head_dim}, "
+        f"top-{cfg.index_topk}", "candidates": (f"layer {cfg.candidate_source_layer_id}: {cfg.candidate_topk_blocks} "
+        f"blocks x {cfg.candidate_block_size}" if cfg.candidate_source_layer_id >= 0 else "off"),
+        "engram_layers": list(cfg.engram_layer_ids), "dtype": cfg.dtype, "fake_quant": cfg.fake_quant,
+    }
+    table = [{"layer": r.index, "ratio": r.ratio, "role": r.kind, "kv_source": r.kv_source,
+              "index_source": r.index_source, "candidates": "source" if r.candidate_source else
+              ("masked" if r.uses_candidates else ""), "engram": r.engram_slot >= 0} for r in roles]
+    if args.json:
+        print(json.dumps({"config": summary, "layers": table}, indent=1))
+        return 0
+    for k, v in summary.items():
+        print(f"{k:>14}: {v}")
+    print(f"\n{'layer':>5} {'ratio':>5} {'role':>8} {'kv_src':>6} {'idx_src':>7} {'candidates':>10} engram")
+    for t in table:
+        print(f"{t['layer']:>5} {t['ratio']:>5} {t['role']:>8} {t['kv_source']:>6} {t['index_source']:>7} "
+              f"{t['candidates']:>10} {'yes' if t['engram'] else ''}")
+    return 0
+
+
+def _parse_tokens(text: str, vocab: int):
+    import numpy as np
+
+    try:
+        ids = [int(t) for t in text.replace(",", " ").split()]
+    except ValueError as e:
+        raise SystemExit(f"error: --tokens must be integers separated by spaces or commas ({e})")
+    if not ids:
+        raise SystemExit("error: --tokens is empty")
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise SystemExit(f"error: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+    return np.asarray([ids], np.int32)
+
+
+def cmd_forward(args) -> int:
+    import numpy as np
+
+    from v41cp import model
+    from v41cp.checkpoint import default_checkpoint, load_released_dir
+
+    t0 = time.perf_counter()
+    cfg, params = load_released_dir(args.checkpoint or default_checkpoint(), fake_quant=not args.no_fake_quant)
+    t_load = time.perf_counter() - t0
+    if args.tokens is None:
+        rng = np.random.default_rng(args.seed)
+        tokens = rng.integers(3, cfg.vocab_size, (1, args.length)).astype(np.int32)
+    else:
+        tokens = _parse_tokens(args.tokens, cfg.vocab_size)
+    t0 = time.perf_counter()
+    logits = np.asarray(model.forward(params, cfg, tokens))
+    t_first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    np.asarray(model.forward(params, cfg, tokens))
+    t_steady = time.perf_counter() - t0
+    last = logits[0, -1]
+    top = np.argsort(-last, kind="stable")[: args.top]
+    greedy = logits[0].argmax(-1)
+    result = {"prompt": tokens[0].tolist(), "next_token": int(top[0]),
+              "top": [{"id": int(i), "logit": float(last[i])} for i in top],
+              "greedy_per_position": greedy.tolist(),
+              "seconds": {"load": round(t_load, 3), "first_forward_incl_compile": round(t_first, 3),
+                          "steady_forward": round(t_steady, 4)}}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"prompt ({tokens.shape[1]} tokens): {' '.join(map(str, tokens[0]))}")
+        print(f"next token: {result['next_token']}")
+        for t in result["top"]:
+            print(f"  {t['id']:>6}  logit {t['logit']:+.5f}")
+        print(f"load {t_load:.2f}s, first forward (with compile) {t_first:.2f}s, steady {t_steady * 1e3:.1f} ms")
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="v41cp", description="DeepSeek-V4.1 in JAX with context parallelism")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for name, help_ in (("info", "config summary and per-layer roles"),
+                        ("forward", "next-token predictions for a prompt of token ids")):
+        s = sub.add_parser(name, help=help_)
+        s.add_argument("--checkpoint", help="released-layout checkpoint directory (default: embedded tiny model)")
+        s.add_argument("--no-fake-quant", action="store_true", help="switch the cache fake-quant off")
+        s.add_argument("--json", action="store_true", help="print JSON")
+        if name == "info":
+            s.add_argument("--preset", help="show a named preset instead (v41-flash, tiny, ...)")
+        else:
+            s.add_argument("--tokens", help='prompt token ids, e.g. "5 17 42" (default: a seeded random prompt)')
+            s.add_argument("--length", type=int, default=40, help="length of the random prompt")
+            s.add_argument("--seed", type=int, default=1)
+            s.add_argument("--top", type=int, default=5)
+    args = p.parse_args(argv)
+    if args.cmd == "forward":
+        args.preset = None
+    return {"info": cmd_info, "forward": cmd_forward}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
