@@ -4,7 +4,7 @@ set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 py="${V41CP_ORACLE_PYTHON:-$repo/.oracle-venv/bin/python}"
 tmp="$(mktemp -d)"
-"$py" "$repo/tests/oracle/nemo_oracle.py" model --preset tiny --out "$tmp"
+"$py" "$repo/tests/oracle/nemo_oracle.py" model --preset tiny-sparse --out "$tmp"
 dst="$repo/checkpoints/tiny-v41"
 mkdir -p "$dst"
 cp "$tmp/config.json" "$tmp/tokenizer.json" "$dst/"
