@@ -45,3 +45,16 @@ def test_vision_and_dspark_tensors_are_ignored(embedded):
     cfg, tensors = embedded
     extra = dict(tensors, **{"vision.blocks.0.w": np.zeros(3, np.float32), "mtp.0.main_norm.weight": np.ones(64)})
     params_from_released(cfg, extra)
+
+
+def test_forward_rejects_bad_tokens(embedded):
+    from v41cp import model
+
+    cfg, tensors = embedded
+    params = params_from_released(cfg, tensors)
+    with pytest.raises(ValueError, match="token id 300"):
+        model.forward(params, cfg, np.array([[1, 300]]))
+    with pytest.raises(ValueError, match="exceeds max_position_embeddings=8"):
+        model.forward(params, cfg.replace(max_position_embeddings=8), np.ones((1, 9), np.int32))
+    with pytest.raises(ValueError, match="non-empty"):
+        model.forward(params, cfg, np.zeros((1, 0), np.int32))

@@ -97,8 +97,13 @@ class Transformer(nn.Module):
 def engram_inputs(cfg: ModelConfig, tokens) -> np.ndarray:
     """Host-side Engram row ids ``[B,S,n_engram,hash_heads]`` (an empty last axis without Engram)."""
     tokens = np.asarray(tokens)
-    if tokens.ndim != 2:
-        raise ValueError(f"tokens must be [batch, seq], got shape {tokens.shape}")
+    if tokens.ndim != 2 or 0 in tokens.shape:
+        raise ValueError(f"tokens must be a non-empty [batch, seq] array, got shape {tokens.shape}")
+    if not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"tokens must be integer token ids, got dtype {tokens.dtype}")
+    if tokens.shape[1] > cfg.max_position_embeddings:
+        raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_position_embeddings="
+                         f"{cfg.max_position_embeddings}")
     bad = (tokens < 0) | (tokens >= cfg.vocab_size)
     if bad.any():
         raise ValueError(f"token id {int(tokens[bad][0])} is outside the vocabulary [0, {cfg.vocab_size})")
