@@ -92,3 +92,15 @@ def test_sparse_selection_sets_with_ties(oracle):
     print(f"\n[oracle tiny] layer {first.index}: {len(clear)} rows compared, {len(tied)} tied rows skipped")
     assert len(clear) >= 20
     assert all(mine[i] == theirs[i] for i in clear)
+
+
+@pytest.mark.parametrize("batch,seq", [(1, 1), (2, 9)])
+def test_short_and_batched_sequences_match_oracle(oracle, batch, seq):
+    """Lengths at the edges: one token (no complete ratio-2 group yet) and a batch of 9 tokens
+    (one past the window, a trailing open ratio-2 group)."""
+    out = oracle.run("model", "--preset", "tiny-dense", "--fake-quant", "on", "--batch", str(batch), "--seq", str(seq))
+    cfg, params, ref = load_export(out)
+    logits, hidden = model.forward_with_hidden(params, cfg, ref["input_ids"])
+    err = rel_err(logits, ref["logits"])
+    print(f"\n[oracle tiny-dense B={batch} S={seq}] logits rel err {err:.3e}")
+    assert err <= 1e-4 and rel_err(hidden, ref["hidden"]) <= 1e-4

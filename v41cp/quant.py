@@ -52,7 +52,8 @@ def fake_quant(x: jax.Array, fmt: str, block: int) -> jax.Array:
     v = x.astype(jnp.float32)
     if pad:
         v = jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, pad)])
-    g = v.reshape(*v.shape[:-1], -1, block)
+    nblocks = v.shape[-1] // block
+    g = v.reshape(*v.shape[:-1], nblocks, block)
     amax = jnp.max(jnp.abs(g), axis=-1, keepdims=True)
     if fmt == "fp8":
         scale = pow2ceil(jnp.maximum(amax, jnp.float32(1e-4)) * jnp.float32(1 / 448))
@@ -65,7 +66,7 @@ def fake_quant(x: jax.Array, fmt: str, block: int) -> jax.Array:
         else:
             scale = pow2ceil(jnp.maximum(amax, jnp.float32(6 * 2.0**-126)) * jnp.float32(1 / 6))
         q = _round_e2m1(jnp.clip(g / scale, -6.0, 6.0))
-    out = (q * scale).reshape(*v.shape[:-1], -1)[..., :channels]
+    out = (q * scale).reshape(*v.shape[:-1], nblocks * block)[..., :channels]
     return out.astype(x.dtype)
 
 

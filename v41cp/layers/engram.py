@@ -34,7 +34,7 @@ class Engram(nn.Module):
                       (None, "engram_out"), dt)
         q_w = declare(self, "q_weight", (hc, h), (None, None), dt, ones_init)
         k_w = declare(self, "k_weight", (hc, h), (None, None), dt, ones_init)
-        emb = jnp.take(table, hash_ids, axis=0).reshape(*hash_ids.shape[:2], -1).astype(streams.dtype)
+        emb = jnp.take(table, hash_ids, axis=0).reshape(*hash_ids.shape[:2], hash_ids.shape[2] * table.shape[1]).astype(streams.dtype)
         kv = jnp.einsum("bsi,io->bso", emb, wkv.astype(streams.dtype))
         key = kv[..., :hc * h].astype(jnp.float32).reshape(*kv.shape[:2], hc, h)
         value = kv[..., hc * h:].astype(jnp.float32)

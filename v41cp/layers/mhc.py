@@ -52,7 +52,7 @@ class HyperConnection(nn.Module):
                      nn.initializers.normal(0.02))
         base = declare(self, "base", (width,), ("hc_mix",), jnp.float32, zeros_init)
         scale = declare(self, "scale", (3,), (None,), jnp.float32, ones_init)
-        flat = streams.reshape(*streams.shape[:2], -1).astype(jnp.float32)
+        flat = streams.reshape(*streams.shape[:2], hc * cfg.hidden_size).astype(jnp.float32)
         mixes = jnp.einsum("bsi,mi->bsm", flat, fn, precision=jax.lax.Precision.HIGHEST)
         mixes = mixes * jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + cfg.rms_norm_eps)
         scales = jnp.concatenate([jnp.broadcast_to(scale[0], (hc,)), jnp.broadcast_to(scale[1], (hc,)),

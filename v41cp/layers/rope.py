@@ -54,7 +54,7 @@ def apply_rope(x: jax.Array, angles: jax.Array, inverse: bool = False) -> jax.Ar
     rot = 2 * angles.shape[-1]
     if x.ndim == 4:
         angles = angles[:, :, None, :]
-    pairs = x[..., -rot:].astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
+    pairs = x[..., -rot:].astype(jnp.float32).reshape(*x.shape[:-1], rot // 2, 2)
     even, odd = pairs[..., 0], pairs[..., 1]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     if inverse:
