@@ -102,13 +102,44 @@ def build_model(text: dict, seed: int, tokenizer):
     return model
 
 
+def load_released_weights(model, directory):
+    """Load a released-layout checkpoint (quantized or not) through the port's own adapter
+    (``from_hf``: its dequantization, renaming and expert merging). Returns the port's dequantized
+    tensors under released names (FP32) for bit-exact comparison."""
+    import glob
+
+    from safetensors.torch import load_file
+
+    hf = {}
+    for f in sorted(glob.glob(os.path.join(directory, "*.safetensors"))):
+        hf.update(load_file(f))
+    adapter = model.state_dict_adapter
+    dequantized = adapter._dequantize(dict(hf))
+    dequantized = {k: v.float().contiguous() for k, v in dequantized.items() if not k.startswith("mtp.")}
+    native = adapter.from_hf(dict(hf))
+    state = model.state_dict()
+    missing = sorted(set(state) - set(native))
+    unexpected = sorted(set(native) - set(state))
+    if missing or unexpected:
+        raise SystemExit(f"oracle: checkpoint does not fit the port: missing {missing[:3]} unexpected {unexpected[:3]}")
+    model.load_state_dict({k: v.to(state[k].dtype) for k, v in native.items()}, strict=True)
+    return dequantized
+
+
 def cmd_model(args):
     from importlib import import_module
 
     attention = import_module(f"{NEMO}.attention")
     if args.fake_quant == "off":
         attention.quantize_cache = lambda values, **_: values
-    text = dict(PRESETS[args.preset])
+    if args.weights:
+        with open(os.path.join(args.weights, "config.json")) as f:
+            loaded = json.load(f)
+        text = dict(loaded.get("text_config", loaded))
+        for k in ("fake_quant", "engram_token_map"):
+            text.pop(k, None)
+    else:
+        text = dict(PRESETS[args.preset])
     text.update(parse_overrides(args.set))
     text.pop("dtype", None)
     tok, fast = synthetic_tokenizer(text["vocab_size"])
@@ -117,6 +148,9 @@ def cmd_model(args):
         token_map, compressed = _compressed_token_map(fast)
         text["engram_compressed_vocab_size"] = compressed
     model = build_model(text, args.seed, fast)
+    dequantized = None
+    if args.weights:
+        dequantized = load_released_weights(model, args.weights)
 
     captured = {}
     original = attention._Indexer.forward
@@ -156,6 +190,8 @@ def cmd_model(args):
     save_file({k: v.contiguous() for k, v in ref.items()}, os.path.join(args.out, "reference.safetensors"))
     hf = model.state_dict_adapter.to_hf(dict(model.state_dict()))
     save_file({k: v.float().contiguous() for k, v in hf.items()}, os.path.join(args.out, "weights.safetensors"))
+    if dequantized is not None:
+        save_file(dequantized, os.path.join(args.out, "dequantized.safetensors"))
     cfg_out = {k: (list(v) if isinstance(v, tuple) else v) for k, v in text.items()}
     cfg_out["dtype"] = "float32"
     with open(os.path.join(args.out, "config.json"), "w") as f:
@@ -201,6 +237,8 @@ def main(argv=None):
     m = sub.add_parser("model", help="tiny model: weights, logits, hidden states, selections")
     m.add_argument("--out", required=True)
     m.add_argument("--preset", default="tiny")
+    m.add_argument("--weights", help="load this released-layout checkpoint directory (config.json + safetensors) "
+                                     "through the port's from_hf instead of the seeded random weights")
     m.add_argument("--set", action="append", help="override a config field: key=<json value>")
     m.add_argument("--fake-quant", choices=("on", "off"), default="on")
     m.add_argument("--seed", type=int, default=0)

@@ -1,4 +1,4 @@
-"""Released DeepSeek-V4.1 tensor names ↔ the model's own parameter tree.
+"""Released DeepSeek-V4.1 tensor names → the model's own parameter tree.
 
 `params_from_released(cfg, tensors)` builds the (unboxed) parameter tree from a mapping of
 released checkpoint names (v41-architecture.md §5.1, no ``model.`` prefix) to unquantized arrays
@@ -20,8 +20,7 @@ import numpy as np
 
 from v41cp.config import ModelConfig
 
-__all__ = ["CheckpointError", "params_from_released", "released_to_tree", "load_released_dir",
-           "read_released_tensors", "default_checkpoint", "IGNORED_PREFIXES"]
+__all__ = ["CheckpointError", "params_from_released", "released_to_tree", "IGNORED_PREFIXES", "insert"]
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +122,7 @@ def params_from_released(cfg: ModelConfig, tensors: Mapping[str, Any]) -> dict:
         for k in keys:
             if k not in tensors:
                 raise CheckpointError(f"checkpoint is missing tensor {k!r} (needed for layer role "
-                                      f"{_role_note(cfg, k)})")
+                                      f"{role_note(cfg, k)})")
         arr = fn(*[np.asarray(tensors[k]) for k in keys])
         if tuple(arr.shape) != tuple(node.shape):
             raw = tuple(np.shape(tensors[keys[0]]))
@@ -132,10 +131,7 @@ def params_from_released(cfg: ModelConfig, tensors: Mapping[str, Any]) -> dict:
         if not (np.issubdtype(arr.dtype, np.floating) or arr.dtype.name in ("bfloat16", "float8_e4m3fn")):
             raise CheckpointError(f"tensor {keys[0]!r} has dtype {arr.dtype}, expected a floating dtype")
         used.update(keys)
-        cur = out
-        for p in path[:-1]:
-            cur = cur.setdefault(p, {})
-        cur[path[-1]] = np.asarray(arr).astype(node.dtype)
+        insert(out, path, np.asarray(arr).astype(node.dtype))
     ignored = [k for k in tensors if k.startswith(IGNORED_PREFIXES)]
     if ignored:
         log.info("ignored %d vision/aligner/DSpark tensors (e.g. %s)", len(ignored), ignored[0])
@@ -146,73 +142,17 @@ def params_from_released(cfg: ModelConfig, tensors: Mapping[str, Any]) -> dict:
     return out
 
 
-def _role_note(cfg: ModelConfig, key: str) -> str:
+def insert(tree: dict, path: tuple[str, ...], value) -> None:
+    """Set ``tree[path[0]]...[path[-1]] = value``, creating the intermediate dicts."""
+    for p in path[:-1]:
+        tree = tree.setdefault(p, {})
+    tree[path[-1]] = value
+
+
+def role_note(cfg: ModelConfig, key: str) -> str:
     parts = key.split(".")
     if parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) < cfg.num_hidden_layers:
         r = cfg.layer_roles[int(parts[1])]
         return f"{r.kind}, ratio {r.ratio}, layer {r.index}"
     return "model-wide"
 
-
-def default_checkpoint() -> str:
-    """The embedded tiny checkpoint (``checkpoints/tiny-v41`` of the source tree), or $V41CP_CHECKPOINT."""
-    import os
-    from pathlib import Path
-
-    env = os.environ.get("V41CP_CHECKPOINT")
-    if env:
-        return env
-    return str(Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-v41")
-
-
-def read_released_tensors(path) -> dict[str, np.ndarray]:
-    """All tensors of a released-layout directory (``model.safetensors.index.json`` + shards, or
-    ``*.safetensors``) as NumPy arrays, read with safetensors (memory-mapped, never unpickled)."""
-    import json
-    from pathlib import Path
-
-    from safetensors.numpy import load_file
-
-    path = Path(path)
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in path.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"no .safetensors files in checkpoint directory {str(path)!r}")
-    tensors: dict[str, np.ndarray] = {}
-    for f in files:
-        for k, v in load_file(str(path / f)).items():
-            if k in tensors:
-                raise CheckpointError(f"tensor {k!r} appears in more than one shard (second: {f})")
-            tensors[k] = v
-    return tensors
-
-
-def load_released_dir(path, **overrides) -> tuple[ModelConfig, dict]:
-    """(config, parameter tree) of a released-layout checkpoint directory with unquantized tensors.
-
-    Reads ``config.json``; when the model has Engram layers, derives the compressed-token map from
-    ``tokenizer.json`` (checked against ``engram_compressed_vocab_size``). ``overrides`` replace
-    config fields (e.g. ``fake_quant=False``).
-    """
-    from pathlib import Path
-
-    from v41cp.engram_hash import compressed_token_map
-
-    path = Path(path)
-    if not (path / "config.json").exists():
-        raise CheckpointError(f"checkpoint directory {str(path)!r} has no config.json")
-    cfg = ModelConfig.from_json(path / "config.json", **overrides)
-    if cfg.engram_layer_ids and cfg.engram_token_map is None:
-        tok = path / "tokenizer.json"
-        if not tok.exists():
-            raise CheckpointError(f"{str(path)!r}: Engram layers {list(cfg.engram_layer_ids)} need tokenizer.json "
-                                  f"to build the compressed-token map")
-        token_map, n = compressed_token_map(tok)
-        if n != cfg.engram_compressed_vocab_size:
-            raise CheckpointError(f"tokenizer.json gives an Engram compressed vocabulary of {n}, but config.json "
-                                  f"says engram_compressed_vocab_size={cfg.engram_compressed_vocab_size}")
-        cfg = cfg.replace(engram_token_map=token_map)
-    return cfg, params_from_released(cfg, read_released_tensors(path))

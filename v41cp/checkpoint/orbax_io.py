@@ -1,0 +1,165 @@
+"""Converted checkpoints: released layout → orbax in the model's own tree, and sharded restore.
+
+Layout of a converted checkpoint directory::
+
+    config.json        the text config (released field names; dtype = the converted dtype)
+    tokenizer.json     copied from the source (Engram's compressed-token map is derived from it)
+    params/<subtree>/  one orbax checkpoint per subtree: ``top`` (embed, head, norm), ``layers_0`` …
+    params/dspark/     ``mtp.*`` tensors as stored in the release (only when present)
+    manifest.json      written last: subtrees, tensor count, bytes, source, format version
+
+`convert` writes into ``DST.partial-<pid>`` and renames it to ``DST`` only after the manifest is
+written, so a failed conversion never leaves a directory that looks complete. `load` restores
+every subtree with ``NamedSharding``s derived from the logical axis rules, so each device reads only
+its own shard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from v41cp.checkpoint.names import CheckpointError
+from v41cp.checkpoint.released import ReleasedCheckpoint, load_config_dir
+from v41cp.config import ModelConfig
+from v41cp.sharding.rules import AxisRules, TP_RULES, param_shardings
+
+__all__ = ["convert", "load", "FORMAT_VERSION"]
+
+FORMAT_VERSION = 1
+
+
+def _checkpointer():
+    import orbax.checkpoint as ocp
+
+    return ocp.StandardCheckpointer()
+
+
+def _nest(flat: dict[str, np.ndarray]) -> dict:
+    tree: dict = {}
+    for k, v in flat.items():
+        node = tree
+        parts = k.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = np.asarray(v)
+    return tree
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | None = None, progress: bool = True,
+            overwrite: bool = False) -> dict[str, Any]:
+    """Convert a released-layout checkpoint ``src`` into an orbax checkpoint ``dst``.
+
+    ``dtype`` (``"bfloat16"`` / ``"float32"``, default: the source config's) is the storage dtype of
+    the backbone; FP32 islands (mHC, sink, router biases, compressor, head) stay FP32. Quantized
+    weights (FP8 blocks, FP4 experts, FP8 Engram rows) are dequantized. Host memory is bounded by one
+    layer. Returns a summary: tensors, bytes read and written, seconds.
+    """
+    from tqdm import tqdm
+
+    t0 = time.perf_counter()
+    src, dst = Path(src), Path(dst)
+    if dst.exists() and not overwrite:
+        raise CheckpointError(f"destination {str(dst)!r} already exists (pass overwrite=True / --overwrite)")
+    overrides = {"dtype": {"bf16": "bfloat16", "fp32": "float32"}.get(dtype, dtype)} if dtype else {}
+    ckpt = ReleasedCheckpoint(src, **overrides)            # validates everything before reading a weight
+    tmp = dst.parent / f"{dst.name}.partial-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    ckptr = _checkpointer()
+    n_tensors = n_bytes = 0
+    try:
+        names = ckpt.subtree_names
+        bar = tqdm(names, desc="convert", unit="subtree", disable=not progress)
+        for name in bar:
+            sub = ckpt.subtree(name)
+            leaves = jax.tree.leaves(sub)
+            n_tensors += len(leaves)
+            n_bytes += sum(x.nbytes for x in leaves)
+            ckptr.save(tmp / "params" / name, sub)
+            ckptr.wait_until_finished()
+            bar.set_postfix(GB=f"{n_bytes / 1e9:.2f}")
+        dspark = ckpt.dspark_tensors()
+        if dspark:
+            ckptr.save(tmp / "params" / "dspark", _nest(dspark))
+            ckptr.wait_until_finished()
+        cfg_dict = ckpt.cfg.to_dict()
+        (tmp / "config.json").write_text(json.dumps({"model_type": "deepseek_v41", "text_config": cfg_dict}, indent=1))
+        if (src / "tokenizer.json").exists():
+            shutil.copy2(src / "tokenizer.json", tmp / "tokenizer.json")
+        seconds = time.perf_counter() - t0
+        summary = {"format_version": FORMAT_VERSION, "source": str(src), "subtrees": names,
+                   "dspark_tensors": len(dspark), "tensors": n_tensors, "bytes_read": ckpt.nbytes,
+                   "bytes_written": n_bytes, "dtype": ckpt.cfg.dtype, "seconds": round(seconds, 3)}
+        (tmp / "manifest.json").write_text(json.dumps(summary, indent=1))
+        if dst.exists():
+            shutil.rmtree(dst)
+        tmp.rename(dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return summary
+
+
+def _abstract_subtrees(cfg: ModelConfig, mesh: Mesh | None, rules: AxisRules) -> dict[str, Any]:
+    from v41cp.model import abstract_params
+
+    boxed = abstract_params(cfg)
+    if mesh is None:
+        dev = jax.devices()[0]
+        shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(dev), nn.unbox(boxed))
+    else:
+        shardings = param_shardings(boxed, mesh, rules)
+    tree = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), nn.unbox(boxed), shardings)
+    out = {"top": {k: tree[k] for k in ("embed", "head", "norm")}}
+    out.update({k: v for k, v in tree.items() if k.startswith("layers_")})
+    return out
+
+
+def load(path: str | os.PathLike, cfg: ModelConfig | None = None, mesh: Mesh | None = None,
+         rules: AxisRules = TP_RULES, **overrides: Any) -> tuple[ModelConfig, dict]:
+    """Restore a converted checkpoint: (config, parameter tree of jax.Arrays).
+
+    With ``mesh`` every parameter is restored with the ``NamedSharding`` of ``rules`` (each device
+    reads only its shard); without, onto the first device. ``cfg`` defaults to the checkpoint's
+    ``config.json`` (``overrides`` such as ``fake_quant=False`` apply to it); a given ``cfg`` must
+    have the checkpoint's shapes and dtype.
+    """
+    path = Path(path)
+    manifest = path / "manifest.json"
+    if not manifest.exists():
+        partial = sorted(path.parent.glob(f"{path.name}.partial-*"))
+        hint = f" (an interrupted conversion left {partial[0].name})" if partial else ""
+        raise CheckpointError(f"{str(path)!r} is not a complete converted checkpoint: no manifest.json{hint}")
+    info = json.loads(manifest.read_text())
+    if info.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{str(path)!r} has format_version {info.get('format_version')!r}, "
+                              f"this v41cp reads {FORMAT_VERSION}")
+    if cfg is None:
+        cfg = load_config_dir(path, **overrides)
+    abstract = _abstract_subtrees(cfg, mesh, rules)
+    if sorted(abstract) != sorted(info["subtrees"]):
+        raise CheckpointError(f"{str(path)!r} holds subtrees {info['subtrees'][:3]}…, which do not match the config "
+                              f"({len(abstract)} subtrees expected)")
+    ckptr = _checkpointer()
+    params: dict = {}
+    for name, target in abstract.items():
+        try:
+            sub = ckptr.restore(path / "params" / name, target)
+        except Exception as e:  # orbax raises assorted types on shape / dtype / missing-key mismatches
+            raise CheckpointError(f"{str(path)!r}: cannot restore subtree {name!r} for this config: {e}") from e
+        if name == "top":
+            params.update(sub)
+        else:
+            params[name] = sub
+    return cfg, params

@@ -1,0 +1,198 @@
+"""Reader for the released DeepSeek-V4.1 checkpoint layout (v41-architecture.md §5).
+
+`ReleasedCheckpoint(path)` opens a directory holding ``config.json`` (composite or text-only),
+``tokenizer.json`` (needed for Engram's compressed-token map) and safetensors shards, and checks the
+whole checkpoint against the config from the headers alone — presence per layer role, shapes,
+dtypes, scale companions — before any weight is read. Tensors are then decoded one at a time from
+memory maps (FP8 32×32-block weights, packed FP4 experts, FP8 Engram rows, BF16/FP16/FP32 tensors),
+one subtree (``top`` or ``layers_{i}``) at a time, so host memory stays bounded by one layer.
+
+Accepted per tensor (``W`` = ``<name>.weight``, ``S`` = ``<name>.scale``):
+
+* FP8 e4m3 ``W`` with an e8m0 ``S`` over 32×32 blocks (dense) or per row / 32 columns (Engram table);
+* int8-packed FP4 ``W`` ``[out, in/2]`` with an e8m0 ``S`` ``[out, in/32]`` (routed experts);
+* unquantized BF16 / FP16 / FP32 ``W`` with no ``S`` (other frameworks' exports).
+
+Vision / aligner tensors are skipped with a log line; ``mtp.*`` (DSpark) tensors are listed in
+`dspark_tensors` for a later issue.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+import flax.linen as nn
+import jax
+import numpy as np
+
+from v41cp.checkpoint.formats import (block_scale_shape, dequant_fp4_rows, dequant_fp8_blocks, dequant_fp8_rows,
+                                      row_scale_shape)
+from v41cp.checkpoint.names import CheckpointError, IGNORED_PREFIXES, insert, released_to_tree, role_note
+from v41cp.checkpoint.safetensors_io import ReleasedFiles, SafetensorsError
+from v41cp.config import ConfigError, ModelConfig
+
+__all__ = ["ReleasedCheckpoint", "load_config_dir"]
+
+log = logging.getLogger(__name__)
+
+_FLOAT = ("F32", "BF16", "F16")
+
+
+def load_config_dir(path: str | os.PathLike, **overrides: Any) -> ModelConfig:
+    """``config.json`` of a checkpoint directory, with the Engram token map from ``tokenizer.json``."""
+    from v41cp.engram_hash import compressed_token_map
+
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise CheckpointError(f"checkpoint directory {str(path)!r} has no config.json")
+    cfg = ModelConfig.from_json(path / "config.json", **overrides)
+    if cfg.engram_layer_ids and cfg.engram_token_map is None:
+        tok = path / "tokenizer.json"
+        if not tok.exists():
+            raise CheckpointError(f"{str(path)!r}: Engram layers {list(cfg.engram_layer_ids)} need tokenizer.json "
+                                  f"to build the compressed-token map")
+        token_map, n = compressed_token_map(tok)
+        if n != cfg.engram_compressed_vocab_size:
+            raise ConfigError(f"tokenizer.json gives an Engram compressed vocabulary of {n}, but config.json says "
+                              f"engram_compressed_vocab_size={cfg.engram_compressed_vocab_size}")
+        cfg = cfg.replace(engram_token_map=token_map)
+    return cfg
+
+
+class ReleasedCheckpoint:
+    """A validated released-layout checkpoint. ``overrides`` replace config fields (``dtype``, ``fake_quant``)."""
+
+    def __init__(self, path: str | os.PathLike, cfg: ModelConfig | None = None, **overrides: Any):
+        from v41cp.model import abstract_params
+
+        self.path = Path(path)
+        self.cfg = cfg if cfg is not None else load_config_dir(self.path, **overrides)
+        try:
+            self.files = ReleasedFiles(self.path)
+        except SafetensorsError as e:
+            raise CheckpointError(str(e)) from e
+        self.abstract = nn.unbox(abstract_params(self.cfg))
+        self.mapping = released_to_tree(self.cfg)
+        self._validate()
+
+    # ------------------------------------------------------------------ validation (headers only)
+    def logical_shape(self, key: str) -> tuple[int, ...]:
+        """Shape of tensor ``key`` once decoded (FP4 packs two values per stored byte)."""
+        info = self.files.tensors[key]
+        if info.dtype == "I8":
+            return (info.shape[0], info.shape[1] * 2)
+        return info.shape
+
+    def _check_tensor(self, key: str) -> None:
+        if key not in self.files:
+            raise CheckpointError(f"checkpoint is missing tensor {key!r} (needed for layer role "
+                                  f"{role_note(self.cfg, key)})")
+        info = self.files.tensors[key]
+        scale_key = key[: -len(".weight")] + ".scale" if key.endswith(".weight") else None
+        scale = self.files.tensors.get(scale_key) if scale_key else None
+        if scale is None:
+            if info.dtype in ("F8_E4M3", "I8"):
+                raise CheckpointError(f"quantized tensor {key!r} ({info.dtype}) is missing its scale {scale_key!r}")
+            if info.dtype not in _FLOAT:
+                raise CheckpointError(f"tensor {key!r} has dtype {info.dtype}; expected BF16/F16/F32, or F8_E4M3 / "
+                                      f"I8 (packed FP4) with a .scale")
+            return
+        if info.dtype not in ("F8_E4M3", "I8") or len(info.shape) != 2:
+            raise CheckpointError(f"tensor {key!r} has a scale but dtype {info.dtype} shape {list(info.shape)}; "
+                                  f"expected a 2-D F8_E4M3 or I8 (packed FP4) weight")
+        if scale.dtype not in ("F8_E8M0", "F32", "BF16"):
+            raise CheckpointError(f"scale {scale_key!r} has dtype {scale.dtype}, expected F8_E8M0")
+        if info.dtype == "I8" and ".ffn.experts." not in key:
+            raise CheckpointError(f"tensor {key!r} is packed FP4 (I8), which the release uses only for routed experts")
+        rowwise = info.dtype == "I8" or ".engram.embed." in key
+        logical = self.logical_shape(key)
+        want = row_scale_shape(logical) if rowwise else block_scale_shape(logical)
+        if tuple(scale.shape) != want:
+            raise CheckpointError(f"scale {scale_key!r} has shape {list(scale.shape)}, expected {list(want)} for "
+                                  f"weight {key!r} of logical shape {list(logical)}")
+
+    def _validate(self) -> None:
+        used: set[str] = set()
+        for path, (keys, fn) in self.mapping.items():
+            for k in keys:
+                self._check_tensor(k)
+            node = self._node(path)
+            structs = [jax.ShapeDtypeStruct(self.logical_shape(k), np.float32) for k in keys]
+            got = jax.eval_shape(fn, *structs).shape
+            if tuple(got) != tuple(node.shape):
+                raise CheckpointError(f"tensor {keys[0]!r} has shape {list(self.files.tensors[keys[0]].shape)}, which "
+                                      f"does not fit the config (parameter {'/'.join(path)} must be "
+                                      f"{list(node.shape)}; {role_note(self.cfg, keys[0])})")
+            used.update(keys)
+            used.update(k[: -len(".weight")] + ".scale" for k in keys if k.endswith(".weight"))
+        ignored = [k for k in self.files if k.startswith(IGNORED_PREFIXES)]
+        skipped = [k for k in ignored if not k.startswith("mtp.")]
+        if skipped:
+            log.info("%s: ignoring %d vision/aligner tensors (e.g. %s)", self.path, len(skipped), skipped[0])
+        extra = sorted(k for k in self.files if k not in used and not k.startswith(IGNORED_PREFIXES))
+        if extra:
+            raise CheckpointError(f"unexpected tensor {extra[0]!r}: the config gives it no place "
+                                  f"({len(extra)} unexpected in all; does config.json match the checkpoint?)")
+
+    def _node(self, path):
+        node = self.abstract
+        for p in path:
+            node = node[p]
+        return node
+
+    # ------------------------------------------------------------------ reading
+    def read(self, key: str) -> np.ndarray:
+        """Tensor ``key`` decoded to FP32 (quantized) or as stored (unquantized), from the memory map."""
+        info = self.files.tensors[key]
+        raw = self.files.read(key)
+        scale_key = key[: -len(".weight")] + ".scale"
+        if scale_key not in self.files:
+            return raw
+        scale = self.files.read(scale_key)
+        if info.dtype == "I8":
+            return dequant_fp4_rows(raw, scale)
+        if ".engram.embed." in key:
+            return dequant_fp8_rows(raw, scale)
+        return dequant_fp8_blocks(raw, scale)
+
+    @property
+    def subtree_names(self) -> list[str]:
+        """``top`` (embed, head, norm) then ``layers_0`` … in order."""
+        return ["top"] + [f"layers_{i}" for i in range(self.cfg.num_hidden_layers)]
+
+    def subtree(self, name: str) -> dict:
+        """The parameter subtree ``name`` (NumPy, in the model's dtypes): the tree's ``layers_i`` entry, or
+        for ``top`` a dict with ``embed``, ``head`` and ``norm``."""
+        out: dict = {}
+        for path, (keys, fn) in self.mapping.items():
+            if (path[0] if path[0].startswith("layers_") else "top") != name:
+                continue
+            node = self._node(path)
+            value = np.asarray(fn(*[self.read(k) for k in keys])).astype(node.dtype)
+            insert(out, path if name == "top" else path[1:], value)
+        return out
+
+    def subtrees(self) -> Iterator[tuple[str, dict]]:
+        for name in self.subtree_names:
+            yield name, self.subtree(name)
+
+    def params(self) -> dict:
+        """The whole parameter tree (host memory: the whole model; fine for small checkpoints)."""
+        tree: dict = {}
+        for name, sub in self.subtrees():
+            if name == "top":
+                tree.update(sub)
+            else:
+                tree[name] = sub
+        return tree
+
+    def dspark_tensors(self) -> dict[str, np.ndarray]:
+        """``mtp.*`` tensors as stored (memory maps), for the DSpark issue."""
+        return {k: self.files.read(k) for k in self.files if k.startswith("mtp.")}
+
+    @property
+    def nbytes(self) -> int:
+        return self.files.nbytes
