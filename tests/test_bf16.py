@@ -6,7 +6,7 @@ import numpy as np
 
 from helpers import rel_err
 from v41cp import model
-from v41cp.checkpoint import default_checkpoint, load_released_dir
+from v41cp.checkpoint import default_checkpoint, load
 
 
 # Complete selection: a hard top-k flips under BF16 rounding wherever two scores are close, which
@@ -15,8 +15,8 @@ COMPLETE = dict(index_topk=64, candidate_topk_blocks=64, fake_quant=False)
 
 
 def test_bf16_forward_tracks_fp32():
-    cfg32, params32 = load_released_dir(default_checkpoint(), **COMPLETE)
-    cfg16, params16 = load_released_dir(default_checkpoint(), dtype="bfloat16", **COMPLETE)
+    cfg32, params32 = load(default_checkpoint(), **COMPLETE)
+    cfg16, params16 = load(default_checkpoint(), dtype="bfloat16", **COMPLETE)
     assert params16["layers_1"]["attn"]["wq_b"].dtype == jnp.bfloat16
     assert params16["layers_1"]["hc_attn"]["fn"].dtype == np.float32          # FP32 islands stay FP32
     assert params16["layers_1"]["attn"]["compressor"]["wkv"].dtype == np.float32

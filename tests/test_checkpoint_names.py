@@ -1,16 +1,17 @@
-"""params_from_released: the embedded checkpoint loads; bad tensors get errors naming the key."""
+"""params_from_released (unquantized released names → tree): layout transforms; bad tensors name the key."""
 
 import numpy as np
 import pytest
 
-from v41cp.checkpoint import CheckpointError, default_checkpoint, load_released_dir, params_from_released, \
-    read_released_tensors
+from v41cp.checkpoint import CheckpointError, ReleasedCheckpoint, default_released_checkpoint, params_from_released
 
 
 @pytest.fixture(scope="module")
 def embedded():
-    cfg, params = load_released_dir(default_checkpoint())
-    return cfg, read_released_tensors(default_checkpoint())
+    """(config, every tensor of the embedded released checkpoint decoded to unquantized arrays)."""
+    ckpt = ReleasedCheckpoint(default_released_checkpoint())
+    names = [k for k in ckpt.files if not k.endswith(".scale")]
+    return ckpt.cfg, {k: np.asarray(ckpt.read(k), np.float32) for k in names}
 
 
 def test_embedded_checkpoint_roundtrip(embedded):

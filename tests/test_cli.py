@@ -7,7 +7,7 @@ import sys
 import numpy as np
 
 from v41cp import model
-from v41cp.checkpoint import default_checkpoint, load_released_dir
+from v41cp.checkpoint import default_checkpoint, load
 
 
 def _cli(*args):
@@ -26,7 +26,7 @@ def test_forward_matches_the_library():
     res = _cli("forward", "--json", "--tokens", prompt)
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
-    cfg, params = load_released_dir(default_checkpoint())
+    cfg, params = load(default_checkpoint())
     logits = np.asarray(model.forward(params, cfg, np.array([[int(t) for t in prompt.split()]])))
     assert out["next_token"] == int(np.argmax(logits[0, -1]))
     assert out["greedy_per_position"] == logits[0].argmax(-1).tolist()

@@ -56,6 +56,7 @@ def _bad(**changes):
     (dict(num_key_value_heads=2), "num_key_value_heads"),
     (dict(engram_num_embeddings=(2000,)), "engram_num_embeddings"),
     (dict(hidden_size=0), "hidden_size"),
+    (dict(kv_source_layer_ids=(1, 4, 5)), "after candidate_source_layer_id=4"),
 ])
 def test_bad_config_names_the_field(changes, needle):
     with pytest.raises(ConfigError, match=needle):
@@ -74,3 +75,13 @@ def test_fake_quant_switch_and_hashable():
     assert a.fake_quant and not b.fake_quant and hash(a) != hash(b)
     # the Engram token map is host-side data: it does not change the jit cache key
     assert preset("tiny", engram_token_map=tuple(min(i, 135) for i in range(256))) == a
+
+
+def test_hf_engram_pad_alias_and_padded_tables():
+    d = dict(PRESETS["tiny"])
+    d.pop("engram_pad_token_id")
+    assert ModelConfig.from_dict({**d, "engram_pad_id": 7}).engram_pad_token_id == 7
+    flash = preset("v41-flash")
+    # layer 14's table (384016682 rows) is padded so it splits over any TP size up to 64
+    assert [flash.engram_table_rows(i) % 64 for i in (0, 1)] == [0, 0]
+    assert flash.engram_table_rows(1) - 384016682 < 64

@@ -2,8 +2,10 @@
 
 * ``info``    config summary and the per-layer role table.
 * ``forward`` next-token predictions for a prompt of token ids (full-sequence forward).
+* ``convert SRC DST [--dtype bf16|fp32]`` released layout → orbax checkpoint in the model's tree.
 
-Both default to the embedded tiny checkpoint (``checkpoints/tiny-v41``).
+``info`` and ``forward`` default to the embedded tiny checkpoint (``checkpoints/tiny-v41``); their
+``--checkpoint`` takes a converted or a released-layout directory.
 """
 
 from __future__ import annotations
@@ -71,10 +73,10 @@ def cmd_forward(args) -> int:
     import numpy as np
 
     from v41cp import model
-    from v41cp.checkpoint import default_checkpoint, load_released_dir
+    from v41cp.checkpoint import default_checkpoint, open_checkpoint
 
     t0 = time.perf_counter()
-    cfg, params = load_released_dir(args.checkpoint or default_checkpoint(), fake_quant=not args.no_fake_quant)
+    cfg, params = open_checkpoint(args.checkpoint or default_checkpoint(), fake_quant=not args.no_fake_quant)
     t_load = time.perf_counter() - t0
     if args.tokens is None:
         rng = np.random.default_rng(args.seed)
@@ -106,6 +108,20 @@ def cmd_forward(args) -> int:
     return 0
 
 
+def cmd_convert(args) -> int:
+    from v41cp.checkpoint import convert
+
+    summary = convert(args.src, args.dst, dtype=args.dtype, progress=not args.json, overwrite=args.overwrite)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        mb = summary["bytes_read"] / 2**20
+        print(f"converted {summary['tensors']} tensors in {len(summary['subtrees'])} subtrees: read {mb:.1f} MiB "
+              f"(release format), wrote {summary['bytes_written'] / 2**20:.1f} MiB ({summary['dtype']}) in "
+              f"{summary['seconds']:.2f}s ({mb / max(summary['seconds'], 1e-9):.1f} MiB/s) -> {args.dst}")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="v41cp", description="DeepSeek-V4.1 in JAX with context parallelism")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -122,10 +138,25 @@ def main(argv=None) -> int:
             s.add_argument("--length", type=int, default=40, help="length of the random prompt")
             s.add_argument("--seed", type=int, default=1)
             s.add_argument("--top", type=int, default=5)
+    c = sub.add_parser("convert", help="convert a released-layout checkpoint to an orbax checkpoint")
+    c.add_argument("src", help="released-layout directory (config.json, tokenizer.json, safetensors)")
+    c.add_argument("dst", help="output directory (must not exist unless --overwrite)")
+    c.add_argument("--dtype", choices=("bf16", "fp32"), help="storage dtype of the backbone (default: the config's)")
+    c.add_argument("--overwrite", action="store_true")
+    c.add_argument("--json", action="store_true", help="print the summary as JSON (no progress bar)")
     args = p.parse_args(argv)
     if args.cmd == "forward":
         args.preset = None
-    return {"info": cmd_info, "forward": cmd_forward}[args.cmd](args)
+        if args.length <= 0:
+            p.error(f"--length must be positive, got {args.length}")
+    from v41cp.checkpoint import CheckpointError
+    from v41cp.config import ConfigError
+
+    try:
+        return {"info": cmd_info, "forward": cmd_forward, "convert": cmd_convert}[args.cmd](args)
+    except (ConfigError, CheckpointError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -22,7 +22,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-__all__ = ["ConfigError", "ModelConfig", "LayerRole", "PRESETS", "preset"]
+__all__ = ["ConfigError", "ModelConfig", "LayerRole", "PRESETS", "preset", "ENGRAM_ROW_ALIGN"]
+
+ENGRAM_ROW_ALIGN = 64
 
 
 class ConfigError(ValueError):
@@ -205,6 +207,8 @@ class ModelConfig:
         for key, value in text.items():
             if key == "torch_dtype" and "dtype" not in text:
                 key = "dtype"
+            if key == "engram_pad_id" and "engram_pad_token_id" not in text:   # the HF port's name
+                key = "engram_pad_token_id"
             if key not in names:
                 continue
             kwargs[key] = value
@@ -355,6 +359,10 @@ class ModelConfig:
             if c not in self.kv_source_layer_ids:
                 raise ConfigError(f"candidate_source_layer_id={c} must be one of kv_source_layer_ids="
                                   f"{list(self.kv_source_layer_ids)}")
+            late = [i for i in self.kv_source_layer_ids if i > c]
+            if late:
+                raise ConfigError(f"kv_source_layer_ids {late} come after candidate_source_layer_id={c}: a KV source "
+                                  f"after the candidate source would invalidate its candidate mask")
             for name in ("candidate_topk_blocks", "candidate_block_size"):
                 v = getattr(self, name)
                 if type(v) is not int or v <= 0:
@@ -426,6 +434,13 @@ class ModelConfig:
     def engram_hash_heads(self) -> int:
         """Hash heads per Engram layer: (max n-gram − 1) · heads."""
         return (self.engram_max_ngram_size - 1) * self.engram_n_heads
+
+    def engram_table_rows(self, slot: int) -> int:
+        """Rows of Engram table ``slot`` as stored in the parameter tree: the released row count padded
+        with zero rows to a multiple of `ENGRAM_ROW_ALIGN`, so the table splits evenly over any TP size
+        up to 64 (hash ids never reach the padding). Layer 14's 384016682 rows are not divisible by 8."""
+        rows = self.engram_num_embeddings[slot]
+        return -(-rows // ENGRAM_ROW_ALIGN) * ENGRAM_ROW_ALIGN
 
     @property
     def hc_mix_width(self) -> int:

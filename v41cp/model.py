@@ -114,6 +114,12 @@ def engram_inputs(cfg: ModelConfig, tokens) -> np.ndarray:
 
 @partial(jax.jit, static_argnames=("cfg", "shard", "mode"))
 def _apply(params, tokens, engram_ids, cfg: ModelConfig, shard: ShardingContext | None, mode: str):
+    # FP32 models mean FP32 matmuls: no TF32 / reduced-precision passes on GPU
+    with jax.default_matmul_precision("highest" if cfg.dtype == "float32" else "default"):
+        return _apply_traced(params, tokens, engram_ids, cfg, shard, mode)
+
+
+def _apply_traced(params, tokens, engram_ids, cfg, shard, mode):
     model = Transformer(cfg, shard)
     if mode == "debug":
         (logits, hidden), inter = model.apply({"params": params}, tokens, engram_ids, mutable=["intermediates"])

@@ -17,6 +17,11 @@ writes plain files that the JAX test-suite reads (no pickle anywhere):
 ``quant`` sub-command: quantize_cache of random tensors incl. e2m1 rounding ties and zero blocks,
 into ``quant.safetensors`` (input_<fmt>, output_<fmt>).
 
+``model --weights DIR`` loads a released-layout checkpoint through the port's ``from_hf`` (its own
+dequantization) instead of seeded weights, and also writes ``dequantized.safetensors``.
+``dequant --src FILE`` writes the port's dequantization of every (weight, scale) pair in FILE;
+``rope`` writes the port's RoPE inverse frequencies for the released and tiny shapes.
+
 The model config comes from the project's presets (``v41cp/config.py`` is plain Python and
 importable here); ``--set key=value`` overrides fields; ``--fake-quant off`` replaces the port's
 cache quantizer with the identity.
@@ -231,6 +236,40 @@ def cmd_quant(args):
     print(f"oracle: wrote {args.out}/quant.safetensors")
 
 
+def cmd_dequant(args):
+    """The port's own dequantization (dequantize_checkpoint_weight) of every (W, W.scale) pair in --src."""
+    from safetensors.torch import load_file
+
+    from nemo_automodel.components.models.deepseek_v41.state_dict_adapter import dequantize_checkpoint_weight
+
+    src = load_file(args.src)
+    out = {}
+    for key, weight in src.items():
+        if key.endswith(".scale"):
+            continue
+        scale = src[key[: -len(".weight")] + ".scale"]
+        out[key] = dequantize_checkpoint_weight(weight, scale, dtype=torch.float32, rowwise=".engram.embed." in key)
+    os.makedirs(args.out, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in out.items()}, os.path.join(args.out, "dequant.safetensors"))
+
+
+def cmd_rope(args):
+    """The port's RoPE inverse frequencies (main and compress tables) at the released shape and the tiny one."""
+    from nemo_automodel.components.models.deepseek_v41.attention import _RotaryEmbedding
+    from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41TextConfig
+
+    out = {}
+    for name in ("v41-flash", "tiny"):
+        text = {k: (list(v) if isinstance(v, tuple) else v) for k, v in PRESETS[name].items()}
+        text.pop("dtype", None)
+        cfg = DeepseekV41TextConfig(**text, dtype="float32")
+        for compressed in (False, True):
+            angles = _RotaryEmbedding(cfg, compressed=compressed)(torch.tensor([[1]]))[0, 0]
+            out[f"{name}_{'compress' if compressed else 'main'}"] = angles.contiguous()
+    os.makedirs(args.out, exist_ok=True)
+    save_file(out, os.path.join(args.out, "rope.safetensors"))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -248,8 +287,13 @@ def main(argv=None):
     q = sub.add_parser("quant", help="quantizer vectors")
     q.add_argument("--out", required=True)
     q.add_argument("--seed", type=int, default=0)
+    d = sub.add_parser("dequant", help="the port's dequantization of (weight, scale) pairs")
+    d.add_argument("--src", required=True)
+    d.add_argument("--out", required=True)
+    r = sub.add_parser("rope", help="the port's RoPE frequencies")
+    r.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    {"model": cmd_model, "quant": cmd_quant}[args.cmd](args)
+    {"model": cmd_model, "quant": cmd_quant, "dequant": cmd_dequant, "rope": cmd_rope}[args.cmd](args)
 
 
 if __name__ == "__main__":

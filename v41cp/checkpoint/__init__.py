@@ -17,7 +17,8 @@ from v41cp.checkpoint.writer import write_released
 
 __all__ = ["CheckpointError", "IGNORED_PREFIXES", "params_from_released", "released_to_tree", "convert", "load",
            "ReleasedCheckpoint", "load_config_dir", "load_released_dir", "ReleasedFiles", "SafetensorsFile",
-           "write_safetensors", "write_released", "default_checkpoint", "default_released_checkpoint"]
+           "write_safetensors", "write_released", "default_checkpoint", "default_released_checkpoint",
+           "open_checkpoint"]
 
 _CHECKPOINTS = Path(__file__).resolve().parents[2] / "checkpoints"
 
@@ -56,3 +57,12 @@ def load_released_dir(path, mesh=None, rules=None, **overrides):
         else:
             params[name] = jax.device_put(sub, shardings[name])
     return ckpt.cfg, params
+
+
+def open_checkpoint(path, mesh=None, rules=None, **overrides):
+    """(config, params) of a converted checkpoint (has ``manifest.json``) or a released-layout directory."""
+    from v41cp.sharding.rules import TP_RULES
+
+    if (Path(path) / "manifest.json").exists():
+        return load(path, mesh=mesh, rules=rules or TP_RULES, **overrides)
+    return load_released_dir(path, mesh=mesh, rules=rules, **overrides)

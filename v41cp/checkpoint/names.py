@@ -41,6 +41,12 @@ def _stack_t(*arrays):
     return xp.stack([a.T for a in arrays])
 
 
+def _pad_rows(a, n: int):
+    """Append ``n`` zero rows (Engram tables are padded to `ENGRAM_ROW_ALIGN` rows in the tree)."""
+    xp = np if isinstance(a, np.ndarray) else jnp
+    return xp.concatenate([a, xp.zeros((n, *a.shape[1:]), a.dtype)]) if n else a
+
+
 def _ident(a):
     return a
 
@@ -91,7 +97,8 @@ def released_to_tree(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[tuple[str,
             add(("ffn", f"experts_{w}"), experts, _stack_t)
             add(("ffn", f"shared_{w}"), (f"ffn.shared_experts.{w}.weight",), _t)
         if role.engram_slot >= 0:
-            add(("engram", "embed"), ("engram.embed.weight",), _ident)
+            pad_rows = cfg.engram_table_rows(role.engram_slot) - cfg.engram_num_embeddings[role.engram_slot]
+            add(("engram", "embed"), ("engram.embed.weight",), lambda a, n=pad_rows: _pad_rows(a, n))
             add(("engram", "wkv"), ("engram.wkv.weight",), _t)
             add(("engram", "q_weight"), ("engram.q_weight",), _ident)
             add(("engram", "k_weight"), ("engram.k_weight",), _ident)

@@ -28,7 +28,7 @@ class Engram(nn.Module):
         cfg = self.cfg
         dt = dtype_of(cfg.dtype)
         hc, h = cfg.hc_mult, cfg.hidden_size
-        rows = cfg.engram_num_embeddings[self.slot]
+        rows = cfg.engram_table_rows(self.slot)
         table = declare(self, "embed", (rows, cfg.engram_head_dim), ("engram_rows", None), dt)
         wkv = declare(self, "wkv", (cfg.engram_hash_heads * cfg.engram_head_dim, (hc + 1) * h),
                       (None, "engram_out"), dt)

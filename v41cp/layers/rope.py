@@ -22,8 +22,11 @@ def rope_frequencies(cfg: ModelConfig, compressed: bool) -> np.ndarray:
     """FP32 inverse frequencies ``[qk_rope_head_dim // 2]`` of the main or compress table."""
     dim = cfg.qk_rope_head_dim
     theta = cfg.compress_rope_theta if compressed else cfg.rope_theta
-    freqs = (np.float32(1.0) / (np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.float32)
-                                                      / np.float32(dim)))).astype(np.float32)
+    # θ^(2i/d) correctly rounded to FP32 (float64 pow, then one rounding), as torch's FP32 pow gives;
+    # NumPy's FP32 pow is off by one ulp for some i at d = 64, which grows to 1e-2 rad at 1M positions.
+    exponents = (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)).astype(np.float64)
+    powers = (np.float64(np.float32(theta)) ** exponents).astype(np.float32)
+    freqs = (np.float32(1.0) / powers).astype(np.float32)
     rs = cfg.rope_scaling_dict if compressed else {}
     length = int(rs.get("original_max_position_embeddings", 0)) if rs else 0
     if length > 0:

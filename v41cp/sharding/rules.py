@@ -2,7 +2,7 @@
 
 Every parameter dimension carries a logical name (declared in the layers). `AxisRules` maps
 names to mesh axes; a dimension whose size the mesh axis does not divide stays replicated (so a
-config with, say, 4 heads still runs on an 8-way TP mesh), which `param_shardings` reports.
+config with, say, 4 heads still runs on an 8-way TP mesh), and `logical_sharding` logs a warning when that happens to a large (≥ 16M element) array.
 """
 
 from __future__ import annotations
@@ -10,9 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+import logging
+
 import flax.linen as nn
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+log = logging.getLogger(__name__)
 
 __all__ = ["AxisRules", "TP_RULES", "REPLICATED_RULES", "ShardingContext", "logical_sharding",
            "param_shardings", "constrain"]
@@ -51,6 +56,9 @@ def logical_sharding(shape: Sequence[int], axes: Sequence[str | None], mesh: Mes
     for dim, name in zip(shape, axes):
         m = rules.mesh_axis(name)
         if m is None or m in used or m not in mesh.shape or dim % mesh.shape[m]:
+            if m is not None and m in mesh.shape and dim % mesh.shape[m] and int(np.prod(shape)) >= 2**24:
+                log.warning("logical axis %r (size %d) does not divide over mesh axis %r (%d): a %s array "
+                            "stays replicated on every device", name, dim, m, mesh.shape[m], tuple(shape))
             spec.append(None)
         else:
             spec.append(m)

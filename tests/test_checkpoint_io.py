@@ -1,0 +1,188 @@
+"""Released layout → orbax → restore (1 device and 8), against the oracle; formats; bad input."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from helpers import rel_err
+from v41cp import model
+from v41cp.checkpoint import (CheckpointError, ReleasedCheckpoint, convert, default_released_checkpoint, load,
+                              load_released_dir)
+from v41cp.checkpoint.formats import (dequant_fp4_rows, dequant_fp8_blocks, dequant_fp8_rows, quant_fp4_rows,
+                                      quant_fp8_blocks, quant_fp8_rows)
+from v41cp.checkpoint.safetensors_io import write_safetensors
+from v41cp.sharding import make_mesh
+
+RELEASED = Path(default_released_checkpoint())
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    dst = tmp_path_factory.mktemp("conv") / "tiny"
+    summary = convert(RELEASED, dst, progress=False)
+    return dst, summary
+
+
+@pytest.mark.oracle
+def test_dequant_bit_exact_vs_oracle_incl_ragged_blocks(oracle, tmp_path):
+    rng = np.random.default_rng(0)
+    src = {}
+    for name, shape, quant in (("a.attn.wq_b.weight", (70, 45), quant_fp8_blocks),      # ragged 32x32 edges
+                               ("b.attn.wo_a.weight", (64, 96), quant_fp8_blocks),
+                               ("c.ffn.experts.0.w1.weight", (5, 38), quant_fp4_rows),   # ragged 32-column edge
+                               ("d.ffn.experts.1.w2.weight", (16, 64), quant_fp4_rows),
+                               ("e.engram.embed.weight", (7, 40), quant_fp8_rows)):
+        x = rng.normal(size=shape).astype(np.float32) * rng.choice([1e-3, 1.0, 300.0], size=(shape[0], 1))
+        w, s = quant(x)
+        src[name], src[name[: -len(".weight")] + ".scale"] = w, s
+    write_safetensors(tmp_path / "pairs.safetensors", src)
+    ref = load_file(str(oracle.run("dequant", "--src", str(tmp_path / "pairs.safetensors")) / "dequant.safetensors"))
+    for name, want in ref.items():
+        w, s = src[name], src[name[: -len(".weight")] + ".scale"]
+        got = (dequant_fp4_rows if w.dtype == np.int8 else
+               dequant_fp8_rows if ".engram.embed." in name else dequant_fp8_blocks)(w, s)
+        np.testing.assert_array_equal(got, want, err_msg=name)
+
+
+def test_quantizers_round_trip_on_the_grid():
+    x = np.array([[0.5, -1.0, 6.0, 0.0] * 8 + [1.5, -3.0, 4.0, -0.5] * 8], np.float32)
+    np.testing.assert_array_equal(dequant_fp4_rows(*quant_fp4_rows(x)), x)
+    grid = np.array([0, 0.5, -0.5, 1, -1, 1.5, -1.5, 2, -2, 3, -3, 4, -4, 6, -6, 8], np.float32)
+    y = np.concatenate([grid, -grid[::-1] * 1.5] * 6).reshape(3, 64)[:, :48] * np.float32(2) ** np.arange(3)[:, None]
+    np.testing.assert_array_equal(dequant_fp8_blocks(*quant_fp8_blocks(y)), y)
+    np.testing.assert_array_equal(dequant_fp8_rows(*quant_fp8_rows(y)), y)
+
+
+@pytest.mark.oracle
+def test_round_trip_equals_oracle_on_one_and_eight_devices(oracle, converted):
+    """released (FP8 / FP4 / e8m0) → convert → load → logits = the oracle's on its own dequantization."""
+    out = oracle.run("model", "--weights", str(RELEASED), "--fake-quant", "off")
+    ref = load_file(str(out / "reference.safetensors"))
+    dequantized = load_file(str(out / "dequantized.safetensors"))
+    ckpt = ReleasedCheckpoint(RELEASED, fake_quant=False)
+    for key, want in dequantized.items():                     # the reader decodes exactly as the oracle
+        np.testing.assert_array_equal(np.asarray(ckpt.read(key), np.float32), want, err_msg=key)
+    tokens = ref["input_ids"]
+    direct_cfg, direct = load_released_dir(RELEASED, fake_quant=False)
+    want_direct = np.asarray(model.forward(direct, direct_cfg, tokens))
+    dst, summary = converted
+    cfg1, p1 = load(dst, fake_quant=False)
+    got1 = np.asarray(model.forward(p1, cfg1, tokens))
+    mesh = make_mesh(tp=4, dp=2)                              # 8 devices; the tiny model has 4 heads / experts
+    cfg8, p8 = load(dst, mesh=mesh, fake_quant=False)
+    wq_b, table = p8["layers_1"]["attn"]["wq_b"], p8["layers_1"]["engram"]["embed"]
+    assert wq_b.sharding.mesh == mesh and wq_b.sharding.spec[1] == "tp" and table.sharding.spec[0] == "tp"
+    assert wq_b.addressable_shards[0].data.shape[1] == cfg8.num_attention_heads // 4
+    got8 = np.asarray(model.forward(p8, cfg8, tokens))
+    print(f"\n[checkpoint round trip] 1 device {rel_err(got1, ref['logits']):.2e}, 8 devices "
+          f"{rel_err(got8, ref['logits']):.2e} vs oracle; direct==converted: {np.array_equal(want_direct, got1)}")
+    np.testing.assert_array_equal(got1, want_direct)          # direct and converted paths are the same model
+    assert rel_err(got1, ref["logits"]) <= 1e-5 and rel_err(got8, ref["logits"]) <= 1e-5
+    assert summary["tensors"] == len(jax.tree.leaves(p1))
+
+
+def test_direct_load_onto_mesh_equals_host_load():
+    cfg, host = load_released_dir(RELEASED)
+    _, sharded = load_released_dir(RELEASED, mesh=make_mesh(tp=4, dp=2))
+    assert sharded["layers_1"]["ffn"]["experts_w1"].sharding.spec[0] == "tp"
+    for a, b in zip(jax.tree.leaves(host), jax.tree.leaves(sharded)):
+        np.testing.assert_array_equal(a, np.asarray(b))
+
+
+# ----------------------------------------------------------------------------------------- bad input
+def _copy(tmp_path) -> Path:
+    dst = tmp_path / "src"
+    shutil.copytree(RELEASED, dst)
+    return dst
+
+
+def _rewrite(src: Path, edit):
+    """Load every tensor, apply ``edit(dict)``, write one shard + index."""
+    ckpt_files = sorted(src.glob("*.safetensors"))
+    from v41cp.checkpoint.safetensors_io import ReleasedFiles
+
+    files = ReleasedFiles(src)
+    tensors = {k: np.array(files.read(k)) for k in files}
+    for f in ckpt_files:
+        f.unlink()
+    edit(tensors)
+    write_safetensors(src / "model-00001.safetensors", tensors)
+    (src / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: "model-00001.safetensors" for k in tensors}}))
+
+
+def _expect_convert_error(src, dst, needle):
+    with pytest.raises(CheckpointError, match=needle):
+        convert(src, dst, progress=False)
+    assert not dst.exists() and not list(dst.parent.glob(dst.name + ".partial-*"))
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda t: t.pop("layers.3.attn.indexer.wq_b.weight"), "missing tensor 'layers.3.attn.indexer.wq_b.weight'"),
+    (lambda t: t.__setitem__("layers.2.attn.indexer.wk.weight", np.zeros((32, 64), ml_dtypes.bfloat16)),
+     "unexpected tensor 'layers.2.attn.indexer.wk.weight'"),
+    (lambda t: t.__setitem__("norm.weight", np.zeros((65,), ml_dtypes.bfloat16)), "'norm.weight' has shape"),
+    (lambda t: t.__setitem__("layers.0.attn.attn_sink", np.zeros((4,), np.int32)), "'layers.0.attn.attn_sink' has dtype I32"),
+    (lambda t: t.pop("layers.0.attn.wq_a.scale"), "'layers.0.attn.wq_a.weight' .* missing its scale"),
+    (lambda t: t.__setitem__("layers.0.attn.wq_a.scale", np.ones((2, 2), ml_dtypes.float8_e8m0fnu)),
+     "scale 'layers.0.attn.wq_a.scale' has shape"),
+])
+def test_bad_tensor_is_named_and_leaves_no_output(tmp_path, edit, needle):
+    src = _copy(tmp_path)
+    _rewrite(src, edit)
+    _expect_convert_error(src, tmp_path / "out", needle)
+
+
+def test_truncated_shard(tmp_path):
+    src = _copy(tmp_path)
+    shard = sorted(src.glob("*.safetensors"))[-1]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) - 100])
+    _expect_convert_error(src, tmp_path / "out", f"shard .*{shard.name}.* is truncated")
+
+
+def test_index_points_to_missing_shard(tmp_path):
+    src = _copy(tmp_path)
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    index["weight_map"]["norm.weight"] = "model-00099.safetensors"
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    _expect_convert_error(src, tmp_path / "out", "'norm.weight' to shard 'model-00099.safetensors', which does not exist")
+
+
+def test_config_tensor_mismatch(tmp_path):
+    src = _copy(tmp_path)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["text_config"]["n_routed_experts"] = 8
+    cfg["text_config"]["hidden_size"] = 128
+    (src / "config.json").write_text(json.dumps(cfg))
+    _expect_convert_error(src, tmp_path / "out", "does not fit the config")
+
+
+def test_load_refuses_incomplete_checkpoint(tmp_path, converted):
+    dst, _ = converted
+    broken = tmp_path / "broken"
+    shutil.copytree(dst, broken)
+    (broken / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="not a complete converted checkpoint"):
+        load(broken)
+
+
+def test_cli_convert_and_forward(tmp_path):
+    dst = tmp_path / "cli"
+    res = subprocess.run([sys.executable, "-m", "v41cp", "convert", str(RELEASED), str(dst), "--json"],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    summary = json.loads(res.stdout)
+    assert summary["tensors"] > 100 and (dst / "manifest.json").exists()
+    res = subprocess.run([sys.executable, "-m", "v41cp", "convert", str(RELEASED), str(dst)], capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 2 and "already exists" in res.stderr
