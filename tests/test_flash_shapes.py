@@ -64,3 +64,10 @@ def test_flash_parameter_shapes_equal_the_release():
     assert n_params == sum(int(np.prod(x.shape)) for x in leaves)   # nothing in the tree is unmapped
     # 748.5B: the released 763B less the three DSpark draft blocks (~14.5B: 3 x 128 experts x 3 x 2304 x 5120 + attention)
     assert 7.45e11 < n_params < 7.55e11
+
+
+def test_released_shapes_from_config_match_the_release():
+    """The writer's shape table (used for synthetic checkpoints) agrees with the hand-written one."""
+    from v41cp.checkpoint.writer import released_shapes as from_config
+
+    assert from_config(preset("v41-flash")) == released_shapes()

@@ -4,12 +4,16 @@ Layout of a converted checkpoint directory::
 
     config.json        the text config (released field names; dtype = the converted dtype)
     tokenizer.json     copied from the source (Engram's compressed-token map is derived from it)
-    params/<subtree>/  one orbax checkpoint per subtree: ``top`` (embed, head, norm), ``layers_0`` …
+    params/<subtree>/<k>/  orbax checkpoints of subtree ``top`` (embed, head, norm), ``layers_0`` …, in
+                       parts of at most `PART_BYTES` (or one parameter, if larger)
     params/dspark/     ``mtp.*`` tensors as stored in the release (only when present)
-    manifest.json      written last: subtrees, tensor count, bytes, source, format version
+    manifest.json      written last: subtrees and the parameters of each part, tensor count, bytes,
+                       source, format version
 
 `convert` writes into ``DST.partial-<pid>`` and renames it to ``DST`` only after the manifest is
-written, so a failed conversion never leaves a directory that looks complete. `load` restores
+written, so a failed conversion never leaves a directory that looks complete. Parameters are decoded
+one at a time and saved in parts: orbax's save holds a second copy of what it writes, so host memory
+stays near ``2 · max(PART_BYTES, largest parameter)`` plus the runtime, whatever the model size. `load` restores
 every subtree with ``NamedSharding``s derived from the logical axis rules, so each device reads only
 its own shard.
 """
@@ -28,7 +32,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from v41cp.checkpoint.names import CheckpointError
+from v41cp.checkpoint.names import CheckpointError, insert
 from v41cp.checkpoint.released import ReleasedCheckpoint, load_config_dir
 from v41cp.config import ModelConfig
 from v41cp.sharding.rules import AxisRules, TP_RULES, param_shardings
@@ -36,12 +40,27 @@ from v41cp.sharding.rules import AxisRules, TP_RULES, param_shardings
 __all__ = ["convert", "load", "FORMAT_VERSION"]
 
 FORMAT_VERSION = 1
+PART_BYTES = 256 * 2**20
 
 
 def _checkpointer():
+    """A synchronous orbax checkpointer (each save is complete when it returns)."""
     import orbax.checkpoint as ocp
 
-    return ocp.StandardCheckpointer()
+    return ocp.Checkpointer(ocp.StandardCheckpointHandler())
+
+
+def _paths(tree: dict, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    out = []
+    for k, v in tree.items():
+        out.extend(_paths(v, prefix + (k,)) if isinstance(v, dict) else [prefix + (k,)])
+    return out
+
+
+def _get(tree: dict, path: tuple[str, ...]):
+    for p in path:
+        tree = tree[p]
+    return tree
 
 
 def _nest(flat: dict[str, np.ndarray]) -> dict:
@@ -80,25 +99,39 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | None
     n_tensors = n_bytes = 0
     try:
         names = ckpt.subtree_names
+        parts: dict[str, list[list[str]]] = {}
         bar = tqdm(names, desc="convert", unit="subtree", disable=not progress)
         for name in bar:
-            sub = ckpt.subtree(name)
-            leaves = jax.tree.leaves(sub)
-            n_tensors += len(leaves)
-            n_bytes += sum(x.nbytes for x in leaves)
-            ckptr.save(tmp / "params" / name, sub)
-            ckptr.wait_until_finished()
+            parts[name] = []
+            part: dict = {}
+            size = 0
+
+            def flush():
+                nonlocal part, size
+                if part:
+                    ckptr.save(tmp / "params" / name / str(len(parts[name])), part)
+                    parts[name].append(["/".join(p) for p in _paths(part)])
+                    part, size = {}, 0
+
+            for path, leaf in ckpt.leaves(name):
+                if size and size + leaf.nbytes > PART_BYTES:
+                    flush()
+                insert(part, path, leaf)
+                size += leaf.nbytes
+                n_tensors += 1
+                n_bytes += leaf.nbytes
+                del leaf
+            flush()
             bar.set_postfix(GB=f"{n_bytes / 1e9:.2f}")
         dspark = ckpt.dspark_tensors()
         if dspark:
             ckptr.save(tmp / "params" / "dspark", _nest(dspark))
-            ckptr.wait_until_finished()
         cfg_dict = ckpt.cfg.to_dict()
         (tmp / "config.json").write_text(json.dumps({"model_type": "deepseek_v41", "text_config": cfg_dict}, indent=1))
         if (src / "tokenizer.json").exists():
             shutil.copy2(src / "tokenizer.json", tmp / "tokenizer.json")
         seconds = time.perf_counter() - t0
-        summary = {"format_version": FORMAT_VERSION, "source": str(src), "subtrees": names,
+        summary = {"format_version": FORMAT_VERSION, "source": str(src), "subtrees": names, "parts": parts,
                    "dspark_tensors": len(dspark), "tensors": n_tensors, "bytes_read": ckpt.nbytes,
                    "bytes_written": n_bytes, "dtype": ckpt.cfg.dtype, "seconds": round(seconds, 3)}
         (tmp / "manifest.json").write_text(json.dumps(summary, indent=1))
@@ -154,10 +187,21 @@ def load(path: str | os.PathLike, cfg: ModelConfig | None = None, mesh: Mesh | N
     ckptr = _checkpointer()
     params: dict = {}
     for name, target in abstract.items():
-        try:
-            sub = ckptr.restore(path / "params" / name, target)
-        except Exception as e:  # orbax raises assorted types on shape / dtype / missing-key mismatches
-            raise CheckpointError(f"{str(path)!r}: cannot restore subtree {name!r} for this config: {e}") from e
+        sub: dict = {}
+        for k, leaf_paths in enumerate(info["parts"][name]):
+            part_target: dict = {}
+            try:
+                for lp in leaf_paths:
+                    insert(part_target, tuple(lp.split("/")), _get(target, tuple(lp.split("/"))))
+                restored = ckptr.restore(path / "params" / name / str(k), part_target)
+            except Exception as e:  # orbax raises assorted types on shape / dtype / missing-key mismatches
+                raise CheckpointError(f"{str(path)!r}: cannot restore part {k} of subtree {name!r} for this config: "
+                                      f"{e}") from e
+            for lp in leaf_paths:
+                insert(sub, tuple(lp.split("/")), _get(restored, tuple(lp.split("/"))))
+        missing = set("/".join(p) for p in _paths(target)) - set("/".join(p) for p in _paths(sub))
+        if missing:
+            raise CheckpointError(f"{str(path)!r}: subtree {name!r} lacks parameter {sorted(missing)[0]!r}")
         if name == "top":
             params.update(sub)
         else:

@@ -163,16 +163,57 @@ class ReleasedCheckpoint:
         """``top`` (embed, head, norm) then ``layers_0`` … in order."""
         return ["top"] + [f"layers_{i}" for i in range(self.cfg.num_hidden_layers)]
 
+    def read_into(self, key: str, out: np.ndarray) -> None:
+        """Decode tensor ``key`` into ``out`` (its logical shape, any dtype, may be a strided view), in row
+        chunks of about 4M elements: FP32 temporaries stay bounded whatever the tensor's size."""
+        raw = self.files.read(key)
+        scale_key = key[: -len(".weight")] + ".scale"
+        rows = out.shape[0]
+        width = int(np.prod(out.shape[1:], dtype=np.int64)) or 1
+        step = max(32, (4 * 2**20 // width) // 32 * 32)
+        if scale_key not in self.files:
+            for a in range(0, rows, step):
+                out[a:a + step] = raw[a:a + step]
+            return
+        scale = self.files.read(scale_key)
+        fp4 = self.files.tensors[key].dtype == "I8"
+        rowwise = fp4 or ".engram.embed." in key
+        decode = dequant_fp4_rows if fp4 else dequant_fp8_rows if rowwise else dequant_fp8_blocks
+        for a in range(0, rows, step):
+            b = min(rows, a + step)
+            s = scale[a:b] if rowwise else scale[a // 32: -(-b // 32)]
+            out[a:b] = decode(raw[a:b], s)
+
+    def _materialize(self, path: tuple[str, ...], keys: tuple[str, ...], fn) -> np.ndarray:
+        node = self._node(path)
+        if len(keys) > 1:                                  # routed experts: [E, in, out] from E x [out, in]
+            out = np.empty(node.shape, node.dtype)
+            for e, k in enumerate(keys):
+                self.read_into(k, out[e].T)
+            return out
+        key = keys[0]
+        logical = self.logical_shape(key)
+        if path[-2:] == ("engram", "embed"):               # table padded with zero rows in the tree
+            out = np.zeros(node.shape, node.dtype)
+            self.read_into(key, out[: logical[0]])
+            return out
+        buf = np.empty(logical, node.dtype)
+        self.read_into(key, buf)
+        return np.ascontiguousarray(fn(buf))
+
+    def leaves(self, name: str) -> Iterator[tuple[tuple[str, ...], np.ndarray]]:
+        """Decode subtree ``name`` one parameter at a time: (path inside the subtree, NumPy array)."""
+        for path, (keys, fn) in self.mapping.items():
+            if (path[0] if path[0].startswith("layers_") else "top") != name:
+                continue
+            yield (path if name == "top" else path[1:]), self._materialize(path, keys, fn)
+
     def subtree(self, name: str) -> dict:
         """The parameter subtree ``name`` (NumPy, in the model's dtypes): the tree's ``layers_i`` entry, or
         for ``top`` a dict with ``embed``, ``head`` and ``norm``."""
         out: dict = {}
-        for path, (keys, fn) in self.mapping.items():
-            if (path[0] if path[0].startswith("layers_") else "top") != name:
-                continue
-            node = self._node(path)
-            value = np.asarray(fn(*[self.read(k) for k in keys])).astype(node.dtype)
-            insert(out, path if name == "top" else path[1:], value)
+        for path, value in self.leaves(name):
+            insert(out, path, value)
         return out
 
     def subtrees(self) -> Iterator[tuple[str, dict]]:

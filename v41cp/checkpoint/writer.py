@@ -31,7 +31,7 @@ from v41cp.checkpoint.formats import quant_fp4_rows, quant_fp8_blocks, quant_fp8
 from v41cp.checkpoint.safetensors_io import write_safetensors
 from v41cp.config import ModelConfig
 
-__all__ = ["release_storage", "write_released"]
+__all__ = ["release_storage", "released_shapes", "write_released"]
 
 _FP8 = re.compile(r".*\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]|engram\.wkv)\.weight$")
 _FP4 = re.compile(r".*\.ffn\.experts\.\d+\.w[123]\.weight$")
@@ -50,6 +50,42 @@ def release_storage(name: str) -> str:
     if _FP32.match(name):
         return "fp32"
     return "bf16"
+
+
+def released_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every backbone tensor's released name → its logical (unquantized) shape, from the config."""
+    h, nh, d, g = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.o_groups
+    ih, idim, e, i_ = cfg.index_n_heads, cfg.index_head_dim, cfg.n_routed_experts, cfg.moe_intermediate_size
+    hc = cfg.hc_mult
+    out: dict[str, tuple[int, ...]] = {"embed.weight": (cfg.vocab_size, h), "head.weight": (cfg.vocab_size, h),
+                                       "norm.weight": (h,)}
+    for role in cfg.layer_roles:
+        p = f"layers.{role.index}."
+        out.update({p + "attn_norm.weight": (h,), p + "ffn_norm.weight": (h,)})
+        for site in ("attn", "ffn"):
+            out.update({p + f"hc_{site}_fn": (cfg.hc_mix_width, hc * h), p + f"hc_{site}_base": (cfg.hc_mix_width,),
+                        p + f"hc_{site}_scale": (3,)})
+        out.update({p + "attn.wq_a.weight": (cfg.q_lora_rank, h), p + "attn.q_norm.weight": (cfg.q_lora_rank,),
+                    p + "attn.wq_b.weight": (nh * d, cfg.q_lora_rank), p + "attn.wkv.weight": (d, h),
+                    p + "attn.kv_norm.weight": (d,), p + "attn.wo_a.weight": (g * cfg.o_lora_rank, nh * d // g),
+                    p + "attn.wo_b.weight": (h, g * cfg.o_lora_rank), p + "attn.attn_sink": (nh,)})
+        if role.is_kv_source:
+            out.update({p + "attn.compressor.wkv.weight": (d, h), p + "attn.compressor.norm.weight": (d,),
+                        p + "attn.indexer.wk.weight": (idim, d), p + "attn.indexer.k_norm.weight": (idim,)})
+            if role.ratio > 1:
+                out[p + "attn.compressor.wgate.weight"] = (d, h)
+        if role.is_index_source:
+            out.update({p + "attn.indexer.wq_b.weight": (ih * idim, cfg.q_lora_rank),
+                        p + "attn.indexer.weights_proj.weight": (ih, h)})
+        out.update({p + "ffn.gate.weight": (e, h), p + "ffn.gate.bias": (e,), p + "ffn.gate.bias_vl": (e,)})
+        for w, shape in (("w1", (i_, h)), ("w3", (i_, h)), ("w2", (h, i_))):
+            out[p + f"ffn.shared_experts.{w}.weight"] = shape
+            out.update({p + f"ffn.experts.{x}.{w}.weight": shape for x in range(e)})
+        if role.engram_slot >= 0:
+            out.update({p + "engram.embed.weight": (cfg.engram_num_embeddings[role.engram_slot], cfg.engram_head_dim),
+                        p + "engram.wkv.weight": ((hc + 1) * h, cfg.engram_hash_heads * cfg.engram_head_dim),
+                        p + "engram.q_weight": (hc, h), p + "engram.k_weight": (hc, h)})
+    return out
 
 
 def _encode(name: str, value: np.ndarray, quantize: bool) -> list[tuple[str, np.ndarray]]:
