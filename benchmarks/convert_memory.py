@@ -3,7 +3,8 @@
 Writes a synthetic DeepSeek-V4.1-shaped checkpoint in the release's formats (FP8 32x32-block dense
 weights, FP4 experts, FP8 Engram rows, e8m0 scales, BF16 / FP32 rest; random payloads written directly
 in the stored formats, one shard per layer), then runs ``python -m v41cp convert`` in a child process
-and reads the child's peak RSS. Prints one JSON object. The bound checked (issue 3):
+and reads the child's peak RSS; then restores the result onto 8 simulated devices (tp=8) in another
+child and times it. Prints one JSON object. The bound checked (issue 3):
 peak RSS < 3 x largest tensor + 1 GiB.
 
     python benchmarks/convert_memory.py [--workdir DIR] [--dtype bf16|fp32] [--keep]
@@ -86,6 +87,29 @@ def write_synthetic(dst: Path) -> dict:
     return {"bytes": total, "largest_tensor_bytes": largest, "tensors": len(weight_map)}
 
 
+RESTORE = """
+import json, os, sys, time
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import jax
+from v41cp.checkpoint import load
+from v41cp.sharding import make_mesh
+t0 = time.perf_counter()
+cfg, params = load(sys.argv[1], mesh=make_mesh(tp=8))
+jax.block_until_ready(params)
+dt = time.perf_counter() - t0
+sharded = sum(1 for x in jax.tree.leaves(params) if any(a is not None for a in x.sharding.spec))
+print(json.dumps({"restore_s": round(dt, 2), "sharded": sharded}))
+"""
+
+
+def _time_restore(path: Path) -> dict:
+    """Restore the converted checkpoint onto an 8-device (simulated) tp mesh in a fresh process."""
+    res = subprocess.run([sys.executable, "-c", RESTORE, str(path)], capture_output=True, text=True)
+    if res.returncode:
+        raise SystemExit(f"restore failed:\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--workdir", help="where to write (default: a temporary directory, removed afterwards)")
@@ -106,6 +130,7 @@ def main():
             raise SystemExit(f"convert failed:\n{res.stderr[-3000:]}")
         summary = json.loads(res.stdout.strip().splitlines()[-1])
         peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+        restore = _time_restore(dst)
         bound = 3 * info["largest_tensor_bytes"] + 2**30
         print(json.dumps({
             "source_bytes": info["bytes"], "source_tensors": info["tensors"],
@@ -115,6 +140,7 @@ def main():
             "throughput_source_MBps": round(info["bytes"] / 1e6 / summary["seconds"], 1),
             "peak_rss_bytes": peak, "peak_rss_GiB": round(peak / 2**30, 3),
             "bound_bytes": bound, "within_bound": peak < bound, "synthetic_write_s": round(t_write, 2),
+            "restore_8dev_s": restore["restore_s"], "restore_8dev_sharded_params": restore["sharded"],
         }))
     finally:
         if not args.keep:
