@@ -186,3 +186,23 @@ def test_cli_convert_and_forward(tmp_path):
     res = subprocess.run([sys.executable, "-m", "v41cp", "convert", str(RELEASED), str(dst)], capture_output=True,
                          text=True, timeout=600)
     assert res.returncode == 2 and "already exists" in res.stderr
+
+
+def test_unquantized_export_and_dspark_vision_tensors(tmp_path):
+    """The same names stored FP32 without scales (other frameworks' exports) load to the same tree;
+    mtp.* tensors go to their own subtree, vision tensors are skipped."""
+    from v41cp.checkpoint import write_released
+    from v41cp.checkpoint.safetensors_io import ReleasedFiles
+
+    quantized = ReleasedCheckpoint(RELEASED)
+    names = [k for k in quantized.files if not k.endswith(".scale")]
+    extra = {"mtp.0.main_norm.weight": np.ones(64, np.float32), "vision.blocks.0.w": np.zeros(3, np.float32)}
+    tensors = [(k, np.asarray(quantized.read(k), np.float32)) for k in names] + list(extra.items())
+    write_released(tmp_path / "fp32", json.loads((RELEASED / "config.json").read_text()), tensors,
+                   tokenizer=RELEASED / "tokenizer.json", quantize=False)
+    assert not any(k.endswith(".scale") for k in ReleasedFiles(tmp_path / "fp32"))
+    plain = ReleasedCheckpoint(tmp_path / "fp32")
+    for a, b in zip(jax.tree.leaves(quantized.params()), jax.tree.leaves(plain.params())):
+        np.testing.assert_array_equal(a, b)
+    summary = convert(tmp_path / "fp32", tmp_path / "conv", progress=False)
+    assert summary["dspark_tensors"] == 1 and (tmp_path / "conv" / "params" / "dspark").exists()
