@@ -206,3 +206,59 @@ def test_unquantized_export_and_dspark_vision_tensors(tmp_path):
         np.testing.assert_array_equal(a, b)
     summary = convert(tmp_path / "fp32", tmp_path / "conv", progress=False)
     assert summary["dspark_tensors"] == 1 and (tmp_path / "conv" / "params" / "dspark").exists()
+
+
+def test_in_jit_decoders_match_host_decoders():
+    import jax.numpy as jnp
+
+    from v41cp.layers.stored_weights import decode_fp4, decode_fp8_rows
+
+    rng = np.random.default_rng(5)
+    packed = rng.integers(-128, 128, (6, 16), dtype=np.int8)
+    # realistic exponents (2^-27 .. 2^23): XLA flushes subnormal results to zero, NumPy does not
+    scale = rng.integers(100, 150, (6, 1), dtype=np.uint8)
+    want = dequant_fp4_rows(packed, scale.view(ml_dtypes.float8_e8m0fnu))
+    got = decode_fp4(jnp.asarray(packed.view(np.uint8)), jnp.asarray(scale), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    rows = rng.integers(0, 256, (5, 64), dtype=np.uint8)
+    rows[(rows & 0x7F) == 0x7F] = 0
+    s2 = rng.integers(100, 140, (5, 2), dtype=np.uint8)
+    want = dequant_fp8_rows(rows.view(ml_dtypes.float8_e4m3fn), s2.view(ml_dtypes.float8_e8m0fnu))
+    np.testing.assert_array_equal(np.asarray(decode_fp8_rows(jnp.asarray(rows), jnp.asarray(s2), jnp.float32)), want)
+
+
+def test_keep_quantized_checkpoint_runs_the_same_model(tmp_path):
+    """FP4 experts / FP8 Engram rows kept as stored, decoded in the forward: same logits as dequantized."""
+    dst = tmp_path / "kq"
+    summary = convert(RELEASED, dst, progress=False, keep_quantized=True)
+    assert summary["keep_quantized"]
+    cfg, params = load(dst)
+    assert cfg.keep_quantized and params["layers_1"]["ffn"]["experts_w1_fp4"].dtype == np.uint8
+    assert params["layers_1"]["engram"]["embed_fp8"].dtype == np.uint8
+    tokens = np.random.default_rng(2).integers(3, cfg.vocab_size, (1, 24))
+    dense_cfg, dense = load_released_dir(RELEASED)
+    want = np.asarray(model.forward(dense, dense_cfg, tokens))
+    got = np.asarray(model.forward(params, cfg, tokens))
+    assert rel_err(got, want) <= 1e-6
+    _, sharded = load(dst, mesh=make_mesh(tp=4, dp=2))
+    assert sharded["layers_1"]["ffn"]["experts_w1_fp4"].sharding.spec[0] == "tp"
+    # stored bytes are 4x (experts) / 2-4x (Engram) smaller than the dequantized FP32 tree
+    kq = sum(x.nbytes for x in jax.tree.leaves(params["layers_1"]["ffn"]) if x.dtype == np.uint8)
+    dq = sum(dense["layers_1"]["ffn"][k].nbytes for k in ("experts_w1", "experts_w2", "experts_w3"))
+    assert kq * 7 < dq
+
+
+def test_keep_quantized_needs_a_quantized_release(tmp_path):
+    from v41cp.checkpoint import write_released
+
+    quantized = ReleasedCheckpoint(RELEASED)
+    tensors = [(k, np.asarray(quantized.read(k), np.float32)) for k in quantized.files if not k.endswith(".scale")]
+    write_released(tmp_path / "fp32", json.loads((RELEASED / "config.json").read_text()), tensors,
+                   tokenizer=RELEASED / "tokenizer.json", quantize=False)
+    _expect_convert_error_kq(tmp_path / "fp32", tmp_path / "out")
+
+
+def _expect_convert_error_kq(src, dst):
+    with pytest.raises(CheckpointError, match="keep_quantized keeps the release's storage"):
+        convert(src, dst, progress=False, keep_quantized=True)
+    assert not dst.exists()

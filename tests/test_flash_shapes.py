@@ -52,7 +52,7 @@ def test_flash_parameter_shapes_equal_the_release():
     used = {k for keys, _ in mapping.values() for k in keys}
     assert used == set(expected), (sorted(used - set(expected))[:5], sorted(set(expected) - used)[:5])
     n_params = 0
-    for path, (keys, fn) in mapping.items():
+    for path, (keys, fn, _raw) in mapping.items():
         node = abstract
         for p in path:
             node = node[p]

@@ -111,7 +111,8 @@ def cmd_forward(args) -> int:
 def cmd_convert(args) -> int:
     from v41cp.checkpoint import convert
 
-    summary = convert(args.src, args.dst, dtype=args.dtype, progress=not args.json, overwrite=args.overwrite)
+    summary = convert(args.src, args.dst, dtype=args.dtype, progress=not args.json, overwrite=args.overwrite,
+                      keep_quantized=args.keep_quantized)
     if args.json:
         print(json.dumps(summary))
     else:
@@ -142,6 +143,8 @@ def main(argv=None) -> int:
     c.add_argument("src", help="released-layout directory (config.json, tokenizer.json, safetensors)")
     c.add_argument("dst", help="output directory (must not exist unless --overwrite)")
     c.add_argument("--dtype", choices=("bf16", "fp32"), help="storage dtype of the backbone (default: the config's)")
+    c.add_argument("--keep-quantized", action="store_true",
+                   help="keep routed experts FP4 and Engram tables FP8 (decoded inside the forward)")
     c.add_argument("--overwrite", action="store_true")
     c.add_argument("--json", action="store_true", help="print the summary as JSON (no progress bar)")
     args = p.parse_args(argv)

@@ -182,6 +182,10 @@ class ModelConfig:
     pad_token_id: int = 2
     dtype: str = "bfloat16"
     fake_quant: bool = True
+    # Storage of the two largest weight groups: False = dequantized to `dtype`; True = as released
+    # (routed experts packed FP4 + e8m0 scales, Engram tables FP8 rows + e8m0 scales), decoded inside
+    # the jitted forward. At the released size only the latter fits one 8xH200 node.
+    keep_quantized: bool = False
     # Engram compressed-token map (token id -> compressed id), derived from the tokenizer.
     # Used only by host-side hashing, never inside jitted code, hence excluded from eq/hash.
     engram_token_map: tuple[int, ...] | None = field(default=None, compare=False, repr=False)
@@ -307,8 +311,13 @@ class ModelConfig:
             raise ConfigError(f"topk_method must be 'noaux_tc' for V4.1, got {self.topk_method!r}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
-        if not isinstance(self.fake_quant, bool):
-            raise ConfigError(f"fake_quant must be a boolean, got {self.fake_quant!r}")
+        for name in ("fake_quant", "keep_quantized"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        if self.keep_quantized and (self.hidden_size % 32 or self.moe_intermediate_size % 32
+                                    or self.engram_head_dim % 32):
+            raise ConfigError("keep_quantized needs hidden_size, moe_intermediate_size and engram_head_dim to be "
+                              "multiples of 32 (whole FP4 / FP8 scale blocks)")
         rs = dict(self.rope_scaling)
         if rs:
             if rs.get("rope_type", rs.get("type")) != "yarn":

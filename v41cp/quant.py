@@ -19,9 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["pow2ceil", "fake_quant", "fp8_block32", "nvfp4_block16", "mxfp4_block32", "E2M1_LEVELS"]
+__all__ = ["pow2ceil", "fake_quant", "fp8_block32", "nvfp4_block16", "mxfp4_block32", "E2M1_LEVELS", "FP4_TABLE"]
 
 E2M1_LEVELS = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+# e2m1 code (4 bits, sign in bit 3) → value, as the release's checkpoint decoder: code 8 is +0
+FP4_TABLE = np.concatenate([E2M1_LEVELS, np.float32(0.0) - E2M1_LEVELS]).astype(np.float32)
+FP4_TABLE[8] = 0.0
 _E2M1_MIDPOINTS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)
 
 

@@ -17,13 +17,13 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from v41cp.quant import FP4_TABLE
+
 __all__ = ["FP4_TABLE", "dequant_fp8_blocks", "dequant_fp8_rows", "dequant_fp4_rows", "quant_fp8_blocks",
            "quant_fp8_rows", "quant_fp4_rows", "block_scale_shape", "row_scale_shape"]
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
-# e2m1 code → value; code 8 is +0 (as the reference decoder), codes 9..15 negative
-FP4_TABLE = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 _MIDPOINTS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)
 
 

@@ -11,7 +11,7 @@ Every error names the offending key and, for shape/dtype problems, the expected 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -20,7 +20,7 @@ import numpy as np
 
 from v41cp.config import ModelConfig
 
-__all__ = ["CheckpointError", "params_from_released", "released_to_tree", "IGNORED_PREFIXES", "insert"]
+__all__ = ["CheckpointError", "Source", "params_from_released", "released_to_tree", "IGNORED_PREFIXES", "insert"]
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +29,20 @@ IGNORED_PREFIXES = ("vision.", "aligner.", "image_start", "image_end", "image_ne
 
 class CheckpointError(ValueError):
     """A checkpoint tensor is missing, unexpected, or has the wrong shape / dtype (message names the key)."""
+
+
+class Source(NamedTuple):
+    """Where a parameter comes from: released tensor ``keys``, combined by ``fn``. ``raw`` sources take the
+    stored bytes (FP4 / FP8 payloads and e8m0 scales, as uint8) instead of decoded values (``keep_quantized``)."""
+
+    keys: tuple[str, ...]
+    fn: Callable
+    raw: bool = False
+
+
+def _stack(*arrays):
+    xp = np if all(isinstance(a, np.ndarray) for a in arrays) else jnp
+    return xp.stack(arrays)
 
 
 def _t(a):
@@ -51,19 +65,19 @@ def _ident(a):
     return a
 
 
-def released_to_tree(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[tuple[str, ...], Callable]]:
-    """Target path in the parameter tree → (released source keys, function of the source arrays)."""
+def released_to_tree(cfg: ModelConfig) -> dict[tuple[str, ...], Source]:
+    """Target path in the parameter tree → its `Source` (released keys and the function combining them)."""
     nh, d, g = cfg.num_attention_heads, cfg.head_dim, cfg.o_groups
     ih, idim = cfg.index_n_heads, cfg.index_head_dim
-    m: dict[tuple[str, ...], tuple[tuple[str, ...], Callable]] = {
-        ("embed",): (("embed.weight",), _ident),
-        ("head",): (("head.weight",), _t),
-        ("norm", "weight"): (("norm.weight",), _ident),
+    m: dict[tuple[str, ...], Source] = {
+        ("embed",): Source(("embed.weight",), _ident),
+        ("head",): Source(("head.weight",), _t),
+        ("norm", "weight"): Source(("norm.weight",), _ident),
     }
     for role in cfg.layer_roles:
         i = role.index
         L, R = f"layers_{i}", f"layers.{i}"
-        add = lambda path, keys, fn: m.__setitem__((L, *path), (tuple(f"{R}.{k}" for k in keys), fn))
+        add = lambda path, keys, fn, raw=False: m.__setitem__((L, *path), Source(tuple(f"{R}.{k}" for k in keys), fn, raw))
         for site in ("attn", "ffn"):
             add((f"{site}_norm", "weight"), (f"{site}_norm.weight",), _ident)
             for part in ("fn", "base", "scale"):
@@ -94,11 +108,20 @@ def released_to_tree(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[tuple[str,
         add(("ffn", "gate_bias_vl"), ("ffn.gate.bias_vl",), _ident)
         for w in ("w1", "w2", "w3"):
             experts = tuple(f"ffn.experts.{e}.{w}.weight" for e in range(cfg.n_routed_experts))
-            add(("ffn", f"experts_{w}"), experts, _stack_t)
+            if cfg.keep_quantized:
+                add(("ffn", f"experts_{w}_fp4"), experts, _stack, True)
+                add(("ffn", f"experts_{w}_scale"), tuple(k.replace(".weight", ".scale") for k in experts), _stack, True)
+            else:
+                add(("ffn", f"experts_{w}"), experts, _stack_t)
             add(("ffn", f"shared_{w}"), (f"ffn.shared_experts.{w}.weight",), _t)
         if role.engram_slot >= 0:
             pad_rows = cfg.engram_table_rows(role.engram_slot) - cfg.engram_num_embeddings[role.engram_slot]
-            add(("engram", "embed"), ("engram.embed.weight",), lambda a, n=pad_rows: _pad_rows(a, n))
+            pad = lambda a, n=pad_rows: _pad_rows(a, n)
+            if cfg.keep_quantized:
+                add(("engram", "embed_fp8"), ("engram.embed.weight",), pad, True)
+                add(("engram", "embed_scale"), ("engram.embed.scale",), pad, True)
+            else:
+                add(("engram", "embed"), ("engram.embed.weight",), pad)
             add(("engram", "wkv"), ("engram.wkv.weight",), _t)
             add(("engram", "q_weight"), ("engram.q_weight",), _ident)
             add(("engram", "k_weight"), ("engram.k_weight",), _ident)
@@ -114,6 +137,9 @@ def params_from_released(cfg: ModelConfig, tensors: Mapping[str, Any]) -> dict:
     """
     from v41cp.model import abstract_params  # local import: model imports are heavier
 
+    if cfg.keep_quantized:
+        raise CheckpointError("keep_quantized keeps the release's FP4 / FP8 bytes: read a release-format checkpoint "
+                              "with ReleasedCheckpoint (params_from_released takes unquantized arrays)")
     abstract = nn.unbox(abstract_params(cfg))
     mapping = released_to_tree(cfg)
     used: set[str] = set()
@@ -122,7 +148,7 @@ def params_from_released(cfg: ModelConfig, tensors: Mapping[str, Any]) -> dict:
         raise CheckpointError(f"tensor {scales[0]!r} is a quantization scale: quantized checkpoints are read by "
                               f"the released-format reader, params_from_released takes unquantized arrays")
     out: dict = {}
-    for path, (keys, fn) in mapping.items():
+    for path, (keys, fn, _) in mapping.items():
         node = abstract
         for p in path:
             node = node[p]

@@ -75,13 +75,14 @@ def _nest(flat: dict[str, np.ndarray]) -> dict:
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | None = None, progress: bool = True,
-            overwrite: bool = False) -> dict[str, Any]:
+            overwrite: bool = False, keep_quantized: bool = False) -> dict[str, Any]:
     """Convert a released-layout checkpoint ``src`` into an orbax checkpoint ``dst``.
 
     ``dtype`` (``"bfloat16"`` / ``"float32"``, default: the source config's) is the storage dtype of
     the backbone; FP32 islands (mHC, sink, router biases, compressor, head) stay FP32. Quantized
-    weights (FP8 blocks, FP4 experts, FP8 Engram rows) are dequantized. Host memory is bounded by one
-    layer. Returns a summary: tensors, bytes read and written, seconds.
+    weights (FP8 blocks, FP4 experts, FP8 Engram rows) are dequantized, except with ``keep_quantized``:
+    then routed experts stay packed FP4 and Engram tables FP8 (with their e8m0 scales), and the model
+    decodes them inside the jitted forward. Returns a summary: tensors, bytes read and written, seconds.
     """
     from tqdm import tqdm
 
@@ -89,7 +90,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | None
     src, dst = Path(src), Path(dst)
     if dst.exists() and not overwrite:
         raise CheckpointError(f"destination {str(dst)!r} already exists (pass overwrite=True / --overwrite)")
-    overrides = {"dtype": {"bf16": "bfloat16", "fp32": "float32"}.get(dtype, dtype)} if dtype else {}
+    overrides: dict[str, Any] = {"keep_quantized": keep_quantized}
+    if dtype:
+        overrides["dtype"] = {"bf16": "bfloat16", "fp32": "float32"}.get(dtype, dtype)
     ckpt = ReleasedCheckpoint(src, **overrides)            # validates everything before reading a weight
     tmp = dst.parent / f"{dst.name}.partial-{os.getpid()}"
     if tmp.exists():
@@ -133,7 +136,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | None
         seconds = time.perf_counter() - t0
         summary = {"format_version": FORMAT_VERSION, "source": str(src), "subtrees": names, "parts": parts,
                    "dspark_tensors": len(dspark), "tensors": n_tensors, "bytes_read": ckpt.nbytes,
-                   "bytes_written": n_bytes, "dtype": ckpt.cfg.dtype, "seconds": round(seconds, 3)}
+                   "bytes_written": n_bytes, "dtype": ckpt.cfg.dtype, "keep_quantized": keep_quantized,
+                   "seconds": round(seconds, 3)}
         (tmp / "manifest.json").write_text(json.dumps(summary, indent=1))
         if dst.exists():
             shutil.rmtree(dst)

@@ -114,13 +114,29 @@ class ReleasedCheckpoint:
             raise CheckpointError(f"scale {scale_key!r} has shape {list(scale.shape)}, expected {list(want)} for "
                                   f"weight {key!r} of logical shape {list(logical)}")
 
+    def _check_raw(self, key: str) -> None:
+        """A ``keep_quantized`` source must be stored quantized: FP4 / FP8 payload or its e8m0 scale."""
+        if key.endswith(".scale"):
+            weight = key[: -len(".scale")] + ".weight"
+            self._check_tensor(weight)
+            if self.files.tensors[key].dtype != "F8_E8M0":
+                raise CheckpointError(f"keep_quantized needs e8m0 scales; {key!r} is {self.files.tensors[key].dtype}")
+            return
+        self._check_tensor(key)
+        dtype = self.files.tensors[key].dtype
+        want = "I8" if ".ffn.experts." in key else "F8_E4M3"
+        if dtype != want:
+            raise CheckpointError(f"keep_quantized keeps the release's storage, but {key!r} is {dtype} (expected "
+                                  f"{want} with a scale); convert without keep_quantized to dequantize instead")
+
     def _validate(self) -> None:
         used: set[str] = set()
-        for path, (keys, fn) in self.mapping.items():
+        for path, (keys, fn, raw) in self.mapping.items():
             for k in keys:
-                self._check_tensor(k)
+                self._check_raw(k) if raw else self._check_tensor(k)
             node = self._node(path)
-            structs = [jax.ShapeDtypeStruct(self.logical_shape(k), np.float32) for k in keys]
+            structs = [jax.ShapeDtypeStruct(self.files.tensors[k].shape if raw else self.logical_shape(k), np.float32)
+                       for k in keys]
             got = jax.eval_shape(fn, *structs).shape
             if tuple(got) != tuple(node.shape):
                 raise CheckpointError(f"tensor {keys[0]!r} has shape {list(self.files.tensors[keys[0]].shape)}, which "
@@ -184,8 +200,10 @@ class ReleasedCheckpoint:
             s = scale[a:b] if rowwise else scale[a // 32: -(-b // 32)]
             out[a:b] = decode(raw[a:b], s)
 
-    def _materialize(self, path: tuple[str, ...], keys: tuple[str, ...], fn) -> np.ndarray:
+    def _materialize(self, path: tuple[str, ...], keys: tuple[str, ...], fn, raw: bool) -> np.ndarray:
         node = self._node(path)
+        if raw:                                            # stored bytes, kept (keep_quantized)
+            return np.ascontiguousarray(fn(*[self.files.read(k).view(np.uint8) for k in keys]))
         if len(keys) > 1:                                  # routed experts: [E, in, out] from E x [out, in]
             out = np.empty(node.shape, node.dtype)
             for e, k in enumerate(keys):
@@ -203,10 +221,10 @@ class ReleasedCheckpoint:
 
     def leaves(self, name: str) -> Iterator[tuple[tuple[str, ...], np.ndarray]]:
         """Decode subtree ``name`` one parameter at a time: (path inside the subtree, NumPy array)."""
-        for path, (keys, fn) in self.mapping.items():
+        for path, (keys, fn, raw) in self.mapping.items():
             if (path[0] if path[0].startswith("layers_") else "top") != name:
                 continue
-            yield (path if name == "top" else path[1:]), self._materialize(path, keys, fn)
+            yield (path if name == "top" else path[1:]), self._materialize(path, keys, fn, raw)
 
     def subtree(self, name: str) -> dict:
         """The parameter subtree ``name`` (NumPy, in the model's dtypes): the tree's ``layers_i`` entry, or

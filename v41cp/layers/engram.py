@@ -7,7 +7,8 @@ import jax
 import jax.numpy as jnp
 
 from v41cp.config import ModelConfig
-from v41cp.layers.common import declare, dtype_of, ones_init
+from v41cp.layers.common import declare, dtype_of, ones_init, zeros_init
+from v41cp.layers.stored_weights import decode_fp8_rows
 
 __all__ = ["Engram"]
 
@@ -15,7 +16,8 @@ __all__ = ["Engram"]
 class Engram(nn.Module):
     """Table lookup, fused key/value projection and signed-sqrt gate.
 
-    Parameters: ``embed [rows, engram_head_dim]``, ``wkv [hash_heads·head_dim, (hc+1)·H]``
+    Parameters: ``embed [rows, engram_head_dim]`` (or, with ``keep_quantized``, ``embed_fp8`` e4m3 bytes and
+    ``embed_scale`` e8m0 bytes ``[rows, engram_head_dim / 32]``), ``wkv [hash_heads·head_dim, (hc+1)·H]``
     (keys for the hc streams first, then the value), ``q_weight``/``k_weight [hc, H]``.
     """
 
@@ -29,12 +31,20 @@ class Engram(nn.Module):
         dt = dtype_of(cfg.dtype)
         hc, h = cfg.hc_mult, cfg.hidden_size
         rows = cfg.engram_table_rows(self.slot)
-        table = declare(self, "embed", (rows, cfg.engram_head_dim), ("engram_rows", None), dt)
+        if cfg.keep_quantized:        # FP8 rows + e8m0 scales as released; only gathered rows are decoded
+            table = declare(self, "embed_fp8", (rows, cfg.engram_head_dim), ("engram_rows", None), jnp.uint8,
+                            zeros_init)
+            scale = declare(self, "embed_scale", (rows, cfg.engram_head_dim // 32), ("engram_rows", None),
+                            jnp.uint8, zeros_init)
+            gathered = decode_fp8_rows(jnp.take(table, hash_ids, axis=0), jnp.take(scale, hash_ids, axis=0), dt)
+        else:
+            table = declare(self, "embed", (rows, cfg.engram_head_dim), ("engram_rows", None), dt)
+            gathered = jnp.take(table, hash_ids, axis=0)
         wkv = declare(self, "wkv", (cfg.engram_hash_heads * cfg.engram_head_dim, (hc + 1) * h),
                       (None, "engram_out"), dt)
         q_w = declare(self, "q_weight", (hc, h), (None, None), dt, ones_init)
         k_w = declare(self, "k_weight", (hc, h), (None, None), dt, ones_init)
-        emb = jnp.take(table, hash_ids, axis=0).reshape(*hash_ids.shape[:2], hash_ids.shape[2] * table.shape[1]).astype(streams.dtype)
+        emb = gathered.reshape(*hash_ids.shape[:2], hash_ids.shape[2] * cfg.engram_head_dim).astype(streams.dtype)
         kv = jnp.einsum("bsi,io->bso", emb, wkv.astype(streams.dtype))
         key = kv[..., :hc * h].astype(jnp.float32).reshape(*kv.shape[:2], hc, h)
         value = kv[..., hc * h:].astype(jnp.float32)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from v41cp.config import ModelConfig
 from v41cp.layers.common import declare, dtype_of, zeros_init
+from v41cp.layers.stored_weights import decode_fp4
 from v41cp.sharding.rules import ShardingContext, constrain
 
 __all__ = ["MoE", "route", "swiglu_clamped"]
@@ -44,10 +45,29 @@ def route(cfg: ModelConfig, x: jax.Array, w_gate: jax.Array, bias: jax.Array, bi
 
 class MoE(nn.Module):
     """Parameters: ``gate.weight [H, E]``, ``gate.bias``/``gate.bias_vl [E]`` (FP32),
-    ``experts.w1/w3 [E, H, I]``, ``experts.w2 [E, I, H]``, ``shared.w1/w3 [H, I]``, ``shared.w2 [I, H]``."""
+    ``experts.w1/w3 [E, H, I]``, ``experts.w2 [E, I, H]`` (or their FP4 storage, see `_experts`),
+    ``shared.w1/w3 [H, I]``, ``shared.w2 [I, H]``."""
 
     cfg: ModelConfig
     shard: ShardingContext | None = None
+
+    def _experts(self, dt):
+        """Routed expert weights as ``w1, w3 [E, H, I]`` and ``w2 [E, I, H]``: parameters, or (with
+        ``keep_quantized``) decoded from the stored FP4 bytes ``experts_w*_fp4 [E, out, in/2]`` and e8m0
+        ``experts_w*_scale [E, out, in/32]`` (the release's per-expert ``[out, in]`` orientation)."""
+        cfg = self.cfg
+        e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        if not cfg.keep_quantized:
+            return (declare(self, "experts_w1", (e, h, i), ("experts", "embed", "moe_mlp"), dt),
+                    declare(self, "experts_w3", (e, h, i), ("experts", "embed", "moe_mlp"), dt),
+                    declare(self, "experts_w2", (e, i, h), ("experts", "moe_mlp", "embed"), dt))
+        out = []
+        for name, (o, n), axes in (("w1", (i, h), ("experts", "moe_mlp", None)), ("w3", (i, h), ("experts", "moe_mlp", None)),
+                                   ("w2", (h, i), ("experts", "embed", None))):
+            packed = declare(self, f"experts_{name}_fp4", (e, o, n // 2), axes, jnp.uint8, zeros_init)
+            scale = declare(self, f"experts_{name}_scale", (e, o, n // 32), axes, jnp.uint8, zeros_init)
+            out.append(jnp.swapaxes(decode_fp4(packed, scale, dt), 1, 2))
+        return tuple(out)
 
     @nn.compact
     def __call__(self, x: jax.Array, image_mask: jax.Array | None = None) -> jax.Array:
@@ -58,9 +78,7 @@ class MoE(nn.Module):
         w_gate = declare(self, "gate_weight", (h, e), ("embed", None), dt)
         bias = declare(self, "gate_bias", (e,), (None,), jnp.float32, zeros_init)
         bias_vl = declare(self, "gate_bias_vl", (e,), (None,), jnp.float32, zeros_init)
-        w1 = declare(self, "experts_w1", (e, h, i), ("experts", "embed", "moe_mlp"), dt)
-        w3 = declare(self, "experts_w3", (e, h, i), ("experts", "embed", "moe_mlp"), dt)
-        w2 = declare(self, "experts_w2", (e, i, h), ("experts", "moe_mlp", "embed"), dt)
+        w1, w3, w2 = self._experts(dt)
         s1 = declare(self, "shared_w1", (h, i), ("embed", "mlp"), dt)
         s3 = declare(self, "shared_w3", (h, i), ("embed", "mlp"), dt)
         s2 = declare(self, "shared_w2", (i, h), ("mlp", "embed"), dt)

@@ -1,0 +1,47 @@
+"""Decode weights kept in the release's storage formats, inside jitted code (``keep_quantized``).
+
+Stored as raw bytes (uint8) so every checkpoint backend can hold them:
+
+* routed experts: packed e2m1 ``[..., out, in/2]`` (even column in the low nibble) with e8m0
+  exponent bytes ``[..., out, in/32]``;
+* Engram tables: e4m3 bytes ``[rows, dim]`` with e8m0 exponent bytes ``[rows, dim/32]``, decoded only
+  for the gathered rows.
+
+Decoding is exact (code value × power of two) and matches `v41cp.checkpoint.formats` bit for bit,
+except for results below FP32's normal range, which XLA flushes to zero (real weight scales are far
+from it).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from v41cp.quant import FP4_TABLE
+
+__all__ = ["e8m0_to_f32", "decode_fp4", "decode_fp8_rows"]
+
+
+def e8m0_to_f32(bits: jax.Array) -> jax.Array:
+    """ue8m0 exponent bytes → FP32 powers of two ``2^(b−127)`` (exact; b = 0 is the subnormal 2⁻¹²⁷)."""
+    b = bits.astype(jnp.int32)
+    normal = jax.lax.bitcast_convert_type(b << 23, jnp.float32)
+    return jnp.where(b == 0, jax.lax.bitcast_convert_type(jnp.int32(1 << 22), jnp.float32), normal)
+
+
+def _expand_scale(scale: jax.Array, cols: int) -> jax.Array:
+    return jnp.repeat(e8m0_to_f32(scale), 32, axis=-1)[..., :cols]
+
+
+def decode_fp4(packed: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """``[..., out, in/2]`` packed e2m1 bytes × ``[..., out, in/32]`` e8m0 bytes → ``[..., out, in]`` in ``dtype``."""
+    table = jnp.asarray(FP4_TABLE)
+    low, high = table[packed & 15], table[packed >> 4]
+    values = jnp.stack([low, high], axis=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+    return (values * _expand_scale(scale, values.shape[-1])).astype(dtype)
+
+
+def decode_fp8_rows(rows: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """``[..., dim]`` e4m3 bytes × ``[..., dim/32]`` e8m0 bytes → ``[..., dim]`` in ``dtype``."""
+    values = jax.lax.bitcast_convert_type(rows, jnp.float8_e4m3fn).astype(jnp.float32)
+    return (values * _expand_scale(scale, rows.shape[-1])).astype(dtype)
