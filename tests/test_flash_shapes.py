@@ -49,7 +49,7 @@ def test_flash_parameter_shapes_equal_the_release():
     abstract = nn.unbox(abstract_params(cfg))
     mapping = released_to_tree(cfg)
     expected = released_shapes()
-    used = {k for keys, _ in mapping.values() for k in keys}
+    used = {k for source in mapping.values() for k in source.keys}
     assert used == set(expected), (sorted(used - set(expected))[:5], sorted(set(expected) - used)[:5])
     n_params = 0
     for path, (keys, fn, _raw) in mapping.items():
@@ -71,3 +71,32 @@ def test_released_shapes_from_config_match_the_release():
     from v41cp.checkpoint.writer import released_shapes as from_config
 
     assert from_config(preset("v41-flash")) == released_shapes()
+
+
+def test_flash_keep_quantized_shapes_are_the_stored_ones():
+    """With keep_quantized the tree holds the release's stored bytes: FP4 experts [E, out, in/2] + e8m0
+    [E, out, in/32]; Engram FP8 rows [rows (padded to 64), 256] + e8m0 [rows, 8]."""
+    cfg = preset("v41-flash", keep_quantized=True)
+    ffn = nn.unbox(abstract_params(cfg))["layers_14"]
+    assert ffn["ffn"]["experts_w1_fp4"].shape == (384, 2304, 2560)
+    assert ffn["ffn"]["experts_w1_scale"].shape == (384, 2304, 160)
+    assert ffn["ffn"]["experts_w2_fp4"].shape == (384, 5120, 1152)
+    assert ffn["engram"]["embed_fp8"].shape == (384016704, 256)
+    assert ffn["engram"]["embed_scale"].shape == (384016704, 8)
+    assert all(ffn["ffn"][k].dtype == np.uint8 for k in ffn["ffn"] if k.startswith("experts_"))
+    stored = {}
+    for name, shape in released_shapes().items():
+        if ".ffn.experts." in name:
+            stored[name] = (shape[0], shape[1] // 2)
+            stored[name.replace(".weight", ".scale")] = (shape[0], shape[1] // 32)
+        elif name.endswith("engram.embed.weight"):
+            stored[name] = shape
+            stored[name.replace(".weight", ".scale")] = (shape[0], shape[1] // 32)
+    tree = nn.unbox(abstract_params(cfg))
+    for path, source in released_to_tree(cfg).items():
+        if source.raw:
+            node = tree
+            for p in path:
+                node = node[p]
+            got = jax.eval_shape(source.fn, *[jax.ShapeDtypeStruct(stored[k], np.uint8) for k in source.keys]).shape
+            assert got == node.shape, (path, got, node.shape)

@@ -1,0 +1,142 @@
+"""Host-side page allocation: logical blocks shared by every global cache group, per-request block
+tables, batch slots for the per-request bounded state (SWA rings, compressor state), admission
+control by free blocks, and freeing on completion or cancellation.
+
+All decisions are made on the host from integers (no device round trip). Every mutating call either
+succeeds completely or raises without changing any state, so a rejected request never harms the
+others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["AllocationError", "BlockAllocator"]
+
+
+class AllocationError(ValueError):
+    """A request cannot be admitted or extended (names the request and the numbers involved)."""
+
+
+@dataclass
+class _Request:
+    slot: int
+    tokens: int
+    blocks: list[int] = field(default_factory=list)
+
+
+class BlockAllocator:
+    """``num_blocks`` physical logical-blocks of ``block_tokens`` tokens and ``max_batch`` request slots.
+
+    ``max_blocks_per_request`` bounds one request's history (the decode step's static capacity).
+    Block ids are handed out lowest-first, so allocation is deterministic.
+    """
+
+    def __init__(self, num_blocks: int, block_tokens: int, max_batch: int, max_blocks_per_request: int):
+        for name, v in (("num_blocks", num_blocks), ("block_tokens", block_tokens), ("max_batch", max_batch),
+                        ("max_blocks_per_request", max_blocks_per_request)):
+            if type(v) is not int or v <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        self.num_blocks, self.block_tokens = num_blocks, block_tokens
+        self.max_batch, self.max_blocks_per_request = max_batch, max_blocks_per_request
+        self._free_blocks = list(range(num_blocks - 1, -1, -1))      # a stack: pop() gives the lowest id
+        self._free_slots = list(range(max_batch - 1, -1, -1))
+        self._requests: dict[object, _Request] = {}
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free_blocks)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free_slots)
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Longest history one request may hold."""
+        return self.max_blocks_per_request * self.block_tokens
+
+    def __contains__(self, rid) -> bool:
+        return rid in self._requests
+
+    def blocks(self, rid) -> list[int]:
+        return list(self._req(rid).blocks)
+
+    def slot(self, rid) -> int:
+        return self._req(rid).slot
+
+    def tokens(self, rid) -> int:
+        return self._req(rid).tokens
+
+    def blocks_needed(self, tokens: int) -> int:
+        return -(-tokens // self.block_tokens)
+
+    def can_admit(self, tokens: int) -> bool:
+        return (0 < tokens <= self.capacity_tokens and self.free_slots > 0
+                and self.blocks_needed(tokens) <= self.free_blocks)
+
+    # ------------------------------------------------------------------ mutations
+    def admit(self, rid, tokens: int) -> list[int]:
+        """Reserve a slot and the blocks for ``tokens`` tokens of new request ``rid``; returns its blocks."""
+        if rid in self._requests:
+            raise AllocationError(f"request id {rid!r} is already active")
+        if type(tokens) is not int or tokens <= 0:
+            raise AllocationError(f"request {rid!r}: token count must be a positive integer, got {tokens!r}")
+        if tokens > self.capacity_tokens:
+            raise AllocationError(f"request {rid!r}: {tokens} tokens exceed the per-request capacity of "
+                                  f"{self.capacity_tokens} ({self.max_blocks_per_request} blocks x "
+                                  f"{self.block_tokens} tokens)")
+        if not self._free_slots:
+            raise AllocationError(f"request {rid!r}: all {self.max_batch} batch slots are in use")
+        need = self.blocks_needed(tokens)
+        if need > self.free_blocks:
+            raise AllocationError(f"request {rid!r}: needs {need} blocks, {self.free_blocks} free")
+        req = _Request(self._free_slots.pop(), tokens, [self._free_blocks.pop() for _ in range(need)])
+        self._requests[rid] = req
+        return list(req.blocks)
+
+    def extend(self, rid, tokens: int) -> list[int]:
+        """Grow request ``rid`` to ``tokens`` tokens in total; returns the newly allocated blocks."""
+        req = self._req(rid)
+        if type(tokens) is not int or tokens < req.tokens:
+            raise AllocationError(f"request {rid!r}: cannot shrink from {req.tokens} to {tokens!r} tokens")
+        if tokens > self.capacity_tokens:
+            raise AllocationError(f"request {rid!r}: {tokens} tokens exceed the per-request capacity of "
+                                  f"{self.capacity_tokens}")
+        need = self.blocks_needed(tokens) - len(req.blocks)
+        if need > self.free_blocks:
+            raise AllocationError(f"request {rid!r}: needs {need} more blocks, {self.free_blocks} free")
+        new = [self._free_blocks.pop() for _ in range(need)]
+        req.blocks.extend(new)
+        req.tokens = tokens
+        return new
+
+    def release(self, rid) -> None:
+        """Free everything of request ``rid`` (completion or cancellation)."""
+        req = self._req(rid)
+        del self._requests[rid]
+        self._free_blocks.extend(reversed(req.blocks))
+        self._free_blocks.sort(reverse=True)
+        self._free_slots.append(req.slot)
+        self._free_slots.sort(reverse=True)
+
+    finish = release
+    cancel = release
+
+    # ------------------------------------------------------------------ checks
+    def check(self) -> None:
+        """Raise AssertionError unless every block / slot is owned exactly once or free exactly once."""
+        owned = [b for r in self._requests.values() for b in r.blocks]
+        assert len(owned) == len(set(owned)), "a block is owned twice"
+        assert not set(owned) & set(self._free_blocks), "a block is both owned and free"
+        assert sorted(owned + self._free_blocks) == list(range(self.num_blocks)), "a block leaked"
+        slots = [r.slot for r in self._requests.values()]
+        assert sorted(slots + self._free_slots) == list(range(self.max_batch)), "a slot leaked or is shared"
+        for rid, r in self._requests.items():
+            assert len(r.blocks) == self.blocks_needed(r.tokens), f"request {rid!r} holds the wrong block count"
+
+    def _req(self, rid) -> _Request:
+        if rid not in self._requests:
+            raise AllocationError(f"unknown request id {rid!r}")
+        return self._requests[rid]

@@ -1,0 +1,116 @@
+"""The V4.1 decode-state layout and its exact byte accounting (v41-architecture.md §4.1, §4.2).
+
+Per request:
+
+* **SWA ring** — every layer, ``sliding_window`` rows of the window KV latent (K = V). Record: FP8
+  e4m3 with a ue8m0 scale per 32 channels (``head_dim + head_dim/32`` B; 528 B at head_dim 512) or
+  unquantized (``head_dim × dtype``).
+* **global caches** — one group per KV source (ratio-2 sources 2, 8, 14 and the ratio-1 source 20 in
+  the release), paged, one entry per ``ratio`` tokens: compressed KV (NVFP4: ``D/2 + D/16`` B, 288 B)
+  and index keys sharing the group's page numbering (MXFP4: ``Di/2 + Di/32`` B, 68 B).
+* **compressor state** — ratio-r sources keep the open group's raw FP32 ``[kv, score]`` rows
+  (``r − 1`` rows × ``2·D·4`` B).
+* **Engram history** — the last ``max_ngram − 1`` token ids (host side: hashing is host planning).
+
+All global groups share one allocation unit, the **logical block** of ``block_tokens`` tokens (a
+multiple of every ratio: the LCM rule): block ``b`` of a request holds ``block_tokens / r`` entries of
+every ratio-r group, under the same physical block id. One page lifecycle therefore covers main and
+index caches of every group, and prefix matching / eviction work on whole blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from v41cp.config import ModelConfig
+
+__all__ = ["CacheGroup", "CacheSpec"]
+
+
+@dataclass(frozen=True)
+class CacheGroup:
+    """One global cache group: the compressed KV + index keys of KV source ``source``."""
+
+    source: int
+    ratio: int
+    entries_per_block: int
+    kv_bytes_per_entry: int
+    index_bytes_per_entry: int
+
+    @property
+    def bytes_per_entry(self) -> int:
+        return self.kv_bytes_per_entry + self.index_bytes_per_entry
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """Layout and sizes of the decode state of ``cfg`` with ``block_tokens`` tokens per logical block.
+
+    ``quantized`` selects the release's record formats (FP8 window, NVFP4 compressed KV, MXFP4 index
+    keys); otherwise records are stored in ``cfg.dtype``.
+    """
+
+    cfg: ModelConfig
+    block_tokens: int = 64
+    quantized: bool = True
+
+    def __post_init__(self):
+        ratios = sorted({r.ratio for r in self.cfg.layer_roles if r.is_kv_source})
+        lcm = math.lcm(*ratios) if ratios else 1
+        if self.block_tokens <= 0 or self.block_tokens % lcm:
+            raise ValueError(f"block_tokens={self.block_tokens} must be a positive multiple of every compress "
+                             f"ratio (LCM {lcm})")
+
+    @property
+    def _elem(self) -> int:
+        return 2 if self.cfg.dtype == "bfloat16" else 4
+
+    @property
+    def swa_bytes_per_row(self) -> int:
+        d = self.cfg.head_dim
+        return d + d // 32 if self.quantized else d * self._elem
+
+    @property
+    def groups(self) -> tuple[CacheGroup, ...]:
+        cfg = self.cfg
+        d, di = cfg.head_dim, cfg.index_head_dim
+        kv = d // 2 + d // 16 if self.quantized else d * self._elem
+        ik = di // 2 + di // 32 if self.quantized else di * self._elem
+        return tuple(CacheGroup(r.index, r.ratio, self.block_tokens // r.ratio, kv, ik)
+                     for r in cfg.layer_roles if r.is_kv_source)
+
+    @property
+    def global_bytes_per_token(self) -> float:
+        """Persistent global-cache bytes per original token, summed over groups (890 B for V4.1-Flash)."""
+        return sum(g.bytes_per_entry / g.ratio for g in self.groups)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one logical block across every global group (main + index)."""
+        return sum(g.entries_per_block * g.bytes_per_entry for g in self.groups)
+
+    @property
+    def swa_bytes_per_request(self) -> int:
+        """Bounded SWA rings of every layer for one request."""
+        return self.cfg.num_hidden_layers * self.cfg.sliding_window * self.swa_bytes_per_row
+
+    @property
+    def compressor_state_bytes_per_request(self) -> int:
+        return sum((g.ratio - 1) * 2 * self.cfg.head_dim * 4 for g in self.groups)
+
+    def blocks_for(self, tokens: int) -> int:
+        """Logical blocks that hold ``tokens`` tokens."""
+        return -(-tokens // self.block_tokens)
+
+    def summary(self) -> dict:
+        return {
+            "block_tokens": self.block_tokens, "quantized": self.quantized,
+            "swa_bytes_per_row": self.swa_bytes_per_row, "swa_bytes_per_request": self.swa_bytes_per_request,
+            "groups": [{"source": g.source, "ratio": g.ratio, "kv_bytes_per_entry": g.kv_bytes_per_entry,
+                        "index_bytes_per_entry": g.index_bytes_per_entry,
+                        "bytes_per_token": g.bytes_per_entry / g.ratio,
+                        "bytes_per_block": g.entries_per_block * g.bytes_per_entry} for g in self.groups],
+            "global_bytes_per_token": self.global_bytes_per_token, "block_bytes": self.block_bytes,
+            "compressor_state_bytes_per_request": self.compressor_state_bytes_per_request,
+        }
