@@ -1,0 +1,256 @@
+"""The static-capacity decode step over paged V4.1 caches (issue 4, reference path).
+
+`decode_step(params, cache, meta, cfg)` advances every active batch row by one token. Shapes depend
+only on capacity (`DecodeMetadata` static fields ``max_batch`` / ``max_blocks``, the cache's
+``num_blocks``), never on current lengths, so the step compiles once per bucket; metadata is refreshed
+on the host every step. Inactive rows write nothing (their scatter indices point out of bounds).
+
+Cache (`init_cache`), all fake-quant values already applied (the math's values; record packing into
+the release's byte formats is a later step):
+
+* ``swa [L, max_batch, W, D]`` — ring row ``p % W`` holds window KV of position ``p``;
+* ``ckv[g] [num_blocks, block_tokens / r, D]`` and ``ikey[g] [num_blocks, block_tokens / r, Di]`` per
+  KV source ``g`` — entry ``j`` lives in block ``block_table[j // epb]`` at ``j % epb``;
+* ``open_kv[g] / open_score[g] [max_batch, D]`` FP32 — the open ratio-2 group's first row.
+
+Engram hash ids of each row's new token are host metadata (`engram_ids_for_last`).
+
+The MoE, mHC, Engram and norms are the full-sequence Flax modules applied to one token per row; the
+attention is re-expressed over the caches with the same helpers (RoPE, quantizers, indexer scoring,
+candidate blocks, sink attention) as the full-sequence path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from v41cp.config import LayerRole, ModelConfig
+from v41cp.engram_hash import engram_hash_ids
+from v41cp.layers.attention import sink_attention
+from v41cp.layers.common import RMSNorm, dtype_of, rms_norm
+from v41cp.layers.engram import Engram
+from v41cp.layers.indexer import select_candidate_blocks, topk_select
+from v41cp.layers.mhc import HyperConnection, collapse, expand
+from v41cp.layers.moe import MoE
+from v41cp.layers.rope import apply_rope, rope_angles
+from v41cp.quant import fp8_block32, mxfp4_block32, nvfp4_block16
+
+__all__ = ["DecodeMetadata", "init_cache", "decode_step", "engram_ids_for_last"]
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["tokens", "positions", "slots", "block_tables", "active",
+                                                        "engram_ids"], meta_fields=["max_batch", "max_blocks"])
+@dataclasses.dataclass(frozen=True)
+class DecodeMetadata:
+    """Host-built, padded per-step metadata. Rows ``≥`` the live batch have ``active = False``.
+
+    tokens / positions / slots ``[max_batch]`` int32 (the new token, its position, the request's batch
+    slot), block_tables ``[max_batch, max_blocks]`` int32, active ``[max_batch]`` bool, engram_ids
+    ``[max_batch, n_engram, hash_heads]`` int32. ``max_batch`` / ``max_blocks`` are static (the bucket).
+    """
+
+    tokens: jax.Array
+    positions: jax.Array
+    slots: jax.Array
+    block_tables: jax.Array
+    active: jax.Array
+    engram_ids: jax.Array
+    max_batch: int
+    max_blocks: int
+
+
+def engram_ids_for_last(cfg: ModelConfig, history) -> np.ndarray:
+    """Engram row ids ``[n_engram, hash_heads]`` of the last token of ``history`` (host side)."""
+    if not cfg.engram_layer_ids:
+        return np.zeros((0, 0), np.int32)
+    tail = np.asarray(history[-cfg.engram_max_ngram_size:], np.int64)[None]
+    # hashing only looks back max_ngram − 1 tokens; a tail shorter than that means the sequence start
+    return engram_hash_ids(cfg, tail)[0, -1]
+
+
+def _groups(cfg: ModelConfig) -> list[LayerRole]:
+    return [r for r in cfg.layer_roles if r.is_kv_source]
+
+
+def init_cache(cfg: ModelConfig, num_blocks: int, block_tokens: int, max_batch: int, sharding=None) -> dict:
+    """Zeroed decode cache for ``num_blocks`` logical blocks of ``block_tokens`` tokens and ``max_batch`` slots,
+    committed to ``sharding`` (default: the first device) so that every step sees the same input types."""
+    dt = dtype_of(cfg.dtype)
+    d, di = cfg.head_dim, cfg.index_head_dim
+    cache = {"swa": jnp.zeros((cfg.num_hidden_layers, max_batch, cfg.sliding_window, d), dt),
+             "ckv": {}, "ikey": {}, "open_kv": {}, "open_score": {}}
+    for g in _groups(cfg):
+        if block_tokens % g.ratio:
+            raise ValueError(f"block_tokens={block_tokens} is not a multiple of layer {g.index}'s ratio {g.ratio}")
+        epb = block_tokens // g.ratio
+        cache["ckv"][str(g.index)] = jnp.zeros((num_blocks, epb, d), dt)
+        cache["ikey"][str(g.index)] = jnp.zeros((num_blocks, epb, di), dt)
+        if g.ratio > 1:
+            if g.ratio != 2:
+                raise ValueError(f"the decode cache supports compress ratios 1 and 2, layer {g.index} has {g.ratio}")
+            cache["open_kv"][str(g.index)] = jnp.zeros((max_batch, d), jnp.float32)
+            cache["open_score"][str(g.index)] = jnp.zeros((max_batch, d), jnp.float32)
+    return jax.device_put(cache, sharding or jax.devices()[0])
+
+
+def _dense(x, w):
+    return jnp.einsum("...i,io->...o", x, w.astype(x.dtype))
+
+
+class _Step:
+    """One decode step's shared quantities (shapes: B = max_batch)."""
+
+    def __init__(self, cfg: ModelConfig, meta: DecodeMetadata, num_blocks: int):
+        self.cfg, self.meta, self.num_blocks = cfg, meta, num_blocks
+        self.pos = meta.positions
+        b = meta.max_batch
+        # out-of-bounds targets drop the writes of inactive rows
+        self.slot_w = jnp.where(meta.active, meta.slots, b)
+
+
+def _attention(cfg: ModelConfig, role: LayerRole, p: dict, x: jax.Array, cache: dict, st: _Step, state: dict):
+    """Cached CSA2 attention of one layer for ``x [B, H]`` (attention-normed) → ``([B, H], cache, state)``."""
+    dt = dtype_of(cfg.dtype)
+    meta, pos = st.meta, st.pos
+    b = meta.max_batch
+    nh, d, w = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
+    compressed = role.ratio > 0
+    angles = rope_angles(cfg, pos[:, None], compressed)                       # [B,1,P]
+    qr = rms_norm(_dense(x, p["wq_a"]), p["q_norm"]["weight"], cfg.rms_norm_eps)
+    q = apply_rope(jnp.einsum("br,rnd->bnd", qr, p["wq_b"].astype(qr.dtype))[:, None], angles)   # [B,1,H,D]
+    kv = apply_rope(rms_norm(_dense(x, p["wkv"]), p["kv_norm"]["weight"], cfg.rms_norm_eps)[:, None], angles)
+    if cfg.fake_quant:
+        kv = fp8_block32(kv)
+    swa = cache["swa"].at[role.index, st.slot_w, pos % w].set(kv[:, 0], mode="drop")
+    cache = {**cache, "swa": swa}
+    ring = swa[role.index][jnp.minimum(meta.slots, b - 1)]                    # [B,W,D]
+    k = jnp.arange(w)
+    ring_pos = pos[:, None] - ((pos[:, None] - k[None, :]) % w)               # position held by ring row k
+    keys, valid = ring[:, None], (ring_pos >= 0)[:, None]                      # [B,1,W,D], [B,1,W]
+    if compressed:
+        cache, state = _update_compressed(cfg, role, p, x, qr, angles, cache, st, state)
+        sel = state["topk"]                                                    # [B,1,K]
+        if sel.shape[-1]:
+            entries = state["ckv"]                                             # [B,G,D]
+            picked = jax.vmap(lambda c, i: c[jnp.maximum(i, 0)])(entries, sel[:, 0])[:, None]
+            keys = jnp.concatenate([keys, picked], axis=2)
+            valid = jnp.concatenate([valid, sel >= 0], axis=2)
+    o = sink_attention(q, keys, valid, p["attn_sink"])
+    o = apply_rope(o, angles, inverse=True).reshape(b, 1, cfg.o_groups, -1)
+    y = jnp.einsum("bsgi,gio->bsgo", o, p["wo_a"].astype(o.dtype))
+    out = jnp.einsum("bsgo,goh->bsh", y, p["wo_b"].astype(y.dtype))[:, 0]
+    return out.astype(dt), cache, state
+
+
+def _gather_group(pages: jax.Array, tables: jax.Array) -> jax.Array:
+    """``pages [NB, epb, C]`` gathered by ``tables [B, MB]`` → ``[B, MB·epb, C]`` (entry order)."""
+    got = pages[jnp.maximum(tables, 0)]
+    return got.reshape(tables.shape[0], -1, pages.shape[-1])
+
+
+def _update_compressed(cfg, role, p, x, qr, angles, cache, st: _Step, state):
+    meta, pos = st.meta, st.pos
+    b = meta.max_batch
+    src = str(role.kv_source)
+    if role.is_kv_source:
+        r, comp = role.ratio, p["compressor"]
+        j = pos // r                                                           # entry of this token's group
+        if r == 1:
+            latent = rms_norm(_dense(x, comp["wkv"]), comp["norm"]["weight"], cfg.rms_norm_eps)
+            emits = meta.active
+        else:
+            xf = x.astype(jnp.float32)
+            c = jnp.einsum("bh,hd->bd", xf, comp["wkv"], precision=jax.lax.Precision.HIGHEST)
+            z = jnp.einsum("bh,hd->bd", xf, comp["wgate"], precision=jax.lax.Precision.HIGHEST)
+            first = pos % r == 0
+            slot_first = jnp.where(first, st.slot_w, b)
+            cache = {**cache,
+                     "open_kv": {**cache["open_kv"], src: cache["open_kv"][src].at[slot_first].set(c, mode="drop")},
+                     "open_score": {**cache["open_score"],
+                                    src: cache["open_score"][src].at[slot_first].set(z, mode="drop")}}
+            safe = jnp.minimum(meta.slots, b - 1)
+            c0, z0 = cache["open_kv"][src][safe], cache["open_score"][src][safe]
+            wts = jax.nn.softmax(jnp.stack([z0, z]), axis=0)
+            pooled = (c0 * wts[0] + c * wts[1]).astype(x.dtype)
+            latent = rms_norm(pooled, comp["norm"]["weight"], cfg.rms_norm_eps)
+            emits = meta.active & (pos % r == r - 1)
+        cang = rope_angles(cfg, (j * r)[:, None], True)                       # [B,1,P]
+        ckv = apply_rope(latent[:, None], cang)
+        if cfg.fake_quant:
+            ckv = nvfp4_block16(ckv)
+        ik = rms_norm(_dense(latent, p["indexer"]["wk"]), p["indexer"]["k_norm"]["weight"], cfg.rms_norm_eps)
+        ik = apply_rope(ik[:, None], cang)
+        if cfg.fake_quant:
+            ik = mxfp4_block32(ik)
+        epb = cache["ckv"][src].shape[1]
+        blk = jnp.take_along_axis(meta.block_tables, (j // epb)[:, None], axis=1)[:, 0]
+        blk = jnp.where(emits, blk, st.num_blocks)
+        cache = {**cache,
+                 "ckv": {**cache["ckv"], src: cache["ckv"][src].at[blk, j % epb].set(ckv[:, 0], mode="drop")},
+                 "ikey": {**cache["ikey"], src: cache["ikey"][src].at[blk, j % epb].set(ik[:, 0], mode="drop")}}
+        state = {"ckv": _gather_group(cache["ckv"][src], meta.block_tables),
+                 "ikey": _gather_group(cache["ikey"][src], meta.block_tables)}
+    if role.is_index_source:
+        keys = state["ikey"]                                                   # [B,G,Di]
+        g = keys.shape[1]
+        ip = p["indexer"]
+        iq = apply_rope(jnp.einsum("br,rhe->bhe", qr, ip["wq_b"].astype(qr.dtype))[:, None], angles)  # [B,1,h,e]
+        if cfg.fake_quant:
+            iq = mxfp4_block32(iq)
+        wts = _dense(x, ip["weights_proj"]) * (cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
+        visible_len = ((pos + 1) // role.ratio)[:, None, None]                 # [B,1,1]
+        allowed = jnp.arange(g)[None, None, :] < visible_len
+        raw = jnp.einsum("bshe,bge->bshg", iq.astype(jnp.float32), keys.astype(jnp.float32),
+                         precision=jax.lax.Precision.HIGHEST)
+        scores = jnp.sum(jax.nn.relu(raw) * wts.astype(jnp.float32)[:, None, :, None], axis=2)
+        scores = jnp.where(allowed, scores, -jnp.inf)
+        cand = state.get("candidates")
+        if role.candidate_source:
+            cand = select_candidate_blocks(scores, visible_len, cfg.candidate_topk_blocks,
+                                           cfg.candidate_block_size) & allowed
+        elif role.uses_candidates:
+            scores = jnp.where(cand, scores, -jnp.inf)
+        topk, _ = topk_select(scores, min(cfg.index_topk, g))
+        state = {**state, "topk": topk, "candidates": cand}
+    return cache, state
+
+
+def _block(cfg: ModelConfig, i: int, p: dict, streams, pre_prev, cache, st: _Step, state, engram_ids):
+    role = cfg.layer_roles[i]
+    dt = dtype_of(cfg.dtype)
+    if role.engram_slot >= 0:
+        streams = Engram(cfg, role.engram_slot).apply({"params": p["engram"]}, streams,
+                                                       engram_ids[:, None, role.engram_slot])
+    pre_a, post_a, comb_a = HyperConnection(cfg).apply({"params": p["hc_attn"]}, streams)
+    x = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt).apply({"params": p["attn_norm"]}, collapse(streams, pre_prev))
+    y, cache, state = _attention(cfg, role, p["attn"], x[:, 0], cache, st, state)
+    streams = expand(y[:, None], streams, post_a, comb_a)
+    pre_f, post_f, comb_f = HyperConnection(cfg).apply({"params": p["hc_ffn"]}, streams)
+    z = MoE(cfg).apply({"params": p["ffn"]}, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt).apply(
+        {"params": p["ffn_norm"]}, collapse(streams, pre_a)))
+    return expand(z, streams, post_f, comb_f), pre_f, cache, state
+
+
+@partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def decode_step(params: dict, cache: dict, meta: DecodeMetadata, cfg: ModelConfig):
+    """One token for every active row: ``(logits [max_batch, vocab] FP32, updated cache)``."""
+    with jax.default_matmul_precision("highest" if cfg.dtype == "float32" else "default"):
+        dt = dtype_of(cfg.dtype)
+        st = _Step(cfg, meta, next(iter(cache["ckv"].values())).shape[0] if cache["ckv"] else 0)
+        b = meta.max_batch
+        x = jnp.take(params["embed"], meta.tokens, axis=0)[:, None]            # [B,1,H]
+        streams = jnp.broadcast_to(x[:, :, None, :], (b, 1, cfg.hc_mult, cfg.hidden_size))
+        pre = jnp.zeros((b, 1, cfg.hc_mult), jnp.float32).at[..., 0].set(1.0)
+        state: dict = {}
+        for i in range(cfg.num_hidden_layers):
+            streams, pre, cache, state = _block(cfg, i, params[f"layers_{i}"], streams, pre, cache, st, state,
+                                                meta.engram_ids)
+        h = rms_norm(collapse(streams, pre), params["norm"]["weight"], cfg.rms_norm_eps)
+        logits = jnp.einsum("bsh,hv->bsv", h.astype(jnp.float32), params["head"],
+                            precision=jax.lax.Precision.HIGHEST)[:, 0]
+        return logits, cache
