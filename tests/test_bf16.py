@@ -1,6 +1,5 @@
 """The released dtype (BF16 weights and activations, FP32 islands) runs and tracks the FP32 model."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 

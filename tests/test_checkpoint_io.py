@@ -1,7 +1,6 @@
 """Released layout → orbax → restore (1 device and 8), against the oracle; formats; bad input."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys

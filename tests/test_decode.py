@@ -1,6 +1,5 @@
 """Decode step over the paged caches == the full-sequence forward (teacher forcing), one compile."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

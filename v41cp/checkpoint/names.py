@@ -14,7 +14,6 @@ import logging
 from typing import Any, Callable, Mapping, NamedTuple
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
 

@@ -30,7 +30,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
 from v41cp.checkpoint.names import CheckpointError, insert
 from v41cp.checkpoint.released import ReleasedCheckpoint, load_config_dir

@@ -40,7 +40,7 @@ from v41cp.layers.moe import MoE
 from v41cp.layers.rope import apply_rope, rope_angles
 from v41cp.quant import fp8_block32, mxfp4_block32, nvfp4_block16
 
-__all__ = ["DecodeMetadata", "init_cache", "decode_step", "engram_ids_for_last"]
+__all__ = ["DecodeMetadata", "init_cache", "decode_step", "prefill_chunk", "engram_ids_for_last"]
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["tokens", "positions", "slots", "block_tables", "active",
@@ -103,14 +103,14 @@ def _dense(x, w):
 
 
 class _Step:
-    """One decode step's shared quantities (shapes: B = max_batch)."""
+    """One decode step's shared quantities (shapes: B = meta.max_batch rows; the cache has ``n_slots``)."""
 
-    def __init__(self, cfg: ModelConfig, meta: DecodeMetadata, num_blocks: int):
-        self.cfg, self.meta, self.num_blocks = cfg, meta, num_blocks
+    def __init__(self, cfg: ModelConfig, meta: DecodeMetadata, num_blocks: int, n_slots: int):
+        self.cfg, self.meta, self.num_blocks, self.n_slots = cfg, meta, num_blocks, n_slots
         self.pos = meta.positions
-        b = meta.max_batch
         # out-of-bounds targets drop the writes of inactive rows
-        self.slot_w = jnp.where(meta.active, meta.slots, b)
+        self.slot_w = jnp.where(meta.active, meta.slots, n_slots)
+        self.slot_r = jnp.clip(meta.slots, 0, n_slots - 1)
 
 
 def _attention(cfg: ModelConfig, role: LayerRole, p: dict, x: jax.Array, cache: dict, st: _Step, state: dict):
@@ -118,7 +118,7 @@ def _attention(cfg: ModelConfig, role: LayerRole, p: dict, x: jax.Array, cache: 
     dt = dtype_of(cfg.dtype)
     meta, pos = st.meta, st.pos
     b = meta.max_batch
-    nh, d, w = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
+    w = cfg.sliding_window
     compressed = role.ratio > 0
     angles = rope_angles(cfg, pos[:, None], compressed)                       # [B,1,P]
     qr = rms_norm(_dense(x, p["wq_a"]), p["q_norm"]["weight"], cfg.rms_norm_eps)
@@ -128,7 +128,7 @@ def _attention(cfg: ModelConfig, role: LayerRole, p: dict, x: jax.Array, cache: 
         kv = fp8_block32(kv)
     swa = cache["swa"].at[role.index, st.slot_w, pos % w].set(kv[:, 0], mode="drop")
     cache = {**cache, "swa": swa}
-    ring = swa[role.index][jnp.minimum(meta.slots, b - 1)]                    # [B,W,D]
+    ring = swa[role.index][st.slot_r]                                         # [B,W,D]
     k = jnp.arange(w)
     ring_pos = pos[:, None] - ((pos[:, None] - k[None, :]) % w)               # position held by ring row k
     keys, valid = ring[:, None], (ring_pos >= 0)[:, None]                      # [B,1,W,D], [B,1,W]
@@ -155,7 +155,6 @@ def _gather_group(pages: jax.Array, tables: jax.Array) -> jax.Array:
 
 def _update_compressed(cfg, role, p, x, qr, angles, cache, st: _Step, state):
     meta, pos = st.meta, st.pos
-    b = meta.max_batch
     src = str(role.kv_source)
     if role.is_kv_source:
         r, comp = role.ratio, p["compressor"]
@@ -168,13 +167,12 @@ def _update_compressed(cfg, role, p, x, qr, angles, cache, st: _Step, state):
             c = jnp.einsum("bh,hd->bd", xf, comp["wkv"], precision=jax.lax.Precision.HIGHEST)
             z = jnp.einsum("bh,hd->bd", xf, comp["wgate"], precision=jax.lax.Precision.HIGHEST)
             first = pos % r == 0
-            slot_first = jnp.where(first, st.slot_w, b)
+            slot_first = jnp.where(first, st.slot_w, st.n_slots)
             cache = {**cache,
                      "open_kv": {**cache["open_kv"], src: cache["open_kv"][src].at[slot_first].set(c, mode="drop")},
                      "open_score": {**cache["open_score"],
                                     src: cache["open_score"][src].at[slot_first].set(z, mode="drop")}}
-            safe = jnp.minimum(meta.slots, b - 1)
-            c0, z0 = cache["open_kv"][src][safe], cache["open_score"][src][safe]
+            c0, z0 = cache["open_kv"][src][st.slot_r], cache["open_score"][src][st.slot_r]
             wts = jax.nn.softmax(jnp.stack([z0, z]), axis=0)
             pooled = (c0 * wts[0] + c * wts[1]).astype(x.dtype)
             latent = rms_norm(pooled, comp["norm"]["weight"], cfg.rms_norm_eps)
@@ -236,12 +234,10 @@ def _block(cfg: ModelConfig, i: int, p: dict, streams, pre_prev, cache, st: _Ste
     return expand(z, streams, post_f, comb_f), pre_f, cache, state
 
 
-@partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def decode_step(params: dict, cache: dict, meta: DecodeMetadata, cfg: ModelConfig):
-    """One token for every active row: ``(logits [max_batch, vocab] FP32, updated cache)``."""
+def _step_body(params: dict, cache: dict, meta: DecodeMetadata, cfg: ModelConfig):
     with jax.default_matmul_precision("highest" if cfg.dtype == "float32" else "default"):
-        dt = dtype_of(cfg.dtype)
-        st = _Step(cfg, meta, next(iter(cache["ckv"].values())).shape[0] if cache["ckv"] else 0)
+        num_blocks = next(iter(cache["ckv"].values())).shape[0] if cache["ckv"] else 0
+        st = _Step(cfg, meta, num_blocks, cache["swa"].shape[1])
         b = meta.max_batch
         x = jnp.take(params["embed"], meta.tokens, axis=0)[:, None]            # [B,1,H]
         streams = jnp.broadcast_to(x[:, :, None, :], (b, 1, cfg.hc_mult, cfg.hidden_size))
@@ -254,3 +250,23 @@ def decode_step(params: dict, cache: dict, meta: DecodeMetadata, cfg: ModelConfi
         logits = jnp.einsum("bsh,hv->bsv", h.astype(jnp.float32), params["head"],
                             precision=jax.lax.Precision.HIGHEST)[:, 0]
         return logits, cache
+
+
+@partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def decode_step(params: dict, cache: dict, meta: DecodeMetadata, cfg: ModelConfig):
+    """One token for every active row: ``(logits [max_batch, vocab] FP32, updated cache)``."""
+    return _step_body(params, cache, meta, cfg)
+
+
+@partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def prefill_chunk(params: dict, cache: dict, metas: DecodeMetadata, cfg: ModelConfig):
+    """Feed a chunk of tokens through the cached path in order: ``metas`` holds one `DecodeMetadata` per
+    token along a leading chunk axis (padding tokens inactive). Returns (logits of every chunk position
+    ``[chunk, max_batch, vocab]``, cache). Exact by construction (token-serial over the caches), so a chunk
+    may split pages and compression groups anywhere; a chunk-parallel kernel path is future work."""
+    def body(c, m):
+        logits, c = _step_body(params, c, m, cfg)
+        return c, logits
+
+    cache, logits = jax.lax.scan(body, cache, metas)
+    return logits, cache

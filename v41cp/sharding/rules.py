@@ -8,7 +8,7 @@ config with, say, 4 heads still runs on an 8-way TP mesh), and `logical_sharding
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import logging
 

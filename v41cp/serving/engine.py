@@ -1,0 +1,241 @@
+"""Continuous-batching engine over the static-capacity decode step (issue 4, reference path).
+
+`Engine(params, cfg, capacity, mesh=None)`: `submit` validates a request (errors name the offending
+value and change nothing) and queues it; every `step` first admits queued requests that fit (FIFO;
+each reserves the blocks for its whole prompt + output budget, so no running request is ever
+preempted) and prefills them (a prefill round, chunk by chunk), then runs one decode round for every
+running request. Sampling is greedy, or temperature / top-p with a per-request seed (deterministic:
+the draw of output token ``i`` uses ``default_rng([seed, i])``). A request stops on EOS (unless
+disabled) or after ``max_new_tokens``; `cancel` frees it at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from v41cp.config import ModelConfig
+from v41cp.engram_hash import engram_hash_ids
+from v41cp.serving.allocator import BlockAllocator
+from v41cp.serving.decode import DecodeMetadata, decode_step, engram_ids_for_last, init_cache, prefill_chunk
+
+__all__ = ["Capacity", "SamplingParams", "Engine", "sample_token"]
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Static capacity (the compile bucket): batch rows, tokens per request, block size and count."""
+
+    max_batch: int = 4
+    max_tokens: int = 256
+    block_tokens: int = 16
+    num_blocks: int | None = None          # default: enough for max_batch full requests
+    prefill_chunk: int = 32
+
+    def __post_init__(self):
+        for name in ("max_batch", "max_tokens", "block_tokens", "prefill_chunk"):
+            v = getattr(self, name)
+            if type(v) is not int or v <= 0:
+                raise ValueError(f"capacity {name} must be a positive integer, got {v!r}")
+
+    @property
+    def max_blocks(self) -> int:
+        return -(-self.max_tokens // self.block_tokens)
+
+    @property
+    def blocks(self) -> int:
+        return self.num_blocks or self.max_batch * self.max_blocks
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_on_eos: bool = True
+
+
+@dataclass
+class _Request:
+    rid: object
+    prompt: list[int]
+    sampling: SamplingParams
+    output: list[int] = field(default_factory=list)
+    status: str = "waiting"                # waiting | running | done | cancelled
+    finish_reason: str | None = None
+
+    @property
+    def history(self) -> list[int]:
+        return self.prompt + self.output
+
+
+def sample_token(logits: np.ndarray, sp: SamplingParams, index: int) -> int:
+    """Greedy (temperature 0) or temperature / top-p sampling of one token, seeded by (seed, index)."""
+    if sp.temperature <= 0:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / sp.temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    cum = np.cumsum(p[order])
+    keep = order[: max(1, int(np.searchsorted(cum, sp.top_p) + 1))]
+    q = p[keep] / p[keep].sum()
+    return int(keep[np.random.default_rng([sp.seed, index]).choice(len(keep), p=q)])
+
+
+class Engine:
+    """See the module docstring. ``mesh``: run with parameters sharded over its ``tp`` axis (TP_RULES)."""
+
+    def __init__(self, params, cfg: ModelConfig, capacity: Capacity = Capacity(), mesh=None):
+        self.cfg, self.capacity = cfg, capacity
+        if mesh is not None:
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            from v41cp.model import shard_params
+
+            params = shard_params(params, cfg, mesh)
+            cache_sharding = NamedSharding(mesh, PartitionSpec())
+        else:
+            cache_sharding = None
+        self.params = params
+        self.cache = init_cache(cfg, capacity.blocks, capacity.block_tokens, capacity.max_batch, cache_sharding)
+        self.alloc = BlockAllocator(capacity.blocks, capacity.block_tokens, capacity.max_batch, capacity.max_blocks)
+        self.requests: "OrderedDict[object, _Request]" = OrderedDict()
+        self.stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_steps": 0, "decode_tokens": 0,
+                      "decode_s": 0.0, "step_s": []}
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, rid, prompt_ids, sampling: SamplingParams = SamplingParams()) -> None:
+        """Queue a request; raises ValueError (naming the value) without touching any other request."""
+        if rid in self.requests and self.requests[rid].status in ("waiting", "running"):
+            raise ValueError(f"request id {rid!r} is already active")
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError(f"request {rid!r}: the prompt is empty")
+        bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"request {rid!r}: token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        if type(sampling.max_new_tokens) is not int or sampling.max_new_tokens <= 0:
+            raise ValueError(f"request {rid!r}: max_new_tokens must be a positive integer, got "
+                             f"{sampling.max_new_tokens!r}")
+        if not (sampling.temperature >= 0 and 0 < sampling.top_p <= 1):
+            raise ValueError(f"request {rid!r}: temperature must be >= 0 and top_p in (0, 1], got "
+                             f"{sampling.temperature!r} / {sampling.top_p!r}")
+        total = len(prompt) + sampling.max_new_tokens
+        if total > self.capacity.max_tokens:
+            raise ValueError(f"request {rid!r}: prompt ({len(prompt)}) + max_new_tokens ({sampling.max_new_tokens}) "
+                             f"= {total} tokens is beyond the capacity of {self.capacity.max_tokens} per request")
+        self.requests[rid] = _Request(rid, prompt, sampling)
+
+    def cancel(self, rid) -> None:
+        req = self.requests.get(rid)
+        if req is None or req.status not in ("waiting", "running"):
+            raise ValueError(f"cannot cancel unknown or finished request {rid!r}")
+        if req.status == "running":
+            self.alloc.cancel(rid)
+        req.status, req.finish_reason = "cancelled", "cancelled"
+
+    def result(self, rid) -> dict:
+        r = self.requests[rid]
+        return {"id": rid, "prompt_ids": r.prompt, "output_ids": r.output, "status": r.status,
+                "finish_reason": r.finish_reason}
+
+    @property
+    def pending(self) -> bool:
+        return any(r.status in ("waiting", "running") for r in self.requests.values())
+
+    # ------------------------------------------------------------------ rounds
+    def step(self) -> None:
+        """One prefill round (admissions) then one decode round."""
+        t0 = time.perf_counter()
+        for req in [r for r in self.requests.values() if r.status == "waiting"]:
+            need = len(req.prompt) + req.sampling.max_new_tokens - 1      # tokens that enter the cache
+            if not self.alloc.can_admit(max(need, 1)):
+                break                                                     # FIFO: wait for capacity
+            self.alloc.admit(req.rid, max(need, 1))
+            req.status = "running"
+            self._prefill(req)
+        running = [r for r in self.requests.values() if r.status == "running" and r.output]
+        if running:
+            self._decode(running)
+        self.stats["step_s"].append(time.perf_counter() - t0)
+
+    def run(self, max_steps: int = 1_000_000) -> list[dict]:
+        for _ in range(max_steps):
+            if not self.pending:
+                break
+            self.step()
+        return [self.result(rid) for rid in self.requests]
+
+    def _finish_if_done(self, req: _Request) -> None:
+        tok = req.output[-1]
+        if req.sampling.stop_on_eos and tok == self.cfg.eos_token_id:
+            req.status, req.finish_reason = "done", "eos"
+        elif len(req.output) >= req.sampling.max_new_tokens:
+            req.status, req.finish_reason = "done", "length"
+        if req.status == "done":
+            self.alloc.finish(req.rid)
+
+    def _table(self, rid) -> np.ndarray:
+        t = np.full(self.capacity.max_blocks, -1, np.int32)
+        blocks = self.alloc.blocks(rid)
+        t[: len(blocks)] = blocks
+        return t
+
+    def _prefill(self, req: _Request) -> None:
+        t0 = time.perf_counter()
+        cfg, c = self.cfg, self.capacity.prefill_chunk
+        n = len(req.prompt)
+        eng = (engram_hash_ids(cfg, np.asarray([req.prompt]))[0] if cfg.engram_layer_ids
+               else np.zeros((n, 0, 0), np.int32))
+        table, slot = self._table(req.rid), self.alloc.slot(req.rid)
+        last = None
+        for a in range(0, n, c):
+            m = min(c, n - a)
+            tok = np.zeros((c, 1), np.int32)
+            pos = np.zeros((c, 1), np.int32)
+            act = np.zeros((c, 1), bool)
+            ids = np.zeros((c, 1, *eng.shape[1:]), np.int32)
+            tok[:m, 0], pos[:m, 0], act[:m, 0], ids[:m, 0] = req.prompt[a:a + m], np.arange(a, a + m), True, eng[a:a + m]
+            metas = DecodeMetadata(jnp.asarray(tok), jnp.asarray(pos), jnp.full((c, 1), slot, jnp.int32),
+                                   jnp.asarray(np.broadcast_to(table, (c, 1, table.size))), jnp.asarray(act),
+                                   jnp.asarray(ids), 1, self.capacity.max_blocks)
+            logits, self.cache = prefill_chunk(self.params, self.cache, metas, cfg)
+            last = np.asarray(logits[m - 1, 0])
+        req.output.append(sample_token(last, req.sampling, 0))
+        self.stats["prefill_tokens"] += n
+        self.stats["prefill_s"] += time.perf_counter() - t0
+        self._finish_if_done(req)
+
+    def _decode(self, rows: list[_Request]) -> None:
+        t0 = time.perf_counter()
+        cfg, b, mb = self.cfg, self.capacity.max_batch, self.capacity.max_blocks
+        n_eng = len(cfg.engram_layer_ids)
+        tok, pos, slots = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
+        tables, active = np.full((b, mb), -1, np.int32), np.zeros(b, bool)
+        eng = np.zeros((b, n_eng, cfg.engram_hash_heads if n_eng else 0), np.int32)
+        for i, req in enumerate(rows):
+            hist = req.history
+            tok[i], pos[i], slots[i], active[i] = hist[-1], len(hist) - 1, self.alloc.slot(req.rid), True
+            tables[i] = self._table(req.rid)
+            eng[i] = engram_ids_for_last(cfg, hist)
+        meta = DecodeMetadata(*(jnp.asarray(a) for a in (tok, pos, slots, tables, active, eng)), b, mb)
+        logits, self.cache = decode_step(self.params, self.cache, meta, cfg)
+        logits = np.asarray(logits)
+        for i, req in enumerate(rows):
+            req.output.append(sample_token(logits[i], req.sampling, len(req.output)))
+            self._finish_if_done(req)
+        self.stats["decode_steps"] += 1
+        self.stats["decode_tokens"] += len(rows)
+        self.stats["decode_s"] += time.perf_counter() - t0
+
+    @staticmethod
+    def compile_counts() -> dict[str, int]:
+        """Compilations so far of the jitted decode step and prefill chunk (one per bucket expected)."""
+        return {"decode_step": decode_step._cache_size(), "prefill_chunk": prefill_chunk._cache_size()}
