@@ -2,7 +2,9 @@
 
 * ``info``    config summary and the per-layer role table.
 * ``forward`` next-token predictions for a prompt of token ids (full-sequence forward).
-* ``convert SRC DST [--dtype bf16|fp32]`` released layout → orbax checkpoint in the model's tree.
+* ``convert SRC DST [--dtype bf16|fp32] [--keep-quantized]`` released layout → orbax in the model's tree.
+* ``generate [--prompt-ids 1,2,3 ...] [--max-new-tokens N] [--devices N] [--json]`` the serving engine.
+* ``bench decode|prefill [--lengths 64,512,2048] --json`` engine step latency, tokens/s, compile counts.
 
 ``info`` and ``forward`` default to the embedded tiny checkpoint (``checkpoints/tiny-v41``); their
 ``--checkpoint`` takes a converted or a released-layout directory.
@@ -123,6 +125,93 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def _engine(args, capacity):
+    from v41cp.checkpoint import default_checkpoint, open_checkpoint
+    from v41cp.serving.engine import Engine
+
+    mesh = None
+    if getattr(args, "devices", 1) > 1:
+        from v41cp.sharding import make_mesh
+
+        mesh = make_mesh(tp=args.devices)
+    cfg, params = open_checkpoint(args.checkpoint or default_checkpoint(), fake_quant=not args.no_fake_quant)
+    return cfg, Engine(params, cfg, capacity, mesh=mesh)
+
+
+def cmd_generate(args) -> int:
+    from v41cp.serving.engine import Capacity, SamplingParams
+
+    prompts = [[int(t) for t in p.replace(",", " ").split()] for p in (args.prompt_ids or ["5,17,42,99,3"])]
+    longest = max(len(p) for p in prompts) + args.max_new_tokens
+    block = 16
+    cap = Capacity(max_batch=max(len(prompts), 1), max_tokens=-(-longest // block) * block, block_tokens=block)
+    t0 = time.perf_counter()
+    cfg, eng = _engine(args, cap)
+    t_load = time.perf_counter() - t0
+    sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                        seed=args.seed)
+    for i, p in enumerate(prompts):
+        eng.submit(i, p, sp)
+    t0 = time.perf_counter()
+    results = eng.run()
+    wall = time.perf_counter() - t0
+    st = eng.stats
+    timings = {"load_s": round(t_load, 3), "generate_s": round(wall, 3), "prefill_tokens": st["prefill_tokens"],
+               "prefill_s": round(st["prefill_s"], 3), "decode_steps": st["decode_steps"],
+               "decode_tokens": st["decode_tokens"], "decode_s": round(st["decode_s"], 3),
+               "compiles": eng.compile_counts()}
+    if args.json:
+        print(json.dumps({"requests": [{"prompt_ids": r["prompt_ids"], "output_ids": r["output_ids"],
+                                        "finish_reason": r["finish_reason"]} for r in results],
+                          "timings": timings}))
+    else:
+        for r in results:
+            print(f"prompt {r['prompt_ids']} -> {r['output_ids']} ({r['finish_reason']})")
+        print(f"timings: {timings}")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    import numpy as np
+
+    from v41cp.serving.engine import Capacity, SamplingParams
+
+    lengths = [int(x) for x in args.lengths.split(",")]
+    block = 16
+    cap = Capacity(max_batch=args.batch, max_tokens=-(-(max(lengths) + args.steps + 1) // block) * block,
+                   block_tokens=block, prefill_chunk=64)
+    cfg, eng = _engine(args, cap)
+    rng = np.random.default_rng(0)
+    rows = []
+    for n in lengths:
+        for i in range(args.batch):
+            eng.submit((n, i), rng.integers(3, cfg.vocab_size, n).tolist(),
+                       SamplingParams(max_new_tokens=args.steps + 1, stop_on_eos=False))
+        before = dict(eng.stats)
+        eng.step()                                              # prefill round (+ first decode round)
+        prefill_s = eng.stats["prefill_s"] - before["prefill_s"]
+        lat = []
+        while eng.pending:
+            t0 = time.perf_counter()
+            eng.step()
+            lat.append(time.perf_counter() - t0)
+        lat = np.asarray(lat[1:] or lat)                       # the first decode round may compile
+        rows.append({"context": n, "batch": args.batch, "prefill_tokens_per_s": round(n * args.batch / prefill_s, 1),
+                     "decode_step_ms_p50": round(float(np.percentile(lat, 50)) * 1e3, 3),
+                     "decode_step_ms_p90": round(float(np.percentile(lat, 90)) * 1e3, 3),
+                     "decode_step_ms_p99": round(float(np.percentile(lat, 99)) * 1e3, 3),
+                     "decode_tokens_per_s": round(args.batch / float(np.median(lat)), 1)})
+    out = {"bench": args.kind, "capacity": {"max_batch": cap.max_batch, "max_tokens": cap.max_tokens,
+                                             "block_tokens": cap.block_tokens},
+           "rows": rows, "compiles": eng.compile_counts()}
+    if args.kind == "prefill":
+        for r in out["rows"]:
+            for k in [k for k in r if k.startswith("decode")]:
+                r.pop(k)
+    print(json.dumps(out) if args.json else json.dumps(out, indent=1))
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="v41cp", description="DeepSeek-V4.1 in JAX with context parallelism")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -147,7 +236,32 @@ def main(argv=None) -> int:
                    help="keep routed experts FP4 and Engram tables FP8 (decoded inside the forward)")
     c.add_argument("--overwrite", action="store_true")
     c.add_argument("--json", action="store_true", help="print the summary as JSON (no progress bar)")
+    g = sub.add_parser("generate", help="generate tokens with the serving engine")
+    g.add_argument("--checkpoint")
+    g.add_argument("--prompt-ids", action="append", help="comma-separated token ids; repeat for a batch")
+    g.add_argument("--max-new-tokens", type=int, default=8)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--devices", type=int, default=1, help="tensor-parallel devices (a tp mesh)")
+    g.add_argument("--no-fake-quant", action="store_true")
+    g.add_argument("--json", action="store_true")
+    b = sub.add_parser("bench", help="decode / prefill benchmark of the engine (prints JSON)")
+    b.add_argument("kind", choices=("decode", "prefill"))
+    b.add_argument("--checkpoint")
+    b.add_argument("--lengths", default="64,512,2048", help="context lengths")
+    b.add_argument("--batch", type=int, default=1)
+    b.add_argument("--steps", type=int, default=32, help="decode steps per length")
+    b.add_argument("--devices", type=int, default=1)
+    b.add_argument("--no-fake-quant", action="store_true")
+    b.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    if getattr(args, "devices", 1) > 1 and "jax" not in sys.modules:
+        import os
+
+        os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={args.devices}")
+    if args.cmd in ("generate", "bench") and (getattr(args, "max_new_tokens", 1) <= 0):
+        p.error(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
     if args.cmd == "forward":
         args.preset = None
         if args.length <= 0:
@@ -156,7 +270,8 @@ def main(argv=None) -> int:
     from v41cp.config import ConfigError
 
     try:
-        return {"info": cmd_info, "forward": cmd_forward, "convert": cmd_convert}[args.cmd](args)
+        return {"info": cmd_info, "forward": cmd_forward, "convert": cmd_convert, "generate": cmd_generate,
+                "bench": cmd_bench}[args.cmd](args)
     except (ConfigError, CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -236,6 +236,34 @@ def cmd_quant(args):
     print(f"oracle: wrote {args.out}/quant.safetensors")
 
 
+def cmd_greedy(args):
+    """Greedy continuation by full re-forward (the port has no KV cache), timed, for prompts in --prompts
+    (a JSON list of token-id lists), on the released-layout checkpoint --weights."""
+    with open(args.prompts) as f:
+        prompts = json.load(f)
+    with open(os.path.join(args.weights, "config.json")) as f:
+        loaded = json.load(f)
+    text = {k: v for k, v in loaded.get("text_config", loaded).items() if k not in ("fake_quant", "engram_token_map",
+                                                                                   "dtype", "keep_quantized")}
+    _, fast = synthetic_tokenizer(text["vocab_size"])
+    model = build_model(text, 0, fast)
+    load_released_weights(model, args.weights)
+    out = []
+    with torch.no_grad():
+        model(torch.tensor([prompts[0][:8]]))               # warm-up: the first call is much slower
+        for prompt in prompts:
+            seq = torch.tensor([prompt])
+            t0 = time.perf_counter()
+            for _ in range(args.n):
+                nxt = model(seq).logits[:, -1].argmax(-1, keepdim=True)
+                seq = torch.cat([seq, nxt], 1)
+            out.append({"prompt_len": len(prompt), "output_ids": seq[0, len(prompt):].tolist(),
+                        "seconds": time.perf_counter() - t0})
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "greedy.json"), "w") as f:
+        json.dump(out, f)
+
+
 def cmd_dequant(args):
     """The port's own dequantization (dequantize_checkpoint_weight) of every (W, W.scale) pair in --src."""
     from safetensors.torch import load_file
@@ -292,8 +320,14 @@ def main(argv=None):
     d.add_argument("--out", required=True)
     r = sub.add_parser("rope", help="the port's RoPE frequencies")
     r.add_argument("--out", required=True)
+    gr = sub.add_parser("greedy", help="timed greedy continuation by full re-forward")
+    gr.add_argument("--out", required=True)
+    gr.add_argument("--weights", required=True)
+    gr.add_argument("--prompts", required=True)
+    gr.add_argument("--n", type=int, default=16)
     args = p.parse_args(argv)
-    {"model": cmd_model, "quant": cmd_quant, "dequant": cmd_dequant, "rope": cmd_rope}[args.cmd](args)
+    {"model": cmd_model, "quant": cmd_quant, "dequant": cmd_dequant, "rope": cmd_rope,
+     "greedy": cmd_greedy}[args.cmd](args)
 
 
 if __name__ == "__main__":
