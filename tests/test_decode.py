@@ -1,5 +1,6 @@
 """Decode step over the paged caches == the full-sequence forward (teacher forcing), one compile."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -110,3 +111,31 @@ def test_one_compile_over_1000_steps_with_changing_batches():
     assert sizes == {1, 2, 3}
     alloc.check()
 
+
+
+def test_records_decode_to_the_fake_quant_values():
+    from v41cp.quant import fake_quant
+    from v41cp.serving.records import decode, encode, record_bytes
+
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(5, 64)).astype(np.float32)
+                    * np.logspace(-3, 3, 5)[:, None].astype(np.float32))
+    x = x.at[0, :32].set(0.0).at[1, :16].set(jnp.asarray([6.0] + [0.25 * k for k in range(15)]))
+    for fmt, block in (("fp8", 32), ("nvfp4", 16), ("mxfp4", 32)):
+        q, s = encode(x, fmt)
+        assert q.dtype == s.dtype == jnp.uint8 and q.shape[-1] + s.shape[-1] == record_bytes(fmt, 64)
+        np.testing.assert_array_equal(np.asarray(decode(q, s, fmt, jnp.float32)),
+                                      np.asarray(fake_quant(x, fmt, block)))
+    assert (record_bytes("fp8", 512), record_bytes("nvfp4", 512), record_bytes("mxfp4", 128)) == (528, 288, 68)
+
+
+def test_cache_bytes_equal_the_spec():
+    """Exact structure: the record cache of the tiny model holds CacheSpec's bytes per row / block."""
+    from v41cp.serving.cache_spec import CacheSpec
+
+    cfg, _ = load(default_checkpoint())
+    cache = init_cache(cfg, NUM_BLOCKS, BLOCK, MAX_BATCH)
+    spec = CacheSpec(cfg, block_tokens=BLOCK)
+    swa = sum(a.nbytes for a in jax.tree.leaves(cache["swa"]))
+    assert swa == MAX_BATCH * spec.swa_bytes_per_request
+    glob = sum(a.nbytes for part in ("ckv", "ikey") for a in jax.tree.leaves(cache[part]))
+    assert glob == NUM_BLOCKS * spec.block_bytes

@@ -5,11 +5,11 @@ only on capacity (`DecodeMetadata` static fields ``max_batch`` / ``max_blocks``,
 ``num_blocks``), never on current lengths, so the step compiles once per bucket; metadata is refreshed
 on the host every step. Inactive rows write nothing (their scatter indices point out of bounds).
 
-Cache (`init_cache`), all fake-quant values already applied (the math's values; record packing into
-the release's byte formats is a later step):
+Cache (`init_cache`): either the release's byte records (FP8 window rows 528 B, NVFP4 compressed KV
+288 B, MXFP4 index keys 68 B at the released dims; `v41cp.serving.records`) or plain values:
 
-* ``swa [L, max_batch, W, D]`` — ring row ``p % W`` holds window KV of position ``p``;
-* ``ckv[g] [num_blocks, block_tokens / r, D]`` and ``ikey[g] [num_blocks, block_tokens / r, Di]`` per
+* ``swa [L, max_batch, W, ·]`` — ring row ``p % W`` holds window KV of position ``p``;
+* ``ckv[g] [num_blocks, block_tokens / r, ·]`` and ``ikey[g] [num_blocks, block_tokens / r, ·]`` per
   KV source ``g`` — entry ``j`` lives in block ``block_table[j // epb]`` at ``j % epb``;
 * ``open_kv[g] / open_score[g] [max_batch, D]`` FP32 — the open ratio-2 group's first row.
 
@@ -39,6 +39,7 @@ from v41cp.layers.mhc import HyperConnection, collapse, expand
 from v41cp.layers.moe import MoE
 from v41cp.layers.rope import apply_rope, rope_angles
 from v41cp.quant import fp8_block32, mxfp4_block32, nvfp4_block16
+from v41cp.serving.records import RECORD_FORMATS, decode, encode
 
 __all__ = ["DecodeMetadata", "init_cache", "decode_step", "prefill_chunk", "engram_ids_for_last"]
 
@@ -77,25 +78,67 @@ def _groups(cfg: ModelConfig) -> list[LayerRole]:
     return [r for r in cfg.layer_roles if r.is_kv_source]
 
 
-def init_cache(cfg: ModelConfig, num_blocks: int, block_tokens: int, max_batch: int, sharding=None) -> dict:
+def init_cache(cfg: ModelConfig, num_blocks: int, block_tokens: int, max_batch: int, sharding=None,
+               records: bool | None = None) -> dict:
     """Zeroed decode cache for ``num_blocks`` logical blocks of ``block_tokens`` tokens and ``max_batch`` slots,
-    committed to ``sharding`` (default: the first device) so that every step sees the same input types."""
+    committed to ``sharding`` (default: the first device) so that every step sees the same input types.
+
+    ``records`` (default: ``cfg.fake_quant``) stores the release's byte records (`v41cp.serving.records`:
+    FP8 window rows, NVFP4 compressed KV, MXFP4 index keys; each a ``{"q", "s"}`` pair of uint8 arrays);
+    otherwise values are stored in the model dtype (fake-quantized when ``cfg.fake_quant``).
+    """
     dt = dtype_of(cfg.dtype)
+    records = cfg.fake_quant if records is None else records
+    if records and not cfg.fake_quant:
+        raise ValueError("byte records are the fake-quant formats: records=True needs cfg.fake_quant")
     d, di = cfg.head_dim, cfg.index_head_dim
-    cache = {"swa": jnp.zeros((cfg.num_hidden_layers, max_batch, cfg.sliding_window, d), dt),
+
+    def store(shape, fmt):
+        if not records:
+            return jnp.zeros((*shape, {"fp8": d, "nvfp4": d, "mxfp4": di}[fmt]), dt)
+        c = {"fp8": d, "nvfp4": d, "mxfp4": di}[fmt]
+        block = RECORD_FORMATS[fmt][0]
+        return {"q": jnp.zeros((*shape, c if fmt == "fp8" else c // 2), jnp.uint8),
+                "s": jnp.zeros((*shape, c // block), jnp.uint8)}
+
+    cache = {"swa": store((cfg.num_hidden_layers, max_batch, cfg.sliding_window), "fp8"),
              "ckv": {}, "ikey": {}, "open_kv": {}, "open_score": {}}
     for g in _groups(cfg):
         if block_tokens % g.ratio:
             raise ValueError(f"block_tokens={block_tokens} is not a multiple of layer {g.index}'s ratio {g.ratio}")
         epb = block_tokens // g.ratio
-        cache["ckv"][str(g.index)] = jnp.zeros((num_blocks, epb, d), dt)
-        cache["ikey"][str(g.index)] = jnp.zeros((num_blocks, epb, di), dt)
+        cache["ckv"][str(g.index)] = store((num_blocks, epb), "nvfp4")
+        cache["ikey"][str(g.index)] = store((num_blocks, epb), "mxfp4")
         if g.ratio > 1:
             if g.ratio != 2:
                 raise ValueError(f"the decode cache supports compress ratios 1 and 2, layer {g.index} has {g.ratio}")
             cache["open_kv"][str(g.index)] = jnp.zeros((max_batch, d), jnp.float32)
             cache["open_score"][str(g.index)] = jnp.zeros((max_batch, d), jnp.float32)
     return jax.device_put(cache, sharding or jax.devices()[0])
+
+
+_FAKE_QUANT = {"fp8": fp8_block32, "nvfp4": nvfp4_block16, "mxfp4": mxfp4_block32}
+
+
+def _write(cfg: ModelConfig, store, idx: tuple, values: jax.Array, fmt: str):
+    """Scatter ``values`` (pre-quantization) into ``store`` at ``idx`` (out-of-bounds = dropped)."""
+    if isinstance(store, dict):
+        q, sc = encode(values, fmt)
+        return {"q": store["q"].at[idx].set(q, mode="drop"), "s": store["s"].at[idx].set(sc, mode="drop")}
+    if cfg.fake_quant:
+        values = _FAKE_QUANT[fmt](values)
+    return store.at[idx].set(values.astype(store.dtype), mode="drop")
+
+
+def _read(store, fmt: str, dtype, select) -> jax.Array:
+    """``select`` (an indexing function) applied to the store, decoded to values."""
+    if isinstance(store, dict):
+        return decode(select(store["q"]), select(store["s"]), fmt, dtype)
+    return select(store)
+
+
+def _store_rows(store) -> int:
+    return (store["q"] if isinstance(store, dict) else store).shape[0]
 
 
 def _dense(x, w):
@@ -105,8 +148,9 @@ def _dense(x, w):
 class _Step:
     """One decode step's shared quantities (shapes: B = meta.max_batch rows; the cache has ``n_slots``)."""
 
-    def __init__(self, cfg: ModelConfig, meta: DecodeMetadata, num_blocks: int, n_slots: int):
+    def __init__(self, cfg: ModelConfig, meta: DecodeMetadata, num_blocks: int, n_slots: int, block_tokens: int):
         self.cfg, self.meta, self.num_blocks, self.n_slots = cfg, meta, num_blocks, n_slots
+        self.block_tokens = block_tokens
         self.pos = meta.positions
         # out-of-bounds targets drop the writes of inactive rows
         self.slot_w = jnp.where(meta.active, meta.slots, n_slots)
@@ -124,11 +168,9 @@ def _attention(cfg: ModelConfig, role: LayerRole, p: dict, x: jax.Array, cache: 
     qr = rms_norm(_dense(x, p["wq_a"]), p["q_norm"]["weight"], cfg.rms_norm_eps)
     q = apply_rope(jnp.einsum("br,rnd->bnd", qr, p["wq_b"].astype(qr.dtype))[:, None], angles)   # [B,1,H,D]
     kv = apply_rope(rms_norm(_dense(x, p["wkv"]), p["kv_norm"]["weight"], cfg.rms_norm_eps)[:, None], angles)
-    if cfg.fake_quant:
-        kv = fp8_block32(kv)
-    swa = cache["swa"].at[role.index, st.slot_w, pos % w].set(kv[:, 0], mode="drop")
+    swa = _write(cfg, cache["swa"], (role.index, st.slot_w, pos % w), kv[:, 0], "fp8")
     cache = {**cache, "swa": swa}
-    ring = swa[role.index][st.slot_r]                                         # [B,W,D]
+    ring = _read(swa, "fp8", kv.dtype, lambda a: a[role.index][st.slot_r])   # [B,W,D]
     k = jnp.arange(w)
     ring_pos = pos[:, None] - ((pos[:, None] - k[None, :]) % w)               # position held by ring row k
     keys, valid = ring[:, None], (ring_pos >= 0)[:, None]                      # [B,1,W,D], [B,1,W]
@@ -179,20 +221,17 @@ def _update_compressed(cfg, role, p, x, qr, angles, cache, st: _Step, state):
             emits = meta.active & (pos % r == r - 1)
         cang = rope_angles(cfg, (j * r)[:, None], True)                       # [B,1,P]
         ckv = apply_rope(latent[:, None], cang)
-        if cfg.fake_quant:
-            ckv = nvfp4_block16(ckv)
         ik = rms_norm(_dense(latent, p["indexer"]["wk"]), p["indexer"]["k_norm"]["weight"], cfg.rms_norm_eps)
         ik = apply_rope(ik[:, None], cang)
-        if cfg.fake_quant:
-            ik = mxfp4_block32(ik)
-        epb = cache["ckv"][src].shape[1]
+        epb = st.block_tokens // r
         blk = jnp.take_along_axis(meta.block_tables, (j // epb)[:, None], axis=1)[:, 0]
         blk = jnp.where(emits, blk, st.num_blocks)
         cache = {**cache,
-                 "ckv": {**cache["ckv"], src: cache["ckv"][src].at[blk, j % epb].set(ckv[:, 0], mode="drop")},
-                 "ikey": {**cache["ikey"], src: cache["ikey"][src].at[blk, j % epb].set(ik[:, 0], mode="drop")}}
-        state = {"ckv": _gather_group(cache["ckv"][src], meta.block_tables),
-                 "ikey": _gather_group(cache["ikey"][src], meta.block_tables)}
+                 "ckv": {**cache["ckv"], src: _write(cfg, cache["ckv"][src], (blk, j % epb), ckv[:, 0], "nvfp4")},
+                 "ikey": {**cache["ikey"], src: _write(cfg, cache["ikey"][src], (blk, j % epb), ik[:, 0], "mxfp4")}}
+        gather = lambda a: _gather_group(a, meta.block_tables)
+        state = {"ckv": _read(cache["ckv"][src], "nvfp4", x.dtype, gather),
+                 "ikey": _read(cache["ikey"][src], "mxfp4", x.dtype, gather)}
     if role.is_index_source:
         keys = state["ikey"]                                                   # [B,G,Di]
         g = keys.shape[1]
@@ -236,8 +275,12 @@ def _block(cfg: ModelConfig, i: int, p: dict, streams, pre_prev, cache, st: _Ste
 
 def _step_body(params: dict, cache: dict, meta: DecodeMetadata, cfg: ModelConfig):
     with jax.default_matmul_precision("highest" if cfg.dtype == "float32" else "default"):
-        num_blocks = next(iter(cache["ckv"].values())).shape[0] if cache["ckv"] else 0
-        st = _Step(cfg, meta, num_blocks, cache["swa"].shape[1])
+        groups = _groups(cfg)
+        first = cache["ckv"][str(groups[0].index)] if groups else None
+        num_blocks = _store_rows(first) if groups else 0
+        epb = (first["s"] if isinstance(first, dict) else first).shape[1] if groups else 0
+        swa = cache["swa"]["q"] if isinstance(cache["swa"], dict) else cache["swa"]
+        st = _Step(cfg, meta, num_blocks, swa.shape[1], epb * groups[0].ratio if groups else 0)
         b = meta.max_batch
         x = jnp.take(params["embed"], meta.tokens, axis=0)[:, None]            # [B,1,H]
         streams = jnp.broadcast_to(x[:, :, None, :], (b, 1, cfg.hc_mult, cfg.hidden_size))

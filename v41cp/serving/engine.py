@@ -15,7 +15,6 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
