@@ -108,3 +108,31 @@ def test_full_engine_queues_instead_of_corrupting(tiny):
     out = {r["id"]: r["output_ids"] for r in eng.run()}
     assert out["a"] == out["b"] == out["c"] == out["d"]
     assert Engine.compile_counts()["decode_step"] >= 1
+
+
+def test_ced_narrowed_prefill_equals_full_prefill(tiny):
+    """CED: rows before the decoder's dependency halo (W + (L-1)(W-1) = 15 rows here) run only the encoder
+    and the boundary layer's cache prepass; the generated tokens equal full-recompute greedy."""
+    import dataclasses
+
+    from v41cp.serving.decode import ced_boundary, ced_rows
+
+    cfg, params = tiny
+    assert ced_boundary(cfg) == 4 and ced_rows(cfg) == 15
+    rng = np.random.default_rng(9)
+    prompts = {n: rng.integers(3, 256, n).tolist() for n in (16, 30, 41)}
+    eng = Engine(params, cfg, dataclasses.replace(CAP, ced=True))
+    full = Engine(params, cfg, CAP)
+    for e in (eng, full):
+        for n, p in prompts.items():
+            e.submit(n, p, SamplingParams(max_new_tokens=5, stop_on_eos=False))
+    while eng.pending:                                   # step both in lock-step and compare every logit row
+        eng.step()
+        full.step()
+        for n in prompts:
+            a, b = eng.requests[n].last_logits, full.requests[n].last_logits
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max())
+    out = {r["id"]: r["output_ids"] for r in eng.run()}
+    assert eng.stats["ced_encoder_only_rows"] == (16 - 15) + (30 - 15) + (41 - 15)
+    for n, p in prompts.items():
+        assert out[n] == _greedy_by_recompute(params, cfg, p, 5), n

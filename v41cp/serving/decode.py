@@ -41,7 +41,8 @@ from v41cp.layers.rope import apply_rope, rope_angles
 from v41cp.quant import fp8_block32, mxfp4_block32, nvfp4_block16
 from v41cp.serving.records import RECORD_FORMATS, decode, encode
 
-__all__ = ["DecodeMetadata", "init_cache", "decode_step", "prefill_chunk", "engram_ids_for_last"]
+__all__ = ["DecodeMetadata", "init_cache", "decode_step", "prefill_chunk", "engram_ids_for_last", "ced_boundary",
+           "ced_rows"]
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["tokens", "positions", "slots", "block_tables", "active",
@@ -157,8 +158,10 @@ class _Step:
         self.slot_r = jnp.clip(meta.slots, 0, n_slots - 1)
 
 
-def _attention(cfg: ModelConfig, role: LayerRole, p: dict, x: jax.Array, cache: dict, st: _Step, state: dict):
-    """Cached CSA2 attention of one layer for ``x [B, H]`` (attention-normed) → ``([B, H], cache, state)``."""
+def _attention(cfg: ModelConfig, role: LayerRole, p: dict, x: jax.Array, cache: dict, st: _Step, state: dict,
+               cache_only: bool = False):
+    """Cached CSA2 attention of one layer for ``x [B, H]`` (attention-normed) → ``([B, H], cache, state)``.
+    ``cache_only``: write this layer's caches (window KV, compressed KV, index keys) and stop (CED prepass)."""
     dt = dtype_of(cfg.dtype)
     meta, pos = st.meta, st.pos
     b = meta.max_batch
@@ -170,6 +173,10 @@ def _attention(cfg: ModelConfig, role: LayerRole, p: dict, x: jax.Array, cache: 
     kv = apply_rope(rms_norm(_dense(x, p["wkv"]), p["kv_norm"]["weight"], cfg.rms_norm_eps)[:, None], angles)
     swa = _write(cfg, cache["swa"], (role.index, st.slot_w, pos % w), kv[:, 0], "fp8")
     cache = {**cache, "swa": swa}
+    if cache_only:
+        if compressed:
+            cache, state = _update_compressed(cfg, role, p, x, qr, angles, cache, st, state, keys_only=True)
+        return None, cache, state
     ring = _read(swa, "fp8", kv.dtype, lambda a: a[role.index][st.slot_r])   # [B,W,D]
     k = jnp.arange(w)
     ring_pos = pos[:, None] - ((pos[:, None] - k[None, :]) % w)               # position held by ring row k
@@ -195,7 +202,7 @@ def _gather_group(pages: jax.Array, tables: jax.Array) -> jax.Array:
     return got.reshape(tables.shape[0], -1, pages.shape[-1])
 
 
-def _update_compressed(cfg, role, p, x, qr, angles, cache, st: _Step, state):
+def _update_compressed(cfg, role, p, x, qr, angles, cache, st: _Step, state, keys_only: bool = False):
     meta, pos = st.meta, st.pos
     src = str(role.kv_source)
     if role.is_kv_source:
@@ -230,6 +237,8 @@ def _update_compressed(cfg, role, p, x, qr, angles, cache, st: _Step, state):
                  "ckv": {**cache["ckv"], src: _write(cfg, cache["ckv"][src], (blk, j % epb), ckv[:, 0], "nvfp4")},
                  "ikey": {**cache["ikey"], src: _write(cfg, cache["ikey"][src], (blk, j % epb), ik[:, 0], "mxfp4")}}
         gather = lambda a: _gather_group(a, meta.block_tables)
+        if keys_only:
+            return cache, state
         state = {"ckv": _read(cache["ckv"][src], "nvfp4", x.dtype, gather),
                  "ikey": _read(cache["ikey"][src], "mxfp4", x.dtype, gather)}
     if role.is_index_source:
@@ -273,7 +282,28 @@ def _block(cfg: ModelConfig, i: int, p: dict, streams, pre_prev, cache, st: _Ste
     return expand(z, streams, post_f, comb_f), pre_f, cache, state
 
 
-def _step_body(params: dict, cache: dict, meta: DecodeMetadata, cfg: ModelConfig):
+def ced_boundary(cfg: ModelConfig) -> int | None:
+    """The CED boundary layer: the ratio-1 KV source after which every layer is a ratio-1 consumer (its
+    decoder depends on other tokens only through its window and that source's frozen global KV), or None."""
+    roles = cfg.layer_roles
+    for r in roles:
+        if r.ratio == 1 and r.is_kv_source:
+            rest = roles[r.index + 1:]
+            if all(x.ratio == 1 and not x.is_kv_source for x in rest):
+                return r.index
+            return None
+    return None
+
+
+def ced_rows(cfg: ModelConfig) -> int:
+    """Rows before the end of a prefill that must run the decoder layers (the dependency halo):
+    ``W + (L − 1)(W − 1)`` with L = the decoder layers from the CED boundary on."""
+    b = ced_boundary(cfg)
+    layers = cfg.num_hidden_layers - b
+    return cfg.sliding_window + (layers - 1) * (cfg.sliding_window - 1)
+
+
+def _step_body(params: dict, cache: dict, meta: DecodeMetadata, cfg: ModelConfig, encoder_only: bool = False):
     with jax.default_matmul_precision("highest" if cfg.dtype == "float32" else "default"):
         groups = _groups(cfg)
         first = cache["ckv"][str(groups[0].index)] if groups else None
@@ -286,9 +316,20 @@ def _step_body(params: dict, cache: dict, meta: DecodeMetadata, cfg: ModelConfig
         streams = jnp.broadcast_to(x[:, :, None, :], (b, 1, cfg.hc_mult, cfg.hidden_size))
         pre = jnp.zeros((b, 1, cfg.hc_mult), jnp.float32).at[..., 0].set(1.0)
         state: dict = {}
-        for i in range(cfg.num_hidden_layers):
+        last = ced_boundary(cfg) if encoder_only else cfg.num_hidden_layers
+        for i in range(last):
             streams, pre, cache, state = _block(cfg, i, params[f"layers_{i}"], streams, pre, cache, st, state,
                                                 meta.engram_ids)
+        if encoder_only:                       # CED: the boundary layer's cache-only prepass, no decoder
+            p = params[f"layers_{last}"]
+            role = cfg.layer_roles[last]
+            if role.engram_slot >= 0:
+                streams = Engram(cfg, role.engram_slot).apply({"params": p["engram"]}, streams,
+                                                               meta.engram_ids[:, None, role.engram_slot])
+            x = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype_of(cfg.dtype)).apply(
+                {"params": p["attn_norm"]}, collapse(streams, pre))
+            _, cache, _ = _attention(cfg, role, p["attn"], x[:, 0], cache, st, state, cache_only=True)
+            return jnp.zeros((b, cfg.vocab_size), jnp.float32), cache
         h = rms_norm(collapse(streams, pre), params["norm"]["weight"], cfg.rms_norm_eps)
         logits = jnp.einsum("bsh,hv->bsv", h.astype(jnp.float32), params["head"],
                             precision=jax.lax.Precision.HIGHEST)[:, 0]
@@ -301,14 +342,16 @@ def decode_step(params: dict, cache: dict, meta: DecodeMetadata, cfg: ModelConfi
     return _step_body(params, cache, meta, cfg)
 
 
-@partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def prefill_chunk(params: dict, cache: dict, metas: DecodeMetadata, cfg: ModelConfig):
+@partial(jax.jit, static_argnames=("cfg", "encoder_only"), donate_argnames=("cache",))
+def prefill_chunk(params: dict, cache: dict, metas: DecodeMetadata, cfg: ModelConfig, encoder_only: bool = False):
     """Feed a chunk of tokens through the cached path in order: ``metas`` holds one `DecodeMetadata` per
     token along a leading chunk axis (padding tokens inactive). Returns (logits of every chunk position
     ``[chunk, max_batch, vocab]``, cache). Exact by construction (token-serial over the caches), so a chunk
-    may split pages and compression groups anywhere; a chunk-parallel kernel path is future work."""
+    may split pages and compression groups anywhere; a chunk-parallel kernel path is future work.
+    ``encoder_only`` (CED narrowing): run the layers before the CED boundary and the boundary layer's
+    cache-only prepass (its global KV and index keys), skipping the decoder; logits are then zeros."""
     def body(c, m):
-        logits, c = _step_body(params, c, m, cfg)
+        logits, c = _step_body(params, c, m, cfg, encoder_only)
         return c, logits
 
     cache, logits = jax.lax.scan(body, cache, metas)

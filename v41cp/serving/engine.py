@@ -21,7 +21,8 @@ import numpy as np
 from v41cp.config import ModelConfig
 from v41cp.engram_hash import engram_hash_ids
 from v41cp.serving.allocator import BlockAllocator
-from v41cp.serving.decode import DecodeMetadata, decode_step, engram_ids_for_last, init_cache, prefill_chunk
+from v41cp.serving.decode import (DecodeMetadata, ced_boundary, ced_rows, decode_step, engram_ids_for_last,
+                                  init_cache, prefill_chunk)
 
 __all__ = ["Capacity", "SamplingParams", "Engine", "sample_token"]
 
@@ -35,6 +36,7 @@ class Capacity:
     block_tokens: int = 16
     num_blocks: int | None = None          # default: enough for max_batch full requests
     prefill_chunk: int = 32
+    ced: bool = False                      # CED narrowing of prefill (exact; off by default)
 
     def __post_init__(self):
         for name in ("max_batch", "max_tokens", "block_tokens", "prefill_chunk"):
@@ -68,6 +70,7 @@ class _Request:
     output: list[int] = field(default_factory=list)
     status: str = "waiting"                # waiting | running | done | cancelled
     finish_reason: str | None = None
+    last_logits: np.ndarray | None = None  # FP32 logits that produced the latest output token
 
     @property
     def history(self) -> list[int]:
@@ -107,7 +110,7 @@ class Engine:
         self.alloc = BlockAllocator(capacity.blocks, capacity.block_tokens, capacity.max_batch, capacity.max_blocks)
         self.requests: "OrderedDict[object, _Request]" = OrderedDict()
         self.stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_steps": 0, "decode_tokens": 0,
-                      "decode_s": 0.0, "step_s": []}
+                      "decode_s": 0.0, "step_s": [], "ced_encoder_only_rows": 0}
 
     # ------------------------------------------------------------------ requests
     def submit(self, rid, prompt_ids, sampling: SamplingParams = SamplingParams()) -> None:
@@ -194,9 +197,13 @@ class Engine:
         eng = (engram_hash_ids(cfg, np.asarray([req.prompt]))[0] if cfg.engram_layer_ids
                else np.zeros((n, 0, 0), np.int32))
         table, slot = self._table(req.rid), self.alloc.slot(req.rid)
+        # CED narrowing: rows before the decoder's dependency halo run the encoder (+ boundary prepass) only
+        encoder_rows = max(0, n - ced_rows(cfg)) if self.capacity.ced and ced_boundary(cfg) is not None else 0
+        spans = [(a, min(a + c, encoder_rows), True) for a in range(0, encoder_rows, c)]
+        spans += [(a, min(a + c, n), False) for a in range(encoder_rows, n, c)]
         last = None
-        for a in range(0, n, c):
-            m = min(c, n - a)
+        for a, end, encoder_only in spans:
+            m = end - a
             tok = np.zeros((c, 1), np.int32)
             pos = np.zeros((c, 1), np.int32)
             act = np.zeros((c, 1), bool)
@@ -205,10 +212,13 @@ class Engine:
             metas = DecodeMetadata(jnp.asarray(tok), jnp.asarray(pos), jnp.full((c, 1), slot, jnp.int32),
                                    jnp.asarray(np.broadcast_to(table, (c, 1, table.size))), jnp.asarray(act),
                                    jnp.asarray(ids), 1, self.capacity.max_blocks)
-            logits, self.cache = prefill_chunk(self.params, self.cache, metas, cfg)
-            last = np.asarray(logits[m - 1, 0])
+            logits, self.cache = prefill_chunk(self.params, self.cache, metas, cfg, encoder_only)
+            if not encoder_only:
+                last = np.asarray(logits[m - 1, 0])
+        req.last_logits = last
         req.output.append(sample_token(last, req.sampling, 0))
         self.stats["prefill_tokens"] += n
+        self.stats["ced_encoder_only_rows"] += encoder_rows
         self.stats["prefill_s"] += time.perf_counter() - t0
         self._finish_if_done(req)
 
@@ -228,6 +238,7 @@ class Engine:
         logits, self.cache = decode_step(self.params, self.cache, meta, cfg)
         logits = np.asarray(logits)
         for i, req in enumerate(rows):
+            req.last_logits = logits[i]
             req.output.append(sample_token(logits[i], req.sampling, len(req.output)))
             self._finish_if_done(req)
         self.stats["decode_steps"] += 1
