@@ -136,3 +136,36 @@ def test_ced_narrowed_prefill_equals_full_prefill(tiny):
     assert eng.stats["ced_encoder_only_rows"] == (16 - 15) + (30 - 15) + (41 - 15)
     for n, p in prompts.items():
         assert out[n] == _greedy_by_recompute(params, cfg, p, 5), n
+
+
+def test_engine_on_tp_mesh_equals_single_device(tiny):
+    """Plain TP: 4 devices (the tiny model's 4 heads / experts), same tokens and logits as one device."""
+    from v41cp.sharding import make_mesh
+
+    cfg, params = tiny
+    mesh = make_mesh(tp=4, devices=jax.devices()[:4])
+    prompts = {"a": [5, 6, 7, 8, 9, 10, 11], "b": list(range(20, 37))}
+    engines = [Engine(params, cfg, CAP), Engine(params, cfg, CAP, mesh=mesh)]
+    assert engines[1].params["layers_1"]["attn"]["wq_b"].sharding.spec[1] == "tp"
+    for e in engines:
+        for rid, p in prompts.items():
+            e.submit(rid, p, SamplingParams(max_new_tokens=4, stop_on_eos=False))
+    while engines[0].pending:
+        for e in engines:
+            e.step()
+        for rid in prompts:
+            a, b = engines[1].requests[rid].last_logits, engines[0].requests[rid].last_logits
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max())
+    assert [engines[1].result(r)["output_ids"] for r in prompts] == [engines[0].result(r)["output_ids"] for r in prompts]
+
+
+def test_engine_rejects_when_the_queue_is_full(tiny):
+    import dataclasses
+
+    cfg, params = tiny
+    eng = Engine(params, cfg, dataclasses.replace(CAP, max_waiting=2))
+    eng.submit(1, [5, 6], SamplingParams(max_new_tokens=2))
+    eng.submit(2, [5, 6], SamplingParams(max_new_tokens=2))
+    with pytest.raises(ValueError, match="request 3 rejected: the engine is full"):
+        eng.submit(3, [5, 6], SamplingParams(max_new_tokens=2))
+    assert [r["status"] for r in eng.run()] == ["done", "done"]

@@ -1,7 +1,7 @@
 """Continuous-batching engine over the static-capacity decode step (issue 4, reference path).
 
 `Engine(params, cfg, capacity, mesh=None)`: `submit` validates a request (errors name the offending
-value and change nothing) and queues it; every `step` first admits queued requests that fit (FIFO;
+value and change nothing) and queues it, or rejects it when ``max_waiting`` requests already wait; every `step` first admits queued requests that fit (FIFO;
 each reserves the blocks for its whole prompt + output budget, so no running request is ever
 preempted) and prefills them (a prefill round, chunk by chunk), then runs one decode round for every
 running request. Sampling is greedy, or temperature / top-p with a per-request seed (deterministic:
@@ -37,6 +37,7 @@ class Capacity:
     num_blocks: int | None = None          # default: enough for max_batch full requests
     prefill_chunk: int = 32
     ced: bool = False                      # CED narrowing of prefill (exact; off by default)
+    max_waiting: int = 64                  # queued requests beyond this are rejected at submit
 
     def __post_init__(self):
         for name in ("max_batch", "max_tokens", "block_tokens", "prefill_chunk"):
@@ -129,6 +130,9 @@ class Engine:
         if not (sampling.temperature >= 0 and 0 < sampling.top_p <= 1):
             raise ValueError(f"request {rid!r}: temperature must be >= 0 and top_p in (0, 1], got "
                              f"{sampling.temperature!r} / {sampling.top_p!r}")
+        waiting = sum(r.status == "waiting" for r in self.requests.values())
+        if waiting >= self.capacity.max_waiting:
+            raise ValueError(f"request {rid!r} rejected: the engine is full ({waiting} requests already queued)")
         total = len(prompt) + sampling.max_new_tokens
         if total > self.capacity.max_tokens:
             raise ValueError(f"request {rid!r}: prompt ({len(prompt)}) + max_new_tokens ({sampling.max_new_tokens}) "
