@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["pow2ceil", "fake_quant", "fp8_block32", "nvfp4_block16", "mxfp4_block32", "E2M1_LEVELS", "FP4_TABLE"]
+__all__ = ["pow2ceil", "e2m1_magnitude_code", "fake_quant", "fp8_block32", "nvfp4_block16", "mxfp4_block32", "E2M1_LEVELS", "FP4_TABLE"]
 
 E2M1_LEVELS = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 # e2m1 code (4 bits, sign in bit 3) → value, as the release's checkpoint decoder: code 8 is +0
@@ -36,14 +36,18 @@ def pow2ceil(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type((exponent + increment) << 23, jnp.float32)
 
 
-def _round_e2m1(normalized: jax.Array) -> jax.Array:
-    """Round values in [-6, 6] to the e2m1 grid with ties to the even code."""
+def e2m1_magnitude_code(normalized: jax.Array) -> jax.Array:
+    """Code 0..7 of the e2m1 magnitude nearest ``|normalized|`` (values in [-6, 6]), ties to the even code."""
     mag = jnp.abs(normalized)
     mids = jnp.asarray(_E2M1_MIDPOINTS)
     lower = jnp.sum(mag[..., None] > mids, axis=-1)              # number of midpoints strictly below
     tie = mag == mids[jnp.minimum(lower, 6)]
-    code = lower + (tie & (lower % 2 == 1)).astype(lower.dtype)
-    return jnp.copysign(jnp.asarray(E2M1_LEVELS)[code], normalized)
+    return lower + (tie & (lower % 2 == 1)).astype(lower.dtype)
+
+
+def _round_e2m1(normalized: jax.Array) -> jax.Array:
+    """Round values in [-6, 6] to the e2m1 grid with ties to the even code."""
+    return jnp.copysign(jnp.asarray(E2M1_LEVELS)[e2m1_magnitude_code(normalized)], normalized)
 
 
 def fake_quant(x: jax.Array, fmt: str, block: int) -> jax.Array:

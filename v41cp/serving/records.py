@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from v41cp.quant import FP4_TABLE, pow2ceil
+from v41cp.quant import FP4_TABLE, e2m1_magnitude_code, pow2ceil
 
 __all__ = ["RECORD_FORMATS", "encode", "decode", "record_bytes"]
 
 # format → (block, scale kind)
 RECORD_FORMATS = {"fp8": (32, "e8m0"), "nvfp4": (16, "e4m3"), "mxfp4": (32, "e8m0")}
-_MIDS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)
 
 
 def record_bytes(fmt: str, channels: int) -> int:
@@ -60,10 +58,7 @@ def encode(x: jax.Array, fmt: str) -> tuple[jax.Array, jax.Array]:
         scale = pow2ceil(jnp.maximum(amax, jnp.float32(6 * 2.0**-126)) * jnp.float32(1 / 6))
         scale_bytes = _e8m0_byte(scale)[..., 0]
     v = jnp.clip(g / scale, -6.0, 6.0)
-    mag = jnp.abs(v)
-    lower = jnp.sum(mag[..., None] > jnp.asarray(_MIDS), axis=-1)
-    tie = mag == jnp.asarray(_MIDS)[jnp.minimum(lower, 6)]
-    code = (lower + (tie & (lower % 2 == 1))).astype(jnp.uint8)
+    code = e2m1_magnitude_code(v).astype(jnp.uint8)
     code = jnp.where(jnp.signbit(v) & (code > 0), code + 8, code).astype(jnp.uint8).reshape(x.shape)
     payload = code[..., 0::2] | (code[..., 1::2] << 4)
     return payload.astype(jnp.uint8), scale_bytes
