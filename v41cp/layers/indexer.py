@@ -18,7 +18,7 @@ from v41cp.layers.common import RMSNorm, declare, dtype_of
 from v41cp.layers.rope import apply_rope
 from v41cp.quant import mxfp4_block32
 
-__all__ = ["Indexer", "select_candidate_blocks", "topk_select"]
+__all__ = ["Indexer", "select_candidate_blocks", "select_positions", "topk_select"]
 
 
 def select_candidate_blocks(scores: jax.Array, visible_len: jax.Array, topk_blocks: int,
@@ -48,6 +48,38 @@ def topk_select(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     vals, idx = jax.lax.top_k(scores, k)
     idx = jnp.where(vals > -jnp.inf, idx, -1)
     return idx.astype(jnp.int32), vals
+
+
+def select_positions(cfg: ModelConfig, role: LayerRole, wq_b, w_proj, x, qr, angles, keys, positions, candidates):
+    """Score queries against index keys and select (shared by the full-sequence and the cached path).
+
+    Args:
+      wq_b ``[q_lora, index_heads, index_head_dim]``, w_proj ``[H, index_heads]``: the layer's weights.
+      x ``[B,S,H]``, qr ``[B,S,q_lora]``, angles ``[B,S,P]``: query rows; positions ``[B|1, S]`` their positions.
+      keys ``[B,G,index_head_dim]``: index keys in entry order (entries past a row's history are masked).
+      candidates ``[B,S,G]`` bool or None: the candidate source's mask.
+    Returns: ``(topk [B,S,min(index_topk, G)] int32, candidates, scores [B,S,G])``.
+    """
+    b, s, _ = x.shape
+    g = keys.shape[1]
+    q = apply_rope(jnp.einsum("bsr,rhe->bshe", qr, wq_b.astype(qr.dtype)), angles)
+    if cfg.fake_quant:
+        q = mxfp4_block32(q)
+    weights = jnp.einsum("bsh,hn->bsn", x, w_proj.astype(x.dtype)) * (
+        cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
+    visible_len = jnp.broadcast_to(((positions + 1) // role.ratio)[..., None], (b, s, 1))
+    allowed = jnp.arange(g)[None, None, :] < visible_len                            # [B,S,G]
+    raw = jnp.einsum("bshe,bge->bshg", q.astype(jnp.float32), keys.astype(jnp.float32),
+                     precision=jax.lax.Precision.HIGHEST)
+    scores = jnp.sum(jax.nn.relu(raw) * weights.astype(jnp.float32)[..., None], axis=2)
+    scores = jnp.where(allowed, scores, -jnp.inf)
+    if role.candidate_source:
+        candidates = select_candidate_blocks(scores, visible_len, cfg.candidate_topk_blocks,
+                                             cfg.candidate_block_size) & allowed
+    elif role.uses_candidates:
+        scores = jnp.where(candidates, scores, -jnp.inf)
+    topk, _ = topk_select(scores, min(cfg.index_topk, g))
+    return topk, candidates, scores
 
 
 class Indexer(nn.Module):
@@ -88,24 +120,6 @@ class Indexer(nn.Module):
         wq_b = declare(self, "wq_b", (cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim),
                        ("q_lora", "index_heads", None), dt)
         w_proj = declare(self, "weights_proj", (cfg.hidden_size, cfg.index_n_heads), ("embed", "index_heads"), dt)
-        b, s, _ = x.shape
-        g = keys.shape[1]
-        q = apply_rope(jnp.einsum("bsr,rhe->bshe", qr, wq_b.astype(qr.dtype)), angles)
-        if cfg.fake_quant:
-            q = mxfp4_block32(q)
-        weights = jnp.einsum("bsh,hn->bsn", x, w_proj.astype(x.dtype)) * (
-            cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
-        pos = jnp.arange(s)
-        visible_len = ((pos + 1) // role.ratio)[None, :, None]                     # [1,S,1]
-        allowed = jnp.arange(g)[None, None, :] < visible_len                       # [1,S,G]
-        raw = jnp.einsum("bshe,bge->bshg", q.astype(jnp.float32), keys.astype(jnp.float32),
-                         precision=jax.lax.Precision.HIGHEST)
-        scores = jnp.sum(jax.nn.relu(raw) * weights.astype(jnp.float32)[..., None], axis=2)
-        scores = jnp.where(allowed, scores, -jnp.inf)
-        if role.candidate_source:
-            candidates = select_candidate_blocks(scores, jnp.broadcast_to(visible_len, (b, s, 1)),
-                                                 cfg.candidate_topk_blocks, cfg.candidate_block_size) & allowed
-        elif role.uses_candidates:
-            scores = jnp.where(candidates, scores, -jnp.inf)
-        topk, _ = topk_select(scores, min(cfg.index_topk, g))
+        topk, candidates, scores = select_positions(cfg, role, wq_b, w_proj, x, qr, angles, keys,
+                                                    jnp.arange(x.shape[1])[None], candidates)
         return keys, topk, candidates, scores

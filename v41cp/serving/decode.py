@@ -34,7 +34,7 @@ from v41cp.engram_hash import engram_hash_ids
 from v41cp.layers.attention import sink_attention
 from v41cp.layers.common import RMSNorm, dtype_of, rms_norm
 from v41cp.layers.engram import Engram
-from v41cp.layers.indexer import select_candidate_blocks, topk_select
+from v41cp.layers.indexer import select_positions
 from v41cp.layers.mhc import HyperConnection, collapse, expand
 from v41cp.layers.moe import MoE
 from v41cp.layers.rope import apply_rope, rope_angles
@@ -242,26 +242,9 @@ def _update_compressed(cfg, role, p, x, qr, angles, cache, st: _Step, state, key
         state = {"ckv": _read(cache["ckv"][src], "nvfp4", x.dtype, gather),
                  "ikey": _read(cache["ikey"][src], "mxfp4", x.dtype, gather)}
     if role.is_index_source:
-        keys = state["ikey"]                                                   # [B,G,Di]
-        g = keys.shape[1]
         ip = p["indexer"]
-        iq = apply_rope(jnp.einsum("br,rhe->bhe", qr, ip["wq_b"].astype(qr.dtype))[:, None], angles)  # [B,1,h,e]
-        if cfg.fake_quant:
-            iq = mxfp4_block32(iq)
-        wts = _dense(x, ip["weights_proj"]) * (cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
-        visible_len = ((pos + 1) // role.ratio)[:, None, None]                 # [B,1,1]
-        allowed = jnp.arange(g)[None, None, :] < visible_len
-        raw = jnp.einsum("bshe,bge->bshg", iq.astype(jnp.float32), keys.astype(jnp.float32),
-                         precision=jax.lax.Precision.HIGHEST)
-        scores = jnp.sum(jax.nn.relu(raw) * wts.astype(jnp.float32)[:, None, :, None], axis=2)
-        scores = jnp.where(allowed, scores, -jnp.inf)
-        cand = state.get("candidates")
-        if role.candidate_source:
-            cand = select_candidate_blocks(scores, visible_len, cfg.candidate_topk_blocks,
-                                           cfg.candidate_block_size) & allowed
-        elif role.uses_candidates:
-            scores = jnp.where(cand, scores, -jnp.inf)
-        topk, _ = topk_select(scores, min(cfg.index_topk, g))
+        topk, cand, _ = select_positions(cfg, role, ip["wq_b"], ip["weights_proj"], x[:, None], qr[:, None], angles,
+                                         state["ikey"], pos[:, None], state.get("candidates"))
         state = {**state, "topk": topk, "candidates": cand}
     return cache, state
 
