@@ -18,7 +18,7 @@ from v41cp.layers.common import RMSNorm, declare, dtype_of
 from v41cp.layers.rope import apply_rope
 from v41cp.quant import mxfp4_block32
 
-__all__ = ["Indexer", "select_candidate_blocks", "select_positions", "topk_select"]
+__all__ = ["Indexer", "index_query", "index_scores", "select_candidate_blocks", "select_positions", "topk_select"]
 
 
 def select_candidate_blocks(scores: jax.Array, visible_len: jax.Array, topk_blocks: int,
@@ -50,6 +50,34 @@ def topk_select(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     return idx.astype(jnp.int32), vals
 
 
+def index_query(cfg: ModelConfig, wq_b, w_proj, x, qr, angles) -> tuple[jax.Array, jax.Array]:
+    """Index queries ``[B,S,index_heads,index_head_dim]`` (rotated; MXFP4 under fake-quant) and the per-head
+    score weights ``[B,S,index_heads]`` (scaled by ``index_head_dim^-1/2 · index_heads^-1/2``)."""
+    q = apply_rope(jnp.einsum("bsr,rhe->bshe", qr, wq_b.astype(qr.dtype)), angles)
+    if cfg.fake_quant:
+        q = mxfp4_block32(q)
+    weights = jnp.einsum("bsh,hn->bsn", x, w_proj.astype(x.dtype)) * (
+        cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
+    return q, weights
+
+
+def index_scores(q: jax.Array, weights: jax.Array, keys: jax.Array) -> jax.Array:
+    """Unmasked scores ``[B,S,G]`` = Σ_heads ReLU(q · k) · weight (FP32), for keys ``[B,G,index_head_dim]``.
+
+    Both sums run as sequential loops of elementwise FP32 operations, so an entry's score depends only on
+    its own key and the query — bit-identical whatever the number of entries scored at once or their
+    layout. The distributed top-k (each rank scoring its own entries) relies on this to select exactly
+    what the single-device path selects, ties and near-ties included."""
+    qf = jnp.moveaxis(q.astype(jnp.float32), -1, 0)                                  # [E,B,S,H]
+    kf = jnp.moveaxis(keys.astype(jnp.float32), -1, 0)                               # [E,B,G]
+    term = lambda qe, ke: qe[..., None] * ke[:, None, None, :]                      # [B,S,H,G]
+    # the carries start from the first term (not from zeros) so that they keep the operands' sharding type
+    raw, _ = jax.lax.scan(lambda acc, qk: (acc + term(*qk), None), term(qf[0], kf[0]), (qf[1:], kf[1:]))
+    contrib = jnp.moveaxis(jax.nn.relu(raw) * weights.astype(jnp.float32)[..., None], 2, 0)    # [H,B,S,G]
+    scores, _ = jax.lax.scan(lambda acc, c: (acc + c, None), contrib[0], contrib[1:])
+    return scores
+
+
 def select_positions(cfg: ModelConfig, role: LayerRole, wq_b, w_proj, x, qr, angles, keys, positions, candidates):
     """Score queries against index keys and select (shared by the full-sequence and the cached path).
 
@@ -62,17 +90,10 @@ def select_positions(cfg: ModelConfig, role: LayerRole, wq_b, w_proj, x, qr, ang
     """
     b, s, _ = x.shape
     g = keys.shape[1]
-    q = apply_rope(jnp.einsum("bsr,rhe->bshe", qr, wq_b.astype(qr.dtype)), angles)
-    if cfg.fake_quant:
-        q = mxfp4_block32(q)
-    weights = jnp.einsum("bsh,hn->bsn", x, w_proj.astype(x.dtype)) * (
-        cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
+    q, weights = index_query(cfg, wq_b, w_proj, x, qr, angles)
     visible_len = jnp.broadcast_to(((positions + 1) // role.ratio)[..., None], (b, s, 1))
     allowed = jnp.arange(g)[None, None, :] < visible_len                            # [B,S,G]
-    raw = jnp.einsum("bshe,bge->bshg", q.astype(jnp.float32), keys.astype(jnp.float32),
-                     precision=jax.lax.Precision.HIGHEST)
-    scores = jnp.sum(jax.nn.relu(raw) * weights.astype(jnp.float32)[..., None], axis=2)
-    scores = jnp.where(allowed, scores, -jnp.inf)
+    scores = jnp.where(allowed, index_scores(q, weights, keys), -jnp.inf)
     if role.candidate_source:
         candidates = select_candidate_blocks(scores, visible_len, cfg.candidate_topk_blocks,
                                              cfg.candidate_block_size) & allowed

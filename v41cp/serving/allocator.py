@@ -5,6 +5,11 @@ control by free blocks, and freeing on completion or cancellation.
 All decisions are made on the host from integers (no device round trip). Every mutating call either
 succeeds completely or raises without changing any state, so a rejected request never harms the
 others.
+
+Under KVP (``kv_parallel_size = N > 1``) block ids are virtual: block ``v`` lives on rank ``v % N`` at
+local row ``v // N`` (`v41cp.sharding.ownership`). A request's ``i``-th block is taken from residue class
+``(i + s) % N``, where ``s`` (its first block's residue) is chosen at admission as the feasible residue
+with the most free blocks, so every request's pages are cyclic over the ranks and the ranks fill evenly.
 """
 
 from __future__ import annotations
@@ -23,30 +28,55 @@ class _Request:
     slot: int
     tokens: int
     blocks: list[int] = field(default_factory=list)
+    residue: int = 0                       # residue class of the first block (KVP)
 
 
 class BlockAllocator:
     """``num_blocks`` physical logical-blocks of ``block_tokens`` tokens and ``max_batch`` request slots.
 
     ``max_blocks_per_request`` bounds one request's history (the decode step's static capacity).
-    Block ids are handed out lowest-first, so allocation is deterministic.
+    ``kv_parallel_size``: the KVP group size N (``num_blocks`` must be a multiple of it).
+    Block ids are handed out lowest-first (per residue class), so allocation is deterministic.
     """
 
-    def __init__(self, num_blocks: int, block_tokens: int, max_batch: int, max_blocks_per_request: int):
+    def __init__(self, num_blocks: int, block_tokens: int, max_batch: int, max_blocks_per_request: int,
+                 kv_parallel_size: int = 1):
         for name, v in (("num_blocks", num_blocks), ("block_tokens", block_tokens), ("max_batch", max_batch),
-                        ("max_blocks_per_request", max_blocks_per_request)):
+                        ("max_blocks_per_request", max_blocks_per_request), ("kv_parallel_size", kv_parallel_size)):
             if type(v) is not int or v <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if num_blocks % kv_parallel_size:
+            raise ValueError(f"num_blocks={num_blocks} must be a multiple of kv_parallel_size={kv_parallel_size}")
         self.num_blocks, self.block_tokens = num_blocks, block_tokens
         self.max_batch, self.max_blocks_per_request = max_batch, max_blocks_per_request
-        self._free_blocks = list(range(num_blocks - 1, -1, -1))      # a stack: pop() gives the lowest id
+        self.n = kv_parallel_size
+        # one stack per residue class: pop() gives the lowest id
+        self._free = [list(range(num_blocks - self.n + r, -1, -self.n)) for r in range(self.n)]
         self._free_slots = list(range(max_batch - 1, -1, -1))
         self._requests: dict[object, _Request] = {}
 
     # ------------------------------------------------------------------ queries
     @property
     def free_blocks(self) -> int:
-        return len(self._free_blocks)
+        return sum(len(f) for f in self._free)
+
+    @property
+    def _free_blocks(self) -> list[int]:
+        return [b for f in self._free for b in f]
+
+    def _fits(self, first: int, count: int, residue: int) -> bool:
+        """Whether blocks ``first .. first + count − 1`` of a request starting at ``residue`` are free."""
+        need = [0] * self.n
+        for i in range(first, first + count):
+            need[(i + residue) % self.n] += 1
+        return all(need[r] <= len(self._free[r]) for r in range(self.n))
+
+    def _take(self, first: int, count: int, residue: int) -> list[int]:
+        return [self._free[(i + residue) % self.n].pop() for i in range(first, first + count)]
+
+    def _residue_for(self, count: int) -> int | None:
+        fits = [r for r in range(self.n) if self._fits(0, count, r)]
+        return max(fits, key=lambda r: (len(self._free[r]), -r)) if fits else None
 
     @property
     def free_slots(self) -> int:
@@ -74,7 +104,7 @@ class BlockAllocator:
 
     def can_admit(self, tokens: int) -> bool:
         return (0 < tokens <= self.capacity_tokens and self.free_slots > 0
-                and self.blocks_needed(tokens) <= self.free_blocks)
+                and self._residue_for(self.blocks_needed(tokens)) is not None)
 
     # ------------------------------------------------------------------ mutations
     def admit(self, rid, tokens: int) -> list[int]:
@@ -90,9 +120,11 @@ class BlockAllocator:
         if not self._free_slots:
             raise AllocationError(f"request {rid!r}: all {self.max_batch} batch slots are in use")
         need = self.blocks_needed(tokens)
-        if need > self.free_blocks:
-            raise AllocationError(f"request {rid!r}: needs {need} blocks, {self.free_blocks} free")
-        req = _Request(self._free_slots.pop(), tokens, [self._free_blocks.pop() for _ in range(need)])
+        residue = self._residue_for(need)
+        if residue is None:
+            raise AllocationError(f"request {rid!r}: needs {need} blocks, {self.free_blocks} free"
+                                  + (f" (per rank: {[len(f) for f in self._free]})" if self.n > 1 else ""))
+        req = _Request(self._free_slots.pop(), tokens, self._take(0, need, residue), residue)
         self._requests[rid] = req
         return list(req.blocks)
 
@@ -105,9 +137,10 @@ class BlockAllocator:
             raise AllocationError(f"request {rid!r}: {tokens} tokens exceed the per-request capacity of "
                                   f"{self.capacity_tokens}")
         need = self.blocks_needed(tokens) - len(req.blocks)
-        if need > self.free_blocks:
-            raise AllocationError(f"request {rid!r}: needs {need} more blocks, {self.free_blocks} free")
-        new = [self._free_blocks.pop() for _ in range(need)]
+        if not self._fits(len(req.blocks), need, req.residue):
+            raise AllocationError(f"request {rid!r}: needs {need} more blocks, {self.free_blocks} free"
+                                  + (f" (per rank: {[len(f) for f in self._free]})" if self.n > 1 else ""))
+        new = self._take(len(req.blocks), need, req.residue)
         req.blocks.extend(new)
         req.tokens = tokens
         return new
@@ -116,8 +149,10 @@ class BlockAllocator:
         """Free everything of request ``rid`` (completion or cancellation)."""
         req = self._req(rid)
         del self._requests[rid]
-        self._free_blocks.extend(reversed(req.blocks))
-        self._free_blocks.sort(reverse=True)
+        for b in req.blocks:
+            self._free[b % self.n].append(b)
+        for f in self._free:
+            f.sort(reverse=True)
         self._free_slots.append(req.slot)
         self._free_slots.sort(reverse=True)
 
@@ -135,6 +170,10 @@ class BlockAllocator:
         assert sorted(slots + self._free_slots) == list(range(self.max_batch)), "a slot leaked or is shared"
         for rid, r in self._requests.items():
             assert len(r.blocks) == self.blocks_needed(r.tokens), f"request {rid!r} holds the wrong block count"
+            assert all(b % self.n == (i + r.residue) % self.n for i, b in enumerate(r.blocks)), \
+                f"request {rid!r}: pages are not cyclic over the KVP ranks"
+        for res, f in enumerate(self._free):
+            assert all(b % self.n == res for b in f), "a free block is in the wrong residue class"
 
     def _req(self, rid) -> _Request:
         if rid not in self._requests:

@@ -28,17 +28,20 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from v41cp.config import LayerRole, ModelConfig
 from v41cp.engram_hash import engram_hash_ids
 from v41cp.layers.attention import sink_attention
 from v41cp.layers.common import RMSNorm, dtype_of, rms_norm
 from v41cp.layers.engram import Engram
-from v41cp.layers.indexer import select_positions
+from v41cp.layers.indexer import index_query, select_positions
 from v41cp.layers.mhc import HyperConnection, collapse, expand
 from v41cp.layers.moe import MoE
 from v41cp.layers.rope import apply_rope, rope_angles
 from v41cp.quant import fp8_block32, mxfp4_block32, nvfp4_block16
+from v41cp.serving import dcp
+from v41cp.serving.dcp import DCPPlan
 from v41cp.serving.records import RECORD_FORMATS, decode, encode
 
 __all__ = ["DecodeMetadata", "init_cache", "decode_step", "prefill_chunk", "engram_ids_for_last", "ced_boundary",
@@ -80,13 +83,17 @@ def _groups(cfg: ModelConfig) -> list[LayerRole]:
 
 
 def init_cache(cfg: ModelConfig, num_blocks: int, block_tokens: int, max_batch: int, sharding=None,
-               records: bool | None = None) -> dict:
+               records: bool | None = None, plan: DCPPlan | None = None) -> dict:
     """Zeroed decode cache for ``num_blocks`` logical blocks of ``block_tokens`` tokens and ``max_batch`` slots,
     committed to ``sharding`` (default: the first device) so that every step sees the same input types.
 
     ``records`` (default: ``cfg.fake_quant``) stores the release's byte records (`v41cp.serving.records`:
     FP8 window rows, NVFP4 compressed KV, MXFP4 index keys; each a ``{"q", "s"}`` pair of uint8 arrays);
     otherwise values are stored in the model dtype (fake-quantized when ``cfg.fake_quant``).
+
+    ``plan`` (KVP): ``num_blocks`` counts virtual blocks (a multiple of the group size N); the global pools
+    are split over the mesh's ``cp`` axis (each rank allocates ``num_blocks / N`` pages), everything else
+    is replicated on the plan's mesh.
     """
     dt = dtype_of(cfg.dtype)
     records = cfg.fake_quant if records is None else records
@@ -115,7 +122,13 @@ def init_cache(cfg: ModelConfig, num_blocks: int, block_tokens: int, max_batch: 
                 raise ValueError(f"the decode cache supports compress ratios 1 and 2, layer {g.index} has {g.ratio}")
             cache["open_kv"][str(g.index)] = jnp.zeros((max_batch, d), jnp.float32)
             cache["open_score"][str(g.index)] = jnp.zeros((max_batch, d), jnp.float32)
-    return jax.device_put(cache, sharding or jax.devices()[0])
+    if plan is None:
+        return jax.device_put(cache, sharding or jax.devices()[0])
+    if num_blocks % plan.n:
+        raise ValueError(f"num_blocks={num_blocks} must be a multiple of kv_parallel_size={plan.n}")
+    rep, pool = NamedSharding(plan.mesh, PartitionSpec()), dcp.pool_sharding(plan.mesh)
+    shardings = {k: jax.tree.map(lambda _: pool if k in ("ckv", "ikey") else rep, v) for k, v in cache.items()}
+    return jax.device_put(cache, shardings)
 
 
 _FAKE_QUANT = {"fp8": fp8_block32, "nvfp4": nvfp4_block16, "mxfp4": mxfp4_block32}
@@ -149,8 +162,9 @@ def _dense(x, w):
 class _Step:
     """One decode step's shared quantities (shapes: B = meta.max_batch rows; the cache has ``n_slots``)."""
 
-    def __init__(self, cfg: ModelConfig, meta: DecodeMetadata, num_blocks: int, n_slots: int, block_tokens: int):
-        self.cfg, self.meta, self.num_blocks, self.n_slots = cfg, meta, num_blocks, n_slots
+    def __init__(self, cfg: ModelConfig, meta: DecodeMetadata, num_blocks: int, n_slots: int, block_tokens: int,
+                 plan: DCPPlan | None = None):
+        self.cfg, self.meta, self.num_blocks, self.n_slots, self.plan = cfg, meta, num_blocks, n_slots, plan
         self.block_tokens = block_tokens
         self.pos = meta.positions
         # out-of-bounds targets drop the writes of inactive rows
@@ -181,6 +195,12 @@ def _attention(cfg: ModelConfig, role: LayerRole, p: dict, x: jax.Array, cache: 
     k = jnp.arange(w)
     ring_pos = pos[:, None] - ((pos[:, None] - k[None, :]) % w)               # position held by ring row k
     keys, valid = ring[:, None], (ring_pos >= 0)[:, None]                      # [B,1,W,D], [B,1,W]
+    if compressed and st.plan is not None:
+        cache, state = _update_compressed(cfg, role, p, x, qr, angles, cache, st, state)
+        pool = cache["ckv"][str(role.kv_source)]
+        o = dcp.attend(st.plan, lambda a, f: _read(a, "nvfp4", kv.dtype, f), q[:, 0], ring, ring_pos >= 0,
+                       state["topk"], pool, meta.block_tables, p["attn_sink"])[:, None]
+        return _project_out(cfg, p, o, angles, dt), cache, state
     if compressed:
         cache, state = _update_compressed(cfg, role, p, x, qr, angles, cache, st, state)
         sel = state["topk"]                                                    # [B,1,K]
@@ -190,10 +210,16 @@ def _attention(cfg: ModelConfig, role: LayerRole, p: dict, x: jax.Array, cache: 
             keys = jnp.concatenate([keys, picked], axis=2)
             valid = jnp.concatenate([valid, sel >= 0], axis=2)
     o = sink_attention(q, keys, valid, p["attn_sink"])
+    return _project_out(cfg, p, o, angles, dt), cache, state
+
+
+def _project_out(cfg: ModelConfig, p: dict, o: jax.Array, angles: jax.Array, dt) -> jax.Array:
+    """Attention output ``[B,1,H,D]`` → inverse RoPE, grouped ``wo_a``, ``wo_b`` → ``[B, hidden]``."""
+    b = o.shape[0]
     o = apply_rope(o, angles, inverse=True).reshape(b, 1, cfg.o_groups, -1)
     y = jnp.einsum("bsgi,gio->bsgo", o, p["wo_a"].astype(o.dtype))
     out = jnp.einsum("bsgo,goh->bsh", y, p["wo_b"].astype(y.dtype))[:, 0]
-    return out.astype(dt), cache, state
+    return out.astype(dt)
 
 
 def _gather_group(pages: jax.Array, tables: jax.Array) -> jax.Array:
@@ -232,7 +258,17 @@ def _update_compressed(cfg, role, p, x, qr, angles, cache, st: _Step, state, key
         ik = apply_rope(ik[:, None], cang)
         epb = st.block_tokens // r
         blk = jnp.take_along_axis(meta.block_tables, (j // epb)[:, None], axis=1)[:, 0]
+        if st.plan is not None:
+            def owned(name, values, fmt):
+                w = lambda a, idx, v: _write(cfg, a, idx, v, fmt)
+                return dcp.write_owned(st.plan, w, cache[name][src], blk, j % epb, values, emits)
+            cache = {**cache, "ckv": {**cache["ckv"], src: owned("ckv", ckv[:, 0], "nvfp4")},
+                     "ikey": {**cache["ikey"], src: owned("ikey", ik[:, 0], "mxfp4")}}
+            state = {}
+            if keys_only:
+                return cache, state
         blk = jnp.where(emits, blk, st.num_blocks)
+    if role.is_kv_source and st.plan is None:
         cache = {**cache,
                  "ckv": {**cache["ckv"], src: _write(cfg, cache["ckv"][src], (blk, j % epb), ckv[:, 0], "nvfp4")},
                  "ikey": {**cache["ikey"], src: _write(cfg, cache["ikey"][src], (blk, j % epb), ik[:, 0], "mxfp4")}}
@@ -241,7 +277,14 @@ def _update_compressed(cfg, role, p, x, qr, angles, cache, st: _Step, state, key
             return cache, state
         state = {"ckv": _read(cache["ckv"][src], "nvfp4", x.dtype, gather),
                  "ikey": _read(cache["ikey"][src], "mxfp4", x.dtype, gather)}
-    if role.is_index_source:
+    if role.is_index_source and st.plan is not None:
+        ip = p["indexer"]
+        qi, wi = index_query(cfg, ip["wq_b"], ip["weights_proj"], x[:, None], qr[:, None], angles)
+        topk, cand = dcp.select(st.plan, cfg, role, lambda a, f: _read(a, "mxfp4", x.dtype, f),
+                                cache["ikey"][src], qi[:, 0], wi[:, 0], meta.block_tables, pos,
+                                state.get("candidates"))
+        state = {**state, "topk": topk, "candidates": cand}
+    elif role.is_index_source:
         ip = p["indexer"]
         topk, cand, _ = select_positions(cfg, role, ip["wq_b"], ip["weights_proj"], x[:, None], qr[:, None], angles,
                                          state["ikey"], pos[:, None], state.get("candidates"))
@@ -286,14 +329,15 @@ def ced_rows(cfg: ModelConfig) -> int:
     return cfg.sliding_window + (layers - 1) * (cfg.sliding_window - 1)
 
 
-def _step_body(params: dict, cache: dict, meta: DecodeMetadata, cfg: ModelConfig, encoder_only: bool = False):
+def _step_body(params: dict, cache: dict, meta: DecodeMetadata, cfg: ModelConfig, encoder_only: bool = False,
+               plan: DCPPlan | None = None):
     with jax.default_matmul_precision("highest" if cfg.dtype == "float32" else "default"):
         groups = _groups(cfg)
         first = cache["ckv"][str(groups[0].index)] if groups else None
         num_blocks = _store_rows(first) if groups else 0
         epb = (first["s"] if isinstance(first, dict) else first).shape[1] if groups else 0
         swa = cache["swa"]["q"] if isinstance(cache["swa"], dict) else cache["swa"]
-        st = _Step(cfg, meta, num_blocks, swa.shape[1], epb * groups[0].ratio if groups else 0)
+        st = _Step(cfg, meta, num_blocks, swa.shape[1], epb * groups[0].ratio if groups else 0, plan)
         b = meta.max_batch
         x = jnp.take(params["embed"], meta.tokens, axis=0)[:, None]            # [B,1,H]
         streams = jnp.broadcast_to(x[:, :, None, :], (b, 1, cfg.hc_mult, cfg.hidden_size))
@@ -319,14 +363,16 @@ def _step_body(params: dict, cache: dict, meta: DecodeMetadata, cfg: ModelConfig
         return logits, cache
 
 
-@partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def decode_step(params: dict, cache: dict, meta: DecodeMetadata, cfg: ModelConfig):
-    """One token for every active row: ``(logits [max_batch, vocab] FP32, updated cache)``."""
-    return _step_body(params, cache, meta, cfg)
+@partial(jax.jit, static_argnames=("cfg", "plan"), donate_argnames=("cache",))
+def decode_step(params: dict, cache: dict, meta: DecodeMetadata, cfg: ModelConfig, plan: DCPPlan | None = None):
+    """One token for every active row: ``(logits [max_batch, vocab] FP32, updated cache)``.
+    ``plan``: KVP/DCP layout (`v41cp.serving.dcp.DCPPlan`; the cache from ``init_cache(..., plan=plan)``)."""
+    return _step_body(params, cache, meta, cfg, plan=plan)
 
 
-@partial(jax.jit, static_argnames=("cfg", "encoder_only"), donate_argnames=("cache",))
-def prefill_chunk(params: dict, cache: dict, metas: DecodeMetadata, cfg: ModelConfig, encoder_only: bool = False):
+@partial(jax.jit, static_argnames=("cfg", "encoder_only", "plan"), donate_argnames=("cache",))
+def prefill_chunk(params: dict, cache: dict, metas: DecodeMetadata, cfg: ModelConfig, encoder_only: bool = False,
+                  plan: DCPPlan | None = None):
     """Feed a chunk of tokens through the cached path in order: ``metas`` holds one `DecodeMetadata` per
     token along a leading chunk axis (padding tokens inactive). Returns (logits of every chunk position
     ``[chunk, max_batch, vocab]``, cache). Exact by construction (token-serial over the caches), so a chunk
@@ -334,7 +380,7 @@ def prefill_chunk(params: dict, cache: dict, metas: DecodeMetadata, cfg: ModelCo
     ``encoder_only`` (CED narrowing): run the layers before the CED boundary and the boundary layer's
     cache-only prepass (its global KV and index keys), skipping the decoder; logits are then zeros."""
     def body(c, m):
-        logits, c = _step_body(params, c, m, cfg, encoder_only)
+        logits, c = _step_body(params, c, m, cfg, encoder_only, plan)
         return c, logits
 
     cache, logits = jax.lax.scan(body, cache, metas)

@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AxisRules", "TP_RULES", "REPLICATED_RULES", "ShardingContext", "logical_sharding",
+__all__ = ["AxisRules", "TP_RULES", "REPLICATED_Q_RULES", "REPLICATED_RULES", "mesh_axes_size", "ShardingContext", "logical_sharding",
            "param_shardings", "constrain"]
 
 
@@ -27,17 +27,23 @@ __all__ = ["AxisRules", "TP_RULES", "REPLICATED_RULES", "ShardingContext", "logi
 class AxisRules:
     """Immutable mapping logical axis name → mesh axis name (or None = replicated)."""
 
-    rules: tuple[tuple[str, str | None], ...]
+    rules: tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
-    def mesh_axis(self, logical: str | None) -> str | None:
+    def mesh_axis(self, logical: str | None) -> str | tuple[str, ...] | None:
         return dict(self.rules).get(logical) if logical is not None else None
 
 
 # Plain attention tensor parallelism: heads, experts, MLP width, vocab and Engram rows over `tp`.
+# (Attention TP is the mesh-axis pair ("tp", "cp"); see `v41cp.sharding.mesh`.)
+_AT = ("tp", "cp")
 TP_RULES = AxisRules((
-    ("batch", "dp"), ("heads", "tp"), ("o_groups", "tp"), ("index_heads", "tp"), ("experts", "tp"),
-    ("mlp", "tp"), ("vocab", "tp"), ("engram_rows", "tp"),
+    ("batch", "dp"), ("heads", _AT), ("o_groups", _AT), ("index_heads", _AT), ("experts", _AT),
+    ("mlp", _AT), ("vocab", _AT), ("engram_rows", _AT),
 ))
+# DCP with replicated query projections: the query heads of attention and indexer are split over the
+# outer ``tp`` part only, so every rank of a context-parallel group computes its group's query heads
+# locally (more weight memory, no per-layer query all-gather).
+REPLICATED_Q_RULES = AxisRules(tuple((k, "tp" if k in ("heads", "index_heads") else v) for k, v in TP_RULES.rules))
 REPLICATED_RULES = AxisRules((("batch", "dp"),))
 
 
@@ -49,20 +55,29 @@ class ShardingContext:
     rules: AxisRules = TP_RULES
 
 
+def mesh_axes_size(mesh: Mesh, axes) -> int:
+    """Number of devices along mesh axis / axes ``axes`` (absent axes count 1)."""
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    return int(np.prod([mesh.shape.get(a, 1) for a in axes]))
+
+
 def logical_sharding(shape: Sequence[int], axes: Sequence[str | None], mesh: Mesh,
                      rules: AxisRules) -> NamedSharding:
-    """NamedSharding of an array ``shape`` with logical ``axes``; non-divisible dims stay replicated."""
+    """NamedSharding of an array ``shape`` with logical ``axes``; non-divisible dims stay replicated.
+    A rule may name a tuple of mesh axes (split over their product); axes absent from the mesh drop out."""
     spec, used = [], set()
     for dim, name in zip(shape, axes):
         m = rules.mesh_axis(name)
-        if m is None or m in used or m not in mesh.shape or dim % mesh.shape[m]:
-            if m is not None and m in mesh.shape and dim % mesh.shape[m] and int(np.prod(shape)) >= 2**24:
-                log.warning("logical axis %r (size %d) does not divide over mesh axis %r (%d): a %s array "
-                            "stays replicated on every device", name, dim, m, mesh.shape[m], tuple(shape))
+        ms = tuple(a for a in ((m,) if isinstance(m, str) else (m or ())) if a in mesh.shape)
+        size = mesh_axes_size(mesh, ms)
+        if not ms or used & set(ms) or dim % size:
+            if ms and dim % size and int(np.prod(shape)) >= 2**24:
+                log.warning("logical axis %r (size %d) does not divide over mesh axes %r (%d): a %s array "
+                            "stays replicated on every device", name, dim, ms, size, tuple(shape))
             spec.append(None)
         else:
-            spec.append(m)
-            used.add(m)
+            spec.append(ms[0] if len(ms) == 1 else ms)
+            used |= set(ms)
     return NamedSharding(mesh, P(*spec))
 
 

@@ -1,0 +1,206 @@
+"""KVP cache ownership and DCP decode attention inside the jitted decode step (`jax.shard_map` over ``cp``).
+
+The global cache pools (``ckv[g]``, ``ikey[g]``: ``[num_blocks, epb, ·]``) are split over the ``cp`` axis
+on their block dimension: rank ``r`` holds rows ``[r·LB, (r+1)·LB)`` of the global array, which are the
+virtual blocks ``l·N + r`` (`v41cp.sharding.ownership`). Everything else of the decode state (SWA rings,
+compressor tails) is replicated. Three operations run per compressed layer, each a shard_map island in
+the otherwise GSPMD-partitioned step:
+
+* `write_owned` — the new compressed entry / index key is computed by every rank (replicated) and
+  written only by the owner of its page, at the local row (non-owners write out of bounds: dropped);
+* `select` — index sources score their owned index keys and run the exact distributed top-k
+  (`v41cp.sharding.dist_topk`); the candidate source also the distributed block selection. The result
+  (logical entry ids, −1 padding) is identical on every rank;
+* `attend` — query heads of the group (all-gathered over ``cp``, or computed locally with replicated
+  query projections), each rank attends the selected entries it owns (+ the replicated SWA window on
+  cp rank 0 only), returns (output, LSE) without the sink, merges exactly (``ag_rs`` or ``a2a``), restoring
+  the TP head layout, and applies the sink once.
+
+History is never gathered: the per-step collectives are the query gathers, ``N·B·k`` top-k candidates,
+``N·B·kb`` block candidates and the merge payload (`collective_plan` counts them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from v41cp.config import LayerRole, ModelConfig
+from v41cp.layers.indexer import index_scores
+from v41cp.sharding.dist_topk import candidate_mask, distributed_candidate_blocks, distributed_topk
+from v41cp.sharding.lse_merge import apply_sink, merge_a2a, merge_ag_rs, partial_attention
+from v41cp.sharding.mesh import ATTN_TP, CP
+from v41cp.sharding.ownership import owned_positions
+from v41cp.sharding.topology import ParallelConfig
+
+__all__ = ["DCPPlan", "write_owned", "select", "attend", "pool_sharding"]
+
+
+@dataclass(frozen=True)
+class DCPPlan:
+    """Static DCP layout of one decode step (hashable: a jit static argument).
+
+    mesh: the ``(dp, tp, cp)`` mesh; ``n`` = its ``cp`` size (KVP = DCP); merge: ``ag_rs`` | ``a2a``;
+    q_mode: ``gather`` | ``replicate``; heads_sharded: whether the query heads are split over attention TP
+    (else replicated: the merge all-reduces instead of reduce-scattering).
+    """
+
+    mesh: Mesh
+    merge: str = "ag_rs"
+    q_mode: str = "gather"
+    heads_sharded: bool = True
+
+    @property
+    def n(self) -> int:
+        return self.mesh.shape[CP]
+
+    @property
+    def tp(self) -> int:
+        return self.mesh.shape["tp"] * self.mesh.shape[CP]
+
+    @classmethod
+    def build(cls, cfg: ModelConfig, parallel: ParallelConfig, mesh: Mesh) -> "DCPPlan":
+        parallel.validate_model(cfg)
+        if mesh.shape.get(CP, 1) != parallel.kv_parallel_size:
+            raise ValueError(f"topology: the mesh's cp axis ({mesh.shape.get(CP, 1)}) differs from "
+                             f"kv_parallel_size={parallel.kv_parallel_size}")
+        tp = mesh.shape["tp"] * mesh.shape[CP]
+        sharded = cfg.num_attention_heads % tp == 0
+        if parallel.dcp_q == "replicate" and cfg.num_attention_heads % mesh.shape["tp"]:
+            raise ValueError(f"topology: replicated-Q DCP splits num_attention_heads={cfg.num_attention_heads} "
+                             f"over the {mesh.shape['tp']} context-parallel groups; it does not divide")
+        return cls(mesh, parallel.dcp_merge, parallel.dcp_q, sharded)
+
+    # ------------------------------------------------------------------ specs
+    @property
+    def q_spec(self) -> P:
+        """Per-rank query-head layout entering `attend`."""
+        if not self.heads_sharded:
+            return P()
+        return P(None, "tp", None) if self.q_mode == "replicate" else P(None, ATTN_TP, None)
+
+    @property
+    def out_spec(self) -> P:
+        """TP head layout of the attention output (and of the sink)."""
+        return P(None, ATTN_TP, None) if self.heads_sharded else P()
+
+    def shard_map(self, f, in_specs, out_specs):
+        return jax.shard_map(f, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
+
+
+def pool_sharding(mesh: Mesh) -> NamedSharding:
+    """Sharding of a global cache pool: block dimension over ``cp``."""
+    return NamedSharding(mesh, P(CP))
+
+
+def _local(pool):
+    return pool["q"] if isinstance(pool, dict) else pool
+
+
+def write_owned(plan: DCPPlan, write, pool, blk: jax.Array, row: jax.Array, values: jax.Array, emits: jax.Array):
+    """Owner-masked write of ``values [B, C]`` to virtual block ``blk [B]`` row ``row [B]`` where ``emits``.
+    ``write(pool, (local_block, row), values)`` is the cache's (record-encoding) scatter."""
+    n = plan.n
+
+    def body(pool, blk, row, values, emits):
+        r = jax.lax.axis_index(CP)
+        lb = _local(pool).shape[0]
+        own = emits & (blk >= 0) & (blk % n == r)
+        return write(pool, (jnp.where(own, blk // n, lb), row), values)
+
+    spec = jax.tree.map(lambda _: P(CP), pool)
+    return plan.shard_map(body, (spec, P(), P(), P(), P()), spec)(pool, blk, row, values, emits)
+
+
+def _owned_rows(plan: DCPPlan, tables: jax.Array, epb: int):
+    """This rank's owned table positions → (local block rows ``[B, LT]``, entry ids ``[B, LT·epb]`` with −1 for
+    positions outside the table or unallocated)."""
+    n = plan.n
+    r = jax.lax.axis_index(CP)
+    mb = tables.shape[1]
+    pos = owned_positions(tables[:, 0], r, n, mb, xp=jnp)                            # [B, LT]
+    in_table = pos < mb
+    v = jnp.take_along_axis(tables, jnp.minimum(pos, mb - 1), axis=1)
+    ok = in_table & (v >= 0) & (v % n == r)
+    rows = jnp.where(ok, v // n, 0)
+    ids = pos[..., None] * epb + jnp.arange(epb)                                      # [B, LT, epb]
+    ids = jnp.where(ok[..., None], ids, -1).reshape(tables.shape[0], -1)
+    return rows, ids
+
+
+def select(plan: DCPPlan, cfg: ModelConfig, role: LayerRole, read, ikey_pool, q: jax.Array, weights: jax.Array,
+           tables: jax.Array, positions: jax.Array, cand_blocks):
+    """Distributed selection of one index source for one query row per batch row.
+
+    q ``[B, index_heads, Di]`` / weights ``[B, index_heads]`` (replicated); ``read(pool, index)`` decodes
+    records; tables ``[B, MB]``; positions ``[B]``; cand_blocks ``[B, kb]`` (uses_candidates layers) or None.
+    Returns (``topk [B, min(index_topk, G)]`` logical entry ids, −1 padding; kept candidate blocks of the
+    candidate source ``[B, kb]`` or the input ``cand_blocks``). ``G = MB · epb`` as in the reference.
+    """
+    epb = _local(ikey_pool).shape[1]
+    g = tables.shape[1] * epb
+    k = min(cfg.index_topk, g)
+
+    def body(pool, q, weights, tables, positions, cand):
+        rows, ids = _owned_rows(plan, tables, epb)
+        b = tables.shape[0]
+        keys = read(pool, lambda a: a[rows]).reshape(b, ids.shape[1], -1)            # [B, LT·epb, Di]
+        visible = (positions + 1) // role.ratio
+        ids = jnp.where(ids < visible[:, None], ids, -1)
+        scores = index_scores(q[:, None], weights[:, None], keys)[:, 0]
+        scores = jnp.where(ids >= 0, scores, -jnp.inf)
+        out_cand = cand
+        if role.candidate_source:
+            out_cand = distributed_candidate_blocks(scores, ids, visible, cfg.candidate_topk_blocks,
+                                                    cfg.candidate_block_size, g, CP)
+        elif role.uses_candidates:
+            scores = jnp.where(candidate_mask(cand, ids, cfg.candidate_block_size, g), scores, -jnp.inf)
+        topk, _ = distributed_topk(scores, ids, k, CP)
+        return topk, out_cand
+
+    if cand_blocks is None:
+        cand_blocks = jnp.zeros((tables.shape[0], 0), jnp.int32)
+    spec = jax.tree.map(lambda _: P(CP), ikey_pool)
+    return plan.shard_map(body, (spec, P(), P(), P(), P(), P()), (P(), P()))(
+        ikey_pool, q, weights, tables, positions, cand_blocks)
+
+
+def attend(plan: DCPPlan, read, q: jax.Array, ring: jax.Array, ring_valid: jax.Array, topk, ckv_pool,
+           tables: jax.Array, sink: jax.Array) -> jax.Array:
+    """DCP attention of one compressed layer for one query row per batch row.
+
+    q ``[B, H, D]`` (TP head layout, `DCPPlan.q_spec`); ring ``[B, W, D]`` / ring_valid ``[B, W]`` the
+    replicated window keys; topk ``[B, K]`` selected entry ids (−1 padding, replicated); ckv_pool the
+    cp-split compressed-KV pool; sink ``[H]``. Returns the sink-applied output ``[B, H, D]`` in the TP head
+    layout (`DCPPlan.out_spec`)."""
+    n = plan.n
+    epb = _local(ckv_pool).shape[1]
+    mb = tables.shape[1]
+
+    def body(q, ring, ring_valid, topk, pool, tables, sink):
+        r = jax.lax.axis_index(CP)
+        if plan.heads_sharded and plan.q_mode == "gather":
+            q = jax.lax.all_gather(q, CP, axis=1, tiled=True)                        # heads of the cp group
+        keys = ring
+        valid = ring_valid & (r == 0)                  # the replicated window counts on cp rank 0 only
+        if topk.shape[-1]:
+            page = jnp.take_along_axis(tables, jnp.clip(topk // epb, 0, mb - 1), axis=1)
+            own = (topk >= 0) & (page >= 0) & (page % n == r)
+            local = jnp.where(own, page // n, 0)
+            picked = read(pool, lambda a: a[local, jnp.where(own, topk % epb, 0)])   # [B, K, D]
+            keys = jnp.concatenate([ring, picked.astype(ring.dtype)], axis=1)
+            valid = jnp.concatenate([valid, own], axis=1)
+        o, lse = partial_attention(q, keys, valid)
+        if plan.merge == "a2a":
+            o, lse = merge_a2a(o, lse, CP, n)
+        else:
+            o, lse = merge_ag_rs(o, lse, CP, scatter=plan.heads_sharded)
+        return apply_sink(o, lse, sink).astype(q.dtype)
+
+    sink_spec = P(*plan.out_spec[1:2])
+    spec = jax.tree.map(lambda _: P(CP), ckv_pool)
+    return plan.shard_map(body, (plan.q_spec, P(), P(), P(), spec, P(), sink_spec), plan.out_spec)(
+        q, ring, ring_valid, topk, ckv_pool, tables, sink)

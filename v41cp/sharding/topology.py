@@ -1,0 +1,105 @@
+"""Parallel configuration: attention TP, data-parallel replicas and the context-parallel sub-groups.
+
+`ParallelConfig` carries the serving engines' knobs (``--tp-size``, ``--kv-parallel-size``,
+``--decode-context-parallel-size``, ``--query-context-parallel-size``) and validates them with errors
+that name the offending values. KVP / DCP / QCP groups are sub-groups of attention TP (they add no
+devices): the inner ``cp`` axis of `v41cp.sharding.make_mesh`.
+
+Restrictions (seed "Configuration"; cp-survey §2.5):
+
+* ``kv_parallel_size`` divides attention TP (so a group never crosses a data-parallel replica);
+* decode runs the DCP path over the KVP pages, so ``decode_context_parallel_size == kv_parallel_size``;
+* ``query_context_parallel_size`` is 1 or the attention TP size, and with it KVP is 1 or equal to QCP;
+* the ``a2a`` merge splits the query heads over the group: ``num_attention_heads`` must divide by attention TP;
+* prefill and decode run in separate rounds and prefill is eager (the engine's only mode).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ParallelConfig", "DCP_MERGES", "DCP_Q_MODES"]
+
+DCP_MERGES = ("ag_rs", "a2a")
+DCP_Q_MODES = ("gather", "replicate")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Topology of one serving instance.
+
+    tp_size: attention tensor-parallel size; dp_size: data-parallel replicas (devices = tp · dp).
+    kv_parallel_size: ranks that share one request's global KV / index-K pages page-cyclically (KVP).
+    decode_context_parallel_size: ranks of one DCP decode group (must equal KVP).
+    query_context_parallel_size: model-wide prefill query partition (1 = off).
+    dcp_merge: ``ag_rs`` (all-gather LSE + reduce-scatter outputs) or ``a2a`` (one packed all-to-all).
+    dcp_q: ``gather`` (all-gather query heads per layer) or ``replicate`` (query projections replicated
+    over the group, queries computed locally).
+    """
+
+    tp_size: int = 1
+    dp_size: int = 1
+    kv_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    query_context_parallel_size: int = 1
+    dcp_merge: str = "ag_rs"
+    dcp_q: str = "gather"
+
+    def __post_init__(self):
+        for name in ("tp_size", "dp_size", "kv_parallel_size", "decode_context_parallel_size",
+                     "query_context_parallel_size"):
+            v = getattr(self, name)
+            if type(v) is not int or v <= 0:
+                raise ValueError(f"topology: {name} must be a positive integer, got {v!r}")
+        tp, kvp, dcp, qcp = (self.tp_size, self.kv_parallel_size, self.decode_context_parallel_size,
+                             self.query_context_parallel_size)
+        if kvp > tp and (tp * self.dp_size) % kvp == 0:
+            raise ValueError(f"topology: kv_parallel_size={kvp} would cross data-parallel replicas "
+                             f"(attention TP is {tp}, dp {self.dp_size}); a KVP group must fit inside one replica")
+        if tp % kvp:
+            raise ValueError(f"topology: kv_parallel_size={kvp} does not divide attention tp_size={tp}")
+        if dcp != kvp:
+            raise ValueError(f"topology: decode_context_parallel_size={dcp} must equal kv_parallel_size={kvp} "
+                             f"(decode attends the KVP page owners)")
+        if qcp not in (1, tp):
+            raise ValueError(f"topology: query_context_parallel_size={qcp} must be 1 or the attention tp_size={tp}")
+        if qcp > 1 and kvp not in (1, qcp):
+            raise ValueError(f"topology: with query_context_parallel_size={qcp}, kv_parallel_size={kvp} must be "
+                             f"1 (replicated KV) or equal to it")
+        if self.dcp_merge not in DCP_MERGES:
+            raise ValueError(f"topology: dcp_merge={self.dcp_merge!r} is not one of {DCP_MERGES}")
+        if self.dcp_q not in DCP_Q_MODES:
+            raise ValueError(f"topology: dcp_q={self.dcp_q!r} is not one of {DCP_Q_MODES}")
+
+    @property
+    def cp(self) -> int:
+        """Size of the context-parallel sub-axis of the mesh."""
+        return max(self.kv_parallel_size, self.query_context_parallel_size)
+
+    @property
+    def num_devices(self) -> int:
+        return self.tp_size * self.dp_size
+
+    def validate_model(self, cfg) -> None:
+        """Model-dependent restrictions (raise ValueError naming the value)."""
+        if self.kv_parallel_size > 1 and self.dcp_merge == "a2a" and cfg.num_attention_heads % self.tp_size:
+            raise ValueError(f"topology: the a2a DCP merge splits query heads over attention TP, but "
+                             f"num_attention_heads={cfg.num_attention_heads} does not divide by tp_size={self.tp_size}")
+
+    def make_mesh(self, devices=None):
+        """The ``(dp, tp / cp, cp)`` mesh of this topology over ``devices`` (default: all)."""
+        import jax
+
+        from v41cp.sharding.mesh import make_mesh
+
+        devices = list(jax.devices() if devices is None else devices)
+        if len(devices) != self.num_devices:
+            raise ValueError(f"topology: tp_size={self.tp_size} x dp_size={self.dp_size} = {self.num_devices} "
+                             f"devices, but {len(devices)} devices are available")
+        return make_mesh(tp=self.tp_size, dp=self.dp_size, devices=devices, cp=self.cp)
+
+    def rules(self):
+        """Parameter sharding rules for this topology."""
+        from v41cp.sharding.rules import REPLICATED_Q_RULES, TP_RULES
+
+        return REPLICATED_Q_RULES if self.kv_parallel_size > 1 and self.dcp_q == "replicate" else TP_RULES
