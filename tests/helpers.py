@@ -4,12 +4,30 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax
 import numpy as np
 from safetensors.numpy import load_file
 
 from v41cp.checkpoint import params_from_released
 from v41cp.config import ModelConfig
 from v41cp.engram_hash import compressed_token_map
+
+TOKEN_MAP = tuple(min(i, 135) for i in range(256))
+
+
+def perturbed(params, seed=3):
+    """Random non-trivial values for the parameters that init sets to constants (sinks, norms, biases)."""
+    leaves, tree = jax.tree.flatten_with_path(params)
+    rng = np.random.default_rng(seed)
+    out = []
+    for path, leaf in leaves:
+        name = jax.tree_util.keystr(path)
+        if any(t in name for t in ("attn_sink", "gate_bias", "'base'", "'scale'")):
+            leaf = leaf + rng.normal(0, 0.1, leaf.shape).astype(leaf.dtype)
+        elif "'weight'" in name or "q_weight" in name or "k_weight" in name:
+            leaf = leaf * (1 + rng.normal(0, 0.1, leaf.shape)).astype(leaf.dtype)
+        out.append(np.asarray(leaf))
+    return jax.tree.unflatten(tree, out)
 
 
 def load_export(path: Path, **overrides):

@@ -4,28 +4,10 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import rel_err
+from helpers import TOKEN_MAP, perturbed as _perturbed, rel_err
 from v41cp import model
 from v41cp.config import preset
 from v41cp.sharding import ShardingContext, TP_RULES, make_mesh
-
-TOKEN_MAP = tuple(min(i, 135) for i in range(256))
-
-
-def _perturbed(params, seed=3):
-    """Random non-trivial values for the parameters that init sets to constants (sinks, norms, biases)."""
-    leaves, tree = jax.tree.flatten_with_path(params)
-    rng = np.random.default_rng(seed)
-    out = []
-    for path, leaf in leaves:
-        name = jax.tree_util.keystr(path)
-        if any(t in name for t in ("attn_sink", "gate_bias", "'base'", "'scale'")):
-            leaf = leaf + rng.normal(0, 0.1, leaf.shape).astype(leaf.dtype)
-        elif "'weight'" in name or "q_weight" in name or "k_weight" in name:
-            leaf = leaf * (1 + rng.normal(0, 0.1, leaf.shape)).astype(leaf.dtype)
-        out.append(np.asarray(leaf))
-    return jax.tree.unflatten(tree, out)
-
 
 @pytest.mark.parametrize("name,dp,tp", [("tiny-tp8", 1, 8), ("tiny", 2, 4)])
 def test_tp_forward_equals_single_device(name, dp, tp):

@@ -204,3 +204,33 @@ def attend(plan: DCPPlan, read, q: jax.Array, ring: jax.Array, ring_valid: jax.A
     spec = jax.tree.map(lambda _: P(CP), ckv_pool)
     return plan.shard_map(body, (plan.q_spec, P(), P(), P(), spec, P(), sink_spec), plan.out_spec)(
         q, ring, ring_valid, topk, ckv_pool, tables, sink)
+
+
+def collective_plan(cfg: ModelConfig, plan: DCPPlan, max_batch: int, max_blocks: int, block_tokens: int) -> dict:
+    """Analytical per-step bytes (result bytes on one device) of the collectives over the ``cp`` group that
+    the DCP decode step issues: query-head gathers, top-k and block candidates, merge payload. None of them
+    depends on the history capacity except through ``min(index_topk, G)`` / ``min(candidate_topk_blocks, nb)``
+    (constant once the capacity exceeds ``index_topk`` entries)."""
+    n, b, d = plan.n, max_batch, cfg.head_dim
+    item = 2 if cfg.dtype == "bfloat16" else 4
+    hg = cfg.num_attention_heads // plan.mesh.shape["tp"] if plan.heads_sharded else cfg.num_attention_heads
+    out = {"q_gather": 0, "topk_candidates": 0, "block_candidates": 0, "merge": 0}
+    for role in cfg.layer_roles:
+        if role.ratio == 0:
+            continue
+        if plan.heads_sharded and plan.q_mode == "gather":
+            out["q_gather"] += b * hg * d * item
+        if plan.merge == "a2a":
+            out["merge"] += n * b * (hg // n) * (d + 1) * 4
+        elif plan.heads_sharded:
+            out["merge"] += n * b * hg * 4 + b * (hg // n) * d * 4
+        else:
+            out["merge"] += n * b * hg * 4 + b * hg * d * 4
+        if role.is_index_source:
+            g = max_blocks * block_tokens // role.ratio
+            out["topk_candidates"] += 2 * b * n * min(cfg.index_topk, g) * 4
+            if role.candidate_source:
+                nb = -(-g // cfg.candidate_block_size)
+                out["block_candidates"] += 2 * b * n * min(cfg.candidate_topk_blocks, nb) * 4
+    out["total"] = sum(out.values())
+    return out

@@ -15,12 +15,15 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from v41cp.config import ModelConfig
 from v41cp.engram_hash import engram_hash_ids
 from v41cp.serving.allocator import BlockAllocator
+from v41cp.serving.dcp import DCPPlan
+from v41cp.sharding.topology import ParallelConfig
 from v41cp.serving.decode import (DecodeMetadata, ced_boundary, ced_rows, decode_step, engram_ids_for_last,
                                   init_cache, prefill_chunk)
 
@@ -93,22 +96,42 @@ def sample_token(logits: np.ndarray, sp: SamplingParams, index: int) -> int:
 
 
 class Engine:
-    """See the module docstring. ``mesh``: run with parameters sharded over its ``tp`` axis (TP_RULES)."""
+    """See the module docstring. ``mesh``: run with parameters sharded over its attention-TP axes (TP_RULES).
+    ``parallel`` (`ParallelConfig`): the topology — builds the mesh over the first ``tp · dp`` devices
+    (unless ``mesh`` is given) and, with ``kv_parallel_size > 1``, splits the global cache pages over the KVP
+    group and decodes with DCP (`v41cp.serving.dcp`); prefill then also runs through the owner-masked
+    cached path (token-serial chunks; every rank computes the complete span and writes what it owns)."""
 
-    def __init__(self, params, cfg: ModelConfig, capacity: Capacity = Capacity(), mesh=None):
+    def __init__(self, params, cfg: ModelConfig, capacity: Capacity = Capacity(), mesh=None,
+                 parallel: ParallelConfig | None = None):
         self.cfg, self.capacity = cfg, capacity
+        self.parallel = parallel
+        self.plan = None
+        n = 1
+        if parallel is not None and mesh is None:
+            mesh = parallel.make_mesh(jax.devices()[:parallel.num_devices])
         if mesh is not None:
             from jax.sharding import NamedSharding, PartitionSpec
 
             from v41cp.model import shard_params
 
-            params = shard_params(params, cfg, mesh)
+            rules = parallel.rules() if parallel is not None else None
+            params = shard_params(params, cfg, mesh, *([rules] if rules else []))
             cache_sharding = NamedSharding(mesh, PartitionSpec())
+            if parallel is not None and parallel.kv_parallel_size > 1:
+                self.plan = DCPPlan.build(cfg, parallel, mesh)
+                n = parallel.kv_parallel_size
         else:
             cache_sharding = None
+        self.mesh = mesh
         self.params = params
-        self.cache = init_cache(cfg, capacity.blocks, capacity.block_tokens, capacity.max_batch, cache_sharding)
-        self.alloc = BlockAllocator(capacity.blocks, capacity.block_tokens, capacity.max_batch, capacity.max_blocks)
+        # KVP: every rank holds num_blocks / N pages; round the virtual block count up to whole ranks
+        num_blocks = -(-capacity.blocks // n) * n if capacity.num_blocks else n * capacity.max_batch * -(
+            -capacity.max_blocks // n)
+        self.num_blocks = num_blocks
+        self.cache = init_cache(cfg, num_blocks, capacity.block_tokens, capacity.max_batch,
+                                None if self.plan else cache_sharding, plan=self.plan)
+        self.alloc = BlockAllocator(num_blocks, capacity.block_tokens, capacity.max_batch, capacity.max_blocks, n)
         self.requests: "OrderedDict[object, _Request]" = OrderedDict()
         self.stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_steps": 0, "decode_tokens": 0,
                       "decode_s": 0.0, "step_s": [], "ced_encoder_only_rows": 0}
@@ -216,7 +239,7 @@ class Engine:
             metas = DecodeMetadata(jnp.asarray(tok), jnp.asarray(pos), jnp.full((c, 1), slot, jnp.int32),
                                    jnp.asarray(np.broadcast_to(table, (c, 1, table.size))), jnp.asarray(act),
                                    jnp.asarray(ids), 1, self.capacity.max_blocks)
-            logits, self.cache = prefill_chunk(self.params, self.cache, metas, cfg, encoder_only)
+            logits, self.cache = prefill_chunk(self.params, self.cache, metas, cfg, encoder_only, self.plan)
             if not encoder_only:
                 last = np.asarray(logits[m - 1, 0])
         req.last_logits = last
@@ -239,7 +262,7 @@ class Engine:
             tables[i] = self._table(req.rid)
             eng[i] = engram_ids_for_last(cfg, hist)
         meta = DecodeMetadata(*(jnp.asarray(a) for a in (tok, pos, slots, tables, active, eng)), b, mb)
-        logits, self.cache = decode_step(self.params, self.cache, meta, cfg)
+        logits, self.cache = decode_step(self.params, self.cache, meta, cfg, self.plan)
         logits = np.asarray(logits)
         for i, req in enumerate(rows):
             req.last_logits = logits[i]

@@ -75,7 +75,7 @@ def merge_ag_rs(o: jax.Array, lse: jax.Array, axis: str, scatter: bool = True) -
     """Inside shard_map over ``axis`` (N ranks): own partial ``o [B, Hg, D]``, ``lse [B, Hg]`` →
     merged ``o [B, Hg/N, D]`` and ``lse [B, Hg/N]`` for this rank's head slice (``scatter``), or all
     ``Hg`` heads on every rank (``scatter=False``: the outputs are all-reduced)."""
-    lse_all = jax.lax.all_gather(_sanitize(lse), axis)                 # [N, B, Hg]
+    lse_all = jax.lax.all_gather(_sanitize(lse), axis, to="invarying")             # [N, B, Hg]
     w_all, lse_m = _weights(lse_all)
     w = w_all[jax.lax.axis_index(axis)]
     contrib = jnp.where(w[..., None] > 0, w[..., None] * o.astype(jnp.float32), 0.0)

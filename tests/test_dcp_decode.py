@@ -1,0 +1,150 @@
+"""DCP decode on 8 simulated devices == single-device decode; exact structure of the compiled step."""
+
+from functools import lru_cache
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import TOKEN_MAP, perturbed, rel_err
+from v41cp import model
+from v41cp.config import preset
+from v41cp.serving.allocator import BlockAllocator
+from v41cp.serving.dcp import DCPPlan, collective_plan
+from v41cp.serving.decode import DecodeMetadata, decode_step, engram_ids_for_last, init_cache
+from v41cp.sharding.hlo_stats import collective_bytes
+from v41cp.sharding.topology import ParallelConfig
+
+# pages of 4 tokens (2 ratio-2 entries, 4 ratio-1 entries), window 8, candidate blocks of 2 entries
+BT, MB, B = 4, 24, 4
+# dense selection (every visible entry selected): the logits comparison is free of top-k near-tie flips
+DENSE = dict(index_topk=128, candidate_topk_blocks=64)
+# rid: (prompt length, total tokens, start step). b is so short that most ranks own none of its pages; e
+# reuses b's slot and pages; every row crosses page, compression-group, window and candidate-block boundaries
+ROWS = {"a": (5, 70, 0), "b": (2, 3, 2), "c": (9, 60, 5), "e": (3, 40, 10), "d": (1, 20, 33)}
+STEPS = 70
+# Prompt seed. Seeds 11 and 15 put one row on a near-tie of the MoE top-2 routing (rounding-level
+# differences flip it; plain TP=8 without DCP flips it identically, ~1e-4); seeds 12-14 have no such tie.
+SEED = 12
+
+
+@lru_cache(maxsize=None)
+def _model(sparse: bool):
+    cfg = preset("tiny-tp8", engram_token_map=TOKEN_MAP, **({} if sparse else DENSE))
+    return cfg, perturbed(model.init_params(cfg, jax.random.key(0)))
+
+
+def _meta(cfg, alloc, rows):
+    n_eng = len(cfg.engram_layer_ids)
+    tok, pos, slots = np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
+    tables, active = np.full((B, MB), -1, np.int32), np.zeros(B, bool)
+    eng = np.zeros((B, n_eng, cfg.engram_hash_heads), np.int32)
+    for i, (rid, hist) in enumerate(rows):
+        tok[i], pos[i], slots[i], active[i] = hist[-1], len(hist) - 1, alloc.slot(rid), True
+        blocks = alloc.blocks(rid)
+        tables[i, :len(blocks)] = blocks
+        eng[i] = engram_ids_for_last(cfg, hist)
+    return DecodeMetadata(*(jnp.asarray(a) for a in (tok, pos, slots, tables, active, eng)), B, MB)
+
+
+def _run(cfg, params, parallel=None):
+    """Greedy decode of ROWS (prompt tokens fed one per step, then the argmax) → rid → (logits, tokens)."""
+    plan, n, sharding = None, 1, None
+    if parallel is not None:
+        mesh = parallel.make_mesh()
+        if parallel.kv_parallel_size > 1:
+            plan, n = DCPPlan.build(cfg, parallel, mesh), parallel.kv_parallel_size
+        params = model.shard_params(params, cfg, mesh, parallel.rules())
+        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    rng = np.random.default_rng(SEED)
+    prompts = {rid: list(rng.integers(3, cfg.vocab_size, p)) for rid, (p, _, _) in ROWS.items()}
+    hist = {rid: [] for rid in ROWS}
+    logits_out = {rid: [] for rid in ROWS}
+    alloc = BlockAllocator(B * MB, BT, B, MB, n)
+    cache = init_cache(cfg, B * MB, BT, B, sharding=None if plan else sharding, plan=plan)
+    for t in range(STEPS):
+        rows = []
+        for rid, (p, total, start) in ROWS.items():
+            u = t - start
+            if not 0 <= u < total:
+                continue
+            hist[rid].append(prompts[rid][u] if u < p else int(np.argmax(logits_out[rid][-1])))
+            alloc.admit(rid, 1) if u == 0 else alloc.extend(rid, u + 1)
+            rows.append((rid, hist[rid]))
+        logits, cache = decode_step(params, cache, _meta(cfg, alloc, rows), cfg, plan)
+        logits = np.asarray(logits)
+        for i, (rid, h) in enumerate(rows):
+            logits_out[rid].append(logits[i])
+            if len(h) == ROWS[rid][1]:
+                alloc.release(rid)
+    alloc.check()
+    return {rid: (np.stack(logits_out[rid]), hist[rid][ROWS[rid][0]:]) for rid in ROWS}
+
+
+@lru_cache(maxsize=None)
+def _reference(sparse: bool):
+    return _run(*_model(sparse))
+
+
+@pytest.mark.parametrize("n,merge,q_mode", [(2, "ag_rs", "gather"), (4, "a2a", "gather"),
+                                            (8, "ag_rs", "replicate"), (8, "a2a", "replicate")])
+def test_dcp_decode_equals_single_device(n, merge, q_mode):
+    cfg, params = _model(False)
+    par = ParallelConfig(tp_size=8, kv_parallel_size=n, decode_context_parallel_size=n, dcp_merge=merge, dcp_q=q_mode)
+    got, want = _run(cfg, params, par), _reference(False)
+    worst = 0.0
+    for rid in ROWS:
+        err = rel_err(got[rid][0], want[rid][0])
+        worst = max(worst, err)
+        assert got[rid][1] == want[rid][1], f"request {rid}: greedy tokens differ"
+    print(f"\n[dcp decode] KVP=DCP={n} {merge} {q_mode}: max logits rel err {worst:.2e} over {STEPS} steps; "
+          f"request a: {len(want['a'][1])} greedy tokens identical")
+    assert worst <= 1e-5
+
+
+def test_dcp_sparse_selection_tokens_equal_single_device():
+    """Sparse selection (top-4 entries, 2 candidate blocks) exercises the distributed top-k and block
+    selection in the step. Greedy tokens must be identical; logits are reported, not bounded at 1e-5: a
+    rounding-level difference (merge order, TP reductions — plain TP shows the same) can flip an exact
+    near-tie of the indexer, which moves the logits of that step by ~1e-3 (see docs/architecture.md)."""
+    cfg, params = _model(True)
+    par = ParallelConfig(tp_size=8, kv_parallel_size=8, decode_context_parallel_size=8)
+    got, want = _run(cfg, params, par), _reference(True)
+    worst = max(rel_err(got[rid][0], want[rid][0]) for rid in ROWS)
+    for rid in ROWS:
+        assert got[rid][1] == want[rid][1], f"request {rid}: greedy tokens differ"
+    print(f"\n[dcp decode, sparse selection] KVP=DCP=8: tokens identical; max logits rel err {worst:.2e}")
+
+
+def _compiled_text(cfg, params, plan, max_blocks):
+    cache = init_cache(cfg, B * max_blocks, BT, B, plan=plan)
+    meta = DecodeMetadata(jnp.zeros(B, jnp.int32), jnp.zeros(B, jnp.int32), jnp.arange(B, dtype=jnp.int32),
+                          jnp.full((B, max_blocks), -1, jnp.int32), jnp.zeros(B, bool),
+                          jnp.zeros((B, len(cfg.engram_layer_ids), cfg.engram_hash_heads), jnp.int32), B, max_blocks)
+    return decode_step.lower(params, cache, meta, cfg, plan).compile().as_text(), cache
+
+
+@pytest.mark.parametrize("merge,q_mode", [("ag_rs", "gather"), ("a2a", "replicate")])
+def test_compiled_step_structure(merge, q_mode):
+    """KVP=4 inside TP=8: the step's collective bytes are identical for history capacities 8 and 64 blocks
+    (history is never gathered); the bytes over the cp groups equal the analytical Q-gather + top-k / block
+    candidates + merge payload; each device allocates exactly num_blocks / 4 pages of every global pool."""
+    cfg, params = _model(True)
+    par = ParallelConfig(tp_size=8, kv_parallel_size=4, decode_context_parallel_size=4, dcp_merge=merge, dcp_q=q_mode)
+    mesh = par.make_mesh()
+    plan = DCPPlan.build(cfg, par, mesh)
+    sharded = model.shard_params(params, cfg, mesh, par.rules())
+    totals = []
+    for mb in (8, 64):
+        text, cache = _compiled_text(cfg, sharded, plan, mb)
+        totals.append(collective_bytes(text))
+        want = collective_plan(cfg, plan, B, mb, BT)
+        assert collective_bytes(text, group_size=4) == want["total"], want
+        for group in ("ckv", "ikey"):
+            for leaf in jax.tree.leaves(cache[group]):
+                shard = leaf.addressable_shards[0].data
+                assert shard.shape[0] == B * mb // 4 and shard.nbytes * 4 == leaf.nbytes
+    print(f"\n[dcp structure] {merge}/{q_mode}: step collective bytes {totals} (8 vs 64 blocks); "
+          f"cp-group bytes {want}")
+    assert totals[0] == totals[1]
