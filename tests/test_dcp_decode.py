@@ -13,7 +13,7 @@ from v41cp.config import preset
 from v41cp.serving.allocator import BlockAllocator
 from v41cp.serving.dcp import DCPPlan, collective_plan
 from v41cp.serving.decode import DecodeMetadata, decode_step, engram_ids_for_last, init_cache
-from v41cp.sharding.hlo_stats import collective_bytes
+from v41cp.sharding.hlo_stats import collective_bytes, mesh_axis_groups
 from v41cp.sharding.topology import ParallelConfig
 
 # pages of 4 tokens (2 ratio-2 entries, 4 ratio-1 entries), window 8, candidate blocks of 2 entries
@@ -140,7 +140,7 @@ def test_compiled_step_structure(merge, q_mode):
         text, cache = _compiled_text(cfg, sharded, plan, mb)
         totals.append(collective_bytes(text))
         want = collective_plan(cfg, plan, B, mb, BT)
-        assert collective_bytes(text, group_size=4) == want["total"], want
+        assert collective_bytes(text, mesh_axis_groups(mesh, "cp")) == want["total"], want
         for group in ("ckv", "ikey"):
             for leaf in jax.tree.leaves(cache[group]):
                 shard = leaf.addressable_shards[0].data

@@ -157,3 +157,30 @@ def test_merge_edge_cases():
     assert (np.asarray(empty) == 0).all() and (np.asarray(empty_lse) == -np.inf).all()
     sunk = apply_sink(empty, empty_lse, jnp.zeros(3))
     assert (np.asarray(sunk) == 0).all()
+
+
+@pytest.mark.parametrize("n", [2, 8])
+def test_gather_history_copies_packed_pages_from_owners(n):
+    """A request's pages come back in table order, byte for byte, from a cp-split pool (ranks that own none
+    of its pages included); padding positions are zeros."""
+    from v41cp.serving.dcp import DCPPlan, gather_history, pool_sharding
+
+    mesh = make_mesh(tp=8, cp=n)
+    plan = DCPPlan(mesh)
+    nb, epb = 4 * n, 2
+    a = BlockAllocator(nb, 4, 2, 5, kv_parallel_size=n)
+    a.admit("other", 4)
+    a.admit("req", 4 * 3)                      # 3 pages: with n = 8, five ranks own none of them
+    rng = np.random.default_rng(n)
+    # rows of rank r's pool hold virtual blocks l·n + r: build the global array in that order
+    virt = rng.integers(0, 256, (nb, epb, 6), dtype=np.uint8)
+    lb = nb // n
+    glob = np.stack([virt[l * n + r] for r in range(n) for l in range(lb)])
+    pool = {"q": jax.device_put(glob, pool_sharding(mesh)), "s": jax.device_put(glob[..., :2], pool_sharding(mesh))}
+    table = np.full(5, -1, np.int32)
+    table[:3] = a.blocks("req")
+    got = gather_history(plan, pool, jnp.asarray(table))
+    want = np.zeros((5, epb, 6), np.uint8)
+    want[:3] = virt[table[:3]]
+    np.testing.assert_array_equal(np.asarray(got["q"]), want)
+    np.testing.assert_array_equal(np.asarray(got["s"]), want[..., :2])

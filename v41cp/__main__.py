@@ -129,13 +129,25 @@ def _engine(args, capacity):
     from v41cp.checkpoint import default_checkpoint, open_checkpoint
     from v41cp.serving.engine import Engine
 
-    mesh = None
-    if getattr(args, "devices", 1) > 1:
-        from v41cp.sharding import make_mesh
-
-        mesh = make_mesh(tp=args.devices)
+    parallel = _parallel(args)
     cfg, params = open_checkpoint(args.checkpoint or default_checkpoint(), fake_quant=not args.no_fake_quant)
-    return cfg, Engine(params, cfg, capacity, mesh=mesh)
+    return cfg, Engine(params, cfg, capacity, parallel=parallel)
+
+
+def _parallel(args, kv_parallel_size=None):
+    """The `ParallelConfig` of the topology flags (None: one device, no mesh)."""
+    from v41cp.sharding.topology import ParallelConfig
+
+    kvp = args.kv_parallel_size if kv_parallel_size is None else kv_parallel_size
+    dcp = kvp if kv_parallel_size is not None or args.decode_context_parallel_size is None \
+        else args.decode_context_parallel_size
+    tp = args.tp_size or args.devices
+    if args.devices % tp:
+        raise ValueError(f"topology: --tp-size {tp} does not divide --devices {args.devices}")
+    if args.devices == 1 and kvp == 1 and dcp == 1:
+        return None
+    return ParallelConfig(tp_size=tp, dp_size=args.devices // tp, kv_parallel_size=kvp,
+                          decode_context_parallel_size=dcp, dcp_merge=args.dcp_merge, dcp_q=args.dcp_q)
 
 
 def cmd_generate(args) -> int:
@@ -171,16 +183,11 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def cmd_bench(args) -> int:
+def _bench_rows(eng, cfg, lengths, args) -> list[dict]:
     import numpy as np
 
-    from v41cp.serving.engine import Capacity, SamplingParams
+    from v41cp.serving.engine import SamplingParams
 
-    lengths = [int(x) for x in args.lengths.split(",")]
-    block = 16
-    cap = Capacity(max_batch=args.batch, max_tokens=-(-(max(lengths) + args.steps + 1) // block) * block,
-                   block_tokens=block, prefill_chunk=64)
-    cfg, eng = _engine(args, cap)
     rng = np.random.default_rng(0)
     rows = []
     for n in lengths:
@@ -201,15 +208,88 @@ def cmd_bench(args) -> int:
                      "decode_step_ms_p90": round(float(np.percentile(lat, 90)) * 1e3, 3),
                      "decode_step_ms_p99": round(float(np.percentile(lat, 99)) * 1e3, 3),
                      "decode_tokens_per_s": round(args.batch / float(np.median(lat)), 1)})
+    return rows
+
+
+def _kvp_structure(eng, cfg, cap, budget_bytes: int) -> dict:
+    """Per-rank cache bytes, collective bytes of the compiled step and the context capacity at a fixed
+    per-device page budget (exact accounting, not timings). ``cp_group``: bytes of the step's collectives
+    over the cp groups — the DCP payload (``cp_group_analytic``) plus any layout collective GSPMD happens to
+    run over cp (e.g. when ``o_groups`` does not divide attention TP)."""
+    from v41cp.config import preset
+    from v41cp.serving.cache_spec import CacheSpec
+    from v41cp.serving.dcp import collective_plan
+    from v41cp.sharding.hlo_stats import collective_bytes, mesh_axis_groups
+
+    n = eng.plan.n if eng.plan else 1
+    spec = CacheSpec(cfg, cap.block_tokens, quantized=cfg.fake_quant)
+    pages_per_device = budget_bytes // spec.block_bytes
+    text = eng.compiled_decode_text()
+    coll = {"total": collective_bytes(text)}
+    if eng.plan:
+        if eng.mesh.shape["tp"] > 1 or eng.mesh.shape["dp"] > 1:
+            coll["cp_group"] = collective_bytes(text, mesh_axis_groups(eng.mesh, "cp"))
+        else:   # KVP = attention TP = all devices: the cp groups are the TP groups too, not separable
+            coll["cp_group"] = None
+        coll["cp_group_analytic"] = collective_plan(cfg, eng.plan, cap.max_batch, cap.max_blocks, cap.block_tokens)
+    flash = CacheSpec(preset("v41-flash"), 256)
+    return {
+        "kv_parallel_size": n,
+        "per_rank_cache_bytes": eng.cache_bytes_per_device(),
+        "collective_bytes_per_step": coll,
+        "context_capacity": {"bucket_tokens_per_request": cap.max_tokens,
+                             "cache_budget_bytes_per_device": budget_bytes,
+                             "block_bytes": spec.block_bytes, "pages_per_device_at_budget": pages_per_device},
+        "max_resident_tokens": pages_per_device * n * cap.block_tokens,
+        "v41_flash_max_resident_tokens_at_budget": budget_bytes // flash.block_bytes * n * flash.block_tokens,
+    }
+
+
+def cmd_bench(args) -> int:
+    from v41cp.serving.engine import Capacity
+
+    lengths = [int(x) for x in args.lengths.split(",")]
+    block = 16
+    cap = Capacity(max_batch=args.batch, max_tokens=-(-(max(lengths) + args.steps + 1) // block) * block,
+                   block_tokens=block, prefill_chunk=64)
+    cfg, eng = _engine(args, cap)
+    rows = _bench_rows(eng, cfg, lengths, args)
     out = {"bench": args.kind, "capacity": {"max_batch": cap.max_batch, "max_tokens": cap.max_tokens,
                                              "block_tokens": cap.block_tokens},
+           "topology": {"devices": args.devices, "tp_size": args.tp_size or args.devices,
+                        "kv_parallel_size": args.kv_parallel_size, "dcp_merge": args.dcp_merge, "dcp_q": args.dcp_q},
            "rows": rows, "compiles": eng.compile_counts()}
     if args.kind == "prefill":
         for r in out["rows"]:
             for k in [k for k in r if k.startswith("decode")]:
                 r.pop(k)
+    else:
+        out.update(_kvp_structure(eng, cfg, cap, args.cache_budget_mib * 2**20))
+        if args.kv_parallel_size > 1:           # KVP = 1 on the same mesh, side by side, for the step-time ratio
+            from v41cp.serving.engine import Engine
+
+            base = Engine(eng.params, cfg, cap, parallel=_parallel(args, kv_parallel_size=1))
+            base_rows = _bench_rows(base, cfg, lengths, args)
+            base_struct = _kvp_structure(base, cfg, cap, args.cache_budget_mib * 2**20)
+            out["kvp1"] = {"rows": base_rows, "per_rank_cache_bytes": base_struct["per_rank_cache_bytes"],
+                           "collective_bytes_per_step": base_struct["collective_bytes_per_step"],
+                           "max_resident_tokens": base_struct["max_resident_tokens"]}
+            out["step_time_vs_kvp1"] = [round(r["decode_step_ms_p50"] / b["decode_step_ms_p50"], 3)
+                                        for r, b in zip(rows, base_rows)]
     print(json.dumps(out) if args.json else json.dumps(out, indent=1))
     return 0
+
+
+def _topology_flags(p) -> None:
+    p.add_argument("--devices", type=int, default=1,
+                   help="devices to use (on a CPU host: simulated CPU devices); tp x dp must equal it")
+    p.add_argument("--tp-size", type=int, help="attention tensor-parallel size (default: --devices)")
+    p.add_argument("--kv-parallel-size", type=int, default=1, help="KVP: ranks sharing one request's global pages")
+    p.add_argument("--decode-context-parallel-size", type=int,
+                   help="DCP group size (must equal --kv-parallel-size; default: equal to it)")
+    p.add_argument("--dcp-merge", choices=("ag_rs", "a2a"), default="ag_rs", help="DCP merge backend")
+    p.add_argument("--dcp-q", choices=("gather", "replicate"), default="gather",
+                   help="DCP queries: all-gather heads per layer, or replicated query projections")
 
 
 def main(argv=None) -> int:
@@ -243,7 +323,7 @@ def main(argv=None) -> int:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--devices", type=int, default=1, help="tensor-parallel devices (a tp mesh)")
+    _topology_flags(g)
     g.add_argument("--no-fake-quant", action="store_true")
     g.add_argument("--json", action="store_true")
     b = sub.add_parser("bench", help="decode / prefill benchmark of the engine (prints JSON)")
@@ -252,7 +332,9 @@ def main(argv=None) -> int:
     b.add_argument("--lengths", default="64,512,2048", help="context lengths")
     b.add_argument("--batch", type=int, default=1)
     b.add_argument("--steps", type=int, default=32, help="decode steps per length")
-    b.add_argument("--devices", type=int, default=1)
+    _topology_flags(b)
+    b.add_argument("--cache-budget-mib", type=int, default=64,
+                   help="per-device global-page budget for max_resident_tokens (decode)")
     b.add_argument("--no-fake-quant", action="store_true")
     b.add_argument("--json", action="store_true")
     args = p.parse_args(argv)

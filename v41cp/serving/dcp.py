@@ -36,7 +36,7 @@ from v41cp.sharding.mesh import ATTN_TP, CP
 from v41cp.sharding.ownership import owned_positions
 from v41cp.sharding.topology import ParallelConfig
 
-__all__ = ["DCPPlan", "write_owned", "select", "attend", "pool_sharding"]
+__all__ = ["DCPPlan", "write_owned", "select", "attend", "pool_sharding", "gather_history", "collective_plan"]
 
 
 @dataclass(frozen=True)
@@ -234,3 +234,34 @@ def collective_plan(cfg: ModelConfig, plan: DCPPlan, max_batch: int, max_blocks:
                 out["block_candidates"] += 2 * b * n * min(cfg.candidate_topk_blocks, nb) * 4
     out["total"] = sum(out.values())
     return out
+
+
+def gather_history(plan: DCPPlan, pool, table: jax.Array):
+    """Materialize one request's packed pages from their owners: ``table [MB]`` (virtual block ids, −1
+    padding) → the pool's leaves as ``[MB, epb, ·]`` in table order on every rank (zeros for padding).
+
+    Records are copied as stored (uint8 payload and scale bytes, no dequantize / requantize): each rank
+    contributes its ``⌈MB/N⌉`` owned pages and one all-gather moves them. Position ``i`` is owned by rank
+    ``(i + s) % N`` as its ``(i // N)``-th owned page (``s`` = the residue of the first block)."""
+    n = plan.n
+    mb = table.shape[0]
+
+    def body(pool, table):
+        r = jax.lax.axis_index(CP)
+        pos = owned_positions(table[:1], r, n, mb, xp=jnp)[0]                          # [LT]
+        v = table[jnp.minimum(pos, mb - 1)]
+        ok = (pos < mb) & (v >= 0) & (v % n == r)
+        rows = jnp.where(ok, v // n, 0)
+
+        def one(a):
+            mine = jnp.where(ok[:, None, None], a[rows], jnp.zeros((), a.dtype))       # [LT, epb, C]
+            allp = jax.lax.all_gather(mine, CP, to="invarying")                      # [N, LT, epb, C]
+            i = jnp.arange(mb)
+            s = jnp.where(table[0] >= 0, table[0] % n, 0)
+            got = allp[(i + s) % n, i // n]
+            return jnp.where((table >= 0)[:, None, None], got, jnp.zeros((), a.dtype))
+
+        return jax.tree.map(one, pool)
+
+    spec = jax.tree.map(lambda _: P(CP), pool)
+    return plan.shard_map(body, (spec, P()), jax.tree.map(lambda _: P(), pool))(pool, table)

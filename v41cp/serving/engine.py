@@ -272,6 +272,32 @@ class Engine:
         self.stats["decode_tokens"] += len(rows)
         self.stats["decode_s"] += time.perf_counter() - t0
 
+    # ------------------------------------------------------------------ structure
+    def cache_bytes_per_device(self) -> dict[str, int]:
+        """Decode-state bytes allocated on the first device: the global pages (split over KVP ranks) and the
+        replicated per-request state (SWA rings, compressor tails)."""
+        dev = jax.devices()[0] if self.mesh is None else self.mesh.devices.flat[0]
+
+        def on_dev(tree):
+            total = 0
+            for leaf in jax.tree.leaves(tree):
+                total += sum(sh.data.nbytes for sh in leaf.addressable_shards if sh.device == dev)
+            return total
+
+        pages = on_dev({k: self.cache[k] for k in ("ckv", "ikey")})
+        replicated = on_dev({k: v for k, v in self.cache.items() if k not in ("ckv", "ikey")})
+        return {"global_pages": pages, "replicated_state": replicated, "total": pages + replicated,
+                "pages_per_device": self.num_blocks // (self.plan.n if self.plan else 1)}
+
+    def compiled_decode_text(self) -> str:
+        """Optimized HLO of this engine's decode step (its static bucket), for structure checks."""
+        cfg, b, mb = self.cfg, self.capacity.max_batch, self.capacity.max_blocks
+        n_eng = len(cfg.engram_layer_ids)
+        meta = DecodeMetadata(jnp.zeros(b, jnp.int32), jnp.zeros(b, jnp.int32), jnp.arange(b, dtype=jnp.int32),
+                              jnp.full((b, mb), -1, jnp.int32), jnp.zeros(b, bool),
+                              jnp.zeros((b, n_eng, cfg.engram_hash_heads if n_eng else 0), jnp.int32), b, mb)
+        return decode_step.lower(self.params, self.cache, meta, cfg, self.plan).compile().as_text()
+
     @staticmethod
     def compile_counts() -> dict[str, int]:
         """Compilations so far of the jitted decode step and prefill chunk (one per bucket expected)."""

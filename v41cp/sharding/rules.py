@@ -64,11 +64,13 @@ def mesh_axes_size(mesh: Mesh, axes) -> int:
 def logical_sharding(shape: Sequence[int], axes: Sequence[str | None], mesh: Mesh,
                      rules: AxisRules) -> NamedSharding:
     """NamedSharding of an array ``shape`` with logical ``axes``; non-divisible dims stay replicated.
-    A rule may name a tuple of mesh axes (split over their product); axes absent from the mesh drop out."""
+    A rule may name a tuple of mesh axes (split over their product); axes absent from the mesh or of size 1
+    drop out."""
     spec, used = [], set()
     for dim, name in zip(shape, axes):
         m = rules.mesh_axis(name)
-        ms = tuple(a for a in ((m,) if isinstance(m, str) else (m or ())) if a in mesh.shape)
+        # axes absent from the mesh or of size 1 drop out (plain TP specs read "tp", not ("tp", "cp"))
+        ms = tuple(a for a in ((m,) if isinstance(m, str) else (m or ())) if mesh.shape.get(a, 1) > 1)
         size = mesh_axes_size(mesh, ms)
         if not ms or used & set(ms) or dim % size:
             if ms and dim % size and int(np.prod(shape)) >= 2**24:
