@@ -87,8 +87,8 @@ def _reference(sparse: bool):
     return _run(*_model(sparse))
 
 
-@pytest.mark.parametrize("n,merge,q_mode", [(2, "ag_rs", "gather"), (4, "a2a", "gather"),
-                                            (8, "ag_rs", "replicate"), (8, "a2a", "replicate")])
+# every group size, both merge backends and both query modes (compiles are the suite's cost)
+@pytest.mark.parametrize("n,merge,q_mode", [(2, "ag_rs", "gather"), (4, "a2a", "gather"), (8, "ag_rs", "replicate")])
 def test_dcp_decode_equals_single_device(n, merge, q_mode):
     cfg, params = _model(False)
     par = ParallelConfig(tp_size=8, kv_parallel_size=n, decode_context_parallel_size=n, dcp_merge=merge, dcp_q=q_mode)
@@ -148,3 +148,31 @@ def test_compiled_step_structure(merge, q_mode):
     print(f"\n[dcp structure] {merge}/{q_mode}: step collective bytes {totals} (8 vs 64 blocks); "
           f"cp-group bytes {want}")
     assert totals[0] == totals[1]
+
+
+def test_kvp_engine_with_ced_and_chunked_prefill_equals_single_device():
+    """The engine under KVP = DCP = 4 (chunked, CED-narrowed prefill through the owner-masked cached path,
+    then DCP decode; two requests, one reusing the other's pages after it finishes) == the one-device engine."""
+    from v41cp.serving.engine import Capacity, Engine, SamplingParams
+
+    cfg, params = _model(False)
+    cap = Capacity(max_batch=2, max_tokens=64, block_tokens=4, prefill_chunk=7, ced=True)
+    rng = np.random.default_rng(6)     # seed 5 puts "short" on a routing near-tie (plain TP=8 flips it too)
+    prompts = {"long": rng.integers(3, cfg.vocab_size, 37).tolist(), "short": rng.integers(3, cfg.vocab_size, 3).tolist(),
+               "late": rng.integers(3, cfg.vocab_size, 11).tolist()}
+    out = []
+    for par in (None, ParallelConfig(tp_size=8, kv_parallel_size=4, decode_context_parallel_size=4)):
+        eng = Engine(params, cfg, cap, parallel=par)
+        eng.submit("long", prompts["long"], SamplingParams(max_new_tokens=12, stop_on_eos=False))
+        eng.submit("short", prompts["short"], SamplingParams(max_new_tokens=2, stop_on_eos=False))
+        eng.step()
+        eng.step()
+        eng.step()                                               # "short" is done: its pages are free again
+        eng.submit("late", prompts["late"], SamplingParams(max_new_tokens=6, stop_on_eos=False))
+        res = {r["id"]: r["output_ids"] for r in eng.run()}
+        logits = {rid: eng.requests[rid].last_logits for rid in res}
+        assert eng.stats["ced_encoder_only_rows"] > 0
+        out.append((res, logits))
+    assert out[0][0] == out[1][0]
+    for rid in out[0][1]:
+        assert rel_err(out[1][1][rid], out[0][1][rid]) <= 1e-5
