@@ -184,3 +184,22 @@ def test_gather_history_copies_packed_pages_from_owners(n):
     want[:3] = virt[table[:3]]
     np.testing.assert_array_equal(np.asarray(got["q"]), want)
     np.testing.assert_array_equal(np.asarray(got["s"]), want[..., :2])
+
+
+def test_hlo_collective_accounting():
+    """Result bytes per op (async starts: results only, u32 contexts dropped; multi-output all-reduce: all)
+    and device groups in the explicit, iota and empty (= all devices) formats."""
+    from v41cp.sharding.hlo_stats import ALL_DEVICES, collective_bytes, collectives, mesh_axis_groups
+
+    text = """  %a = (f32[4,8]{1,0}, f32[16]{0}) all-reduce-start(%x, %y), replica_groups={{0,1},{2,3}}, to_apply=%add
+  %b = (f32[8]{0}, f32[8]{0}, u32[], u32[]) collective-permute-start(%z), source_target_pairs={{0,1}}
+  %c = (f32[2,4]{1,0}, f32[8,4]{1,0}) all-gather-start(%w), replica_groups={}, dimensions={0}
+  %d = f32[8,4]{1,0} all-gather(%w), replica_groups=[2,4]<=[8], dimensions={0}
+  %e = bf16[2]{0} all-reduce(%q), replica_groups=[4,2]<=[2,4]T(1,0), to_apply=%add"""
+    got = collectives(text)
+    assert [c["bytes"] for c in got] == [192, 32, 128, 128, 4]
+    assert got[2]["groups"] == ALL_DEVICES
+    assert got[4]["groups"] == frozenset(frozenset(g) for g in ({0, 4}, {1, 5}, {2, 6}, {3, 7}))
+    mesh = make_mesh(tp=8, cp=4)                      # (dp 1, tp 2, cp 4): cp groups {0..3}, {4..7}
+    assert collective_bytes(text, mesh_axis_groups(mesh, "cp")) == 128
+    assert collective_bytes(text) == 192 + 32 + 128 + 128 + 4

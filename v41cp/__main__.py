@@ -227,7 +227,7 @@ def _kvp_structure(eng, cfg, cap, budget_bytes: int) -> dict:
     text = eng.compiled_decode_text()
     coll = {"total": collective_bytes(text)}
     if eng.plan:
-        if eng.mesh.shape["tp"] > 1 or eng.mesh.shape["dp"] > 1:
+        if eng.mesh.shape["tp"] > 1:
             coll["cp_group"] = collective_bytes(text, mesh_axis_groups(eng.mesh, "cp"))
         else:   # KVP = attention TP = all devices: the cp groups are the TP groups too, not separable
             coll["cp_group"] = None

@@ -61,13 +61,20 @@ def index_query(cfg: ModelConfig, wq_b, w_proj, x, qr, angles) -> tuple[jax.Arra
     return q, weights
 
 
-def index_scores(q: jax.Array, weights: jax.Array, keys: jax.Array) -> jax.Array:
+def index_scores(q: jax.Array, weights: jax.Array, keys: jax.Array, stable: bool = False) -> jax.Array:
     """Unmasked scores ``[B,S,G]`` = Σ_heads ReLU(q · k) · weight (FP32), for keys ``[B,G,index_head_dim]``.
 
-    Both sums run as sequential loops of elementwise FP32 operations, so an entry's score depends only on
-    its own key and the query — bit-identical whatever the number of entries scored at once or their
-    layout. The distributed top-k (each rank scoring its own entries) relies on this to select exactly
-    what the single-device path selects, ties and near-ties included."""
+    ``stable``: both sums run as sequential loops of elementwise FP32 operations, so an entry's score depends
+    only on its own key and the query — bit-identical whatever the number of entries scored at once or their
+    layout. The cached decode path and the distributed top-k (each rank scoring its own entries) use it to
+    select exactly what the single-device decode selects, ties and near-ties included; the full-sequence
+    path keeps the (faster) contraction. Exact zeros are returned as +0 (a ReLU-zero times a negative weight
+    would be −0, which `lax.top_k` ranks below +0 and a max may or may not keep)."""
+    if not stable:
+        raw = jnp.einsum("bshe,bge->bshg", q.astype(jnp.float32), keys.astype(jnp.float32),
+                         precision=jax.lax.Precision.HIGHEST)
+        scores = jnp.sum(jax.nn.relu(raw) * weights.astype(jnp.float32)[..., None], axis=2)
+        return jnp.where(scores == 0, 0.0, scores)
     qf = jnp.moveaxis(q.astype(jnp.float32), -1, 0)                                  # [E,B,S,H]
     kf = jnp.moveaxis(keys.astype(jnp.float32), -1, 0)                               # [E,B,G]
     term = lambda qe, ke: qe[..., None] * ke[:, None, None, :]                      # [B,S,H,G]
@@ -75,10 +82,11 @@ def index_scores(q: jax.Array, weights: jax.Array, keys: jax.Array) -> jax.Array
     raw, _ = jax.lax.scan(lambda acc, qk: (acc + term(*qk), None), term(qf[0], kf[0]), (qf[1:], kf[1:]))
     contrib = jnp.moveaxis(jax.nn.relu(raw) * weights.astype(jnp.float32)[..., None], 2, 0)    # [H,B,S,G]
     scores, _ = jax.lax.scan(lambda acc, c: (acc + c, None), contrib[0], contrib[1:])
-    return scores
+    return jnp.where(scores == 0, 0.0, scores)
 
 
-def select_positions(cfg: ModelConfig, role: LayerRole, wq_b, w_proj, x, qr, angles, keys, positions, candidates):
+def select_positions(cfg: ModelConfig, role: LayerRole, wq_b, w_proj, x, qr, angles, keys, positions, candidates,
+                     stable: bool = False):
     """Score queries against index keys and select (shared by the full-sequence and the cached path).
 
     Args:
@@ -86,6 +94,7 @@ def select_positions(cfg: ModelConfig, role: LayerRole, wq_b, w_proj, x, qr, ang
       x ``[B,S,H]``, qr ``[B,S,q_lora]``, angles ``[B,S,P]``: query rows; positions ``[B|1, S]`` their positions.
       keys ``[B,G,index_head_dim]``: index keys in entry order (entries past a row's history are masked).
       candidates ``[B,S,G]`` bool or None: the candidate source's mask.
+      stable: bit-stable scores (`index_scores`), for the cached path.
     Returns: ``(topk [B,S,min(index_topk, G)] int32, candidates, scores [B,S,G])``.
     """
     b, s, _ = x.shape
@@ -93,7 +102,7 @@ def select_positions(cfg: ModelConfig, role: LayerRole, wq_b, w_proj, x, qr, ang
     q, weights = index_query(cfg, wq_b, w_proj, x, qr, angles)
     visible_len = jnp.broadcast_to(((positions + 1) // role.ratio)[..., None], (b, s, 1))
     allowed = jnp.arange(g)[None, None, :] < visible_len                            # [B,S,G]
-    scores = jnp.where(allowed, index_scores(q, weights, keys), -jnp.inf)
+    scores = jnp.where(allowed, index_scores(q, weights, keys, stable), -jnp.inf)
     if role.candidate_source:
         candidates = select_candidate_blocks(scores, visible_len, cfg.candidate_topk_blocks,
                                              cfg.candidate_block_size) & allowed

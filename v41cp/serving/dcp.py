@@ -69,9 +69,6 @@ class DCPPlan:
                              f"kv_parallel_size={parallel.kv_parallel_size}")
         tp = mesh.shape["tp"] * mesh.shape[CP]
         sharded = cfg.num_attention_heads % tp == 0
-        if parallel.dcp_q == "replicate" and cfg.num_attention_heads % mesh.shape["tp"]:
-            raise ValueError(f"topology: replicated-Q DCP splits num_attention_heads={cfg.num_attention_heads} "
-                             f"over the {mesh.shape['tp']} context-parallel groups; it does not divide")
         return cls(mesh, parallel.dcp_merge, parallel.dcp_q, sharded)
 
     # ------------------------------------------------------------------ specs
@@ -150,7 +147,7 @@ def select(plan: DCPPlan, cfg: ModelConfig, role: LayerRole, read, ikey_pool, q:
         keys = read(pool, lambda a: a[rows]).reshape(b, ids.shape[1], -1)            # [B, LT·epb, Di]
         visible = (positions + 1) // role.ratio
         ids = jnp.where(ids < visible[:, None], ids, -1)
-        scores = index_scores(q[:, None], weights[:, None], keys)[:, 0]
+        scores = index_scores(q[:, None], weights[:, None], keys, stable=True)[:, 0]
         scores = jnp.where(ids >= 0, scores, -jnp.inf)
         out_cand = cand
         if role.candidate_source:
@@ -208,11 +205,13 @@ def attend(plan: DCPPlan, read, q: jax.Array, ring: jax.Array, ring_valid: jax.A
 
 def collective_plan(cfg: ModelConfig, plan: DCPPlan, max_batch: int, max_blocks: int, block_tokens: int) -> dict:
     """Analytical per-step bytes (result bytes on one device) of the collectives over the ``cp`` group that
-    the DCP decode step issues: query-head gathers, top-k and block candidates, merge payload. None of them
+    the DCP decode step issues: query-head gathers, top-k and block candidates, merge payload. (The index
+    queries and weights, ``B·index_heads·(Di + 1)`` values per index source, are gathered over the whole
+    attention-TP group when their heads are split; that gather is not over ``cp`` and not counted here.) None of them
     depends on the history capacity except through ``min(index_topk, G)`` / ``min(candidate_topk_blocks, nb)``
     (constant once the capacity exceeds ``index_topk`` entries)."""
     n, b, d = plan.n, max_batch, cfg.head_dim
-    item = 2 if cfg.dtype == "bfloat16" else 4
+    item = jnp.dtype(cfg.dtype).itemsize
     hg = cfg.num_attention_heads // plan.mesh.shape["tp"] if plan.heads_sharded else cfg.num_attention_heads
     out = {"q_gather": 0, "topk_candidates": 0, "block_candidates": 0, "merge": 0}
     for role in cfg.layer_roles:

@@ -287,7 +287,7 @@ def _update_compressed(cfg, role, p, x, qr, angles, cache, st: _Step, state, key
     elif role.is_index_source:
         ip = p["indexer"]
         topk, cand, _ = select_positions(cfg, role, ip["wq_b"], ip["weights_proj"], x[:, None], qr[:, None], angles,
-                                         state["ikey"], pos[:, None], state.get("candidates"))
+                                         state["ikey"], pos[:, None], state.get("candidates"), stable=True)
         state = {**state, "topk": topk, "candidates": cand}
     return cache, state
 

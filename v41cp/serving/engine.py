@@ -108,6 +108,9 @@ class Engine:
         self.parallel = parallel
         self.plan = None
         n = 1
+        if parallel is not None and parallel.query_context_parallel_size > 1:
+            raise ValueError(f"topology: query_context_parallel_size={parallel.query_context_parallel_size} — "
+                             f"query context parallelism is not built yet (issue 6)")
         if parallel is not None and mesh is None:
             mesh = parallel.make_mesh(jax.devices()[:parallel.num_devices])
         if mesh is not None:

@@ -12,22 +12,28 @@ import re
 
 import numpy as np
 
-__all__ = ["collectives", "collective_bytes", "replica_groups", "mesh_axis_groups"]
+__all__ = ["collectives", "collective_bytes", "replica_groups", "mesh_axis_groups", "ALL_DEVICES"]
+
+ALL_DEVICES = "all"        # replica_groups={}: one group of every device
 
 _OPS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 _DTYPE_BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1, "f64": 8, "s64": 8,
-                "u64": 8, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2}
+                "u64": 8, "s16": 2, "u16": 2, "f8e4m3fn": 1, "f8e4m3": 1, "f8e5m2": 1, "f8e8m0fnu": 1,
+                "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "s4": 0.5, "u4": 0.5, "f4e2m1fn": 0.5}
 _LINE = re.compile(r"=\s*(?P<shape>.+?)\s+(?P<op>" + "|".join(_OPS) + r")(?P<start>-start)?\(")
 _ARRAY = re.compile(r"\b([a-z0-9]+)\[([0-9,]*)\]")
 
 
-def _bytes(shape_text: str) -> list[int]:
+def _arrays(shape_text: str) -> list[tuple[int, int]]:
+    """(bytes, rank) of every array in an HLO shape (a tuple lists several)."""
     out = []
     for dtype, dims in _ARRAY.findall(shape_text):
+        if dtype not in _DTYPE_BYTES:
+            raise ValueError(f"hlo_stats: unknown element type {dtype!r} in {shape_text!r}")
         n = 1
         for d in filter(None, dims.split(",")):
             n *= int(d)
-        out.append(n * _DTYPE_BYTES.get(dtype, 4))
+        out.append((int(n * _DTYPE_BYTES[dtype]), len(list(filter(None, dims.split(","))))))
     return out
 
 
@@ -46,6 +52,8 @@ def _parse_iota(text: str) -> np.ndarray:
 
 def replica_groups(line: str) -> frozenset[frozenset[int]] | None:
     """The replica / device groups of one collective (explicit, iota ``[G,S]<=[…]`` or mesh-axes format)."""
+    if re.search(r"replica_groups=\{\}", line):
+        return ALL_DEVICES
     m = re.search(r"replica_groups=\{(\{[0-9,{} ]*\})\}", line)
     if m:
         return frozenset(frozenset(int(x) for x in g.split(",") if x) for g in re.findall(r"\{([0-9,]*)\}", m.group(1)))
@@ -86,16 +94,21 @@ def collectives(hlo_text: str) -> list[dict]:
         m = _LINE.search(line)
         if not m:
             continue
-        sizes = _bytes(m.group("shape"))
-        if m.group("start") and len(sizes) > 1:     # async start: (operands..., results...) → count results
-            sizes = sizes[len(sizes) // 2:]
+        arrays = _arrays(m.group("shape"))
+        if m.group("start") and m.group("op") != "all-reduce":
+            # async start of a gather / permute / all-to-all / scatter: (operands, results[, u32[] contexts]);
+            # an all-reduce-start lists only its results
+            arrays = [a for a in arrays if a[1] > 0 or len(arrays) == 1]
+            arrays = arrays[len(arrays) // 2:] if len(arrays) > 1 else arrays
         groups = replica_groups(line)
-        found.append({"op": m.group("op"), "bytes": sum(sizes), "groups": groups,
-                      "group_size": len(next(iter(groups))) if groups else None})
+        found.append({"op": m.group("op"), "bytes": sum(b for b, _ in arrays), "groups": groups,
+                      "group_size": len(next(iter(groups))) if groups and groups != ALL_DEVICES else None})
     return found
 
 
 def collective_bytes(hlo_text: str, groups: frozenset | None = None) -> int:
     """Total result bytes of the collectives (optionally only those over exactly ``groups``, e.g.
     `mesh_axis_groups(mesh, "cp")`)."""
-    return sum(c["bytes"] for c in collectives(hlo_text) if groups is None or c["groups"] == groups)
+    def match(g):
+        return g == groups or (g == ALL_DEVICES and groups is not None and len(groups) == 1)
+    return sum(c["bytes"] for c in collectives(hlo_text) if groups is None or match(c["groups"]))

@@ -28,7 +28,7 @@ def partial_attention(q: jax.Array, keys: jax.Array, valid: jax.Array) -> tuple[
     ``lse [B, H]`` FP32 natural log, −inf where no key is valid, and then ``o = 0``).
     """
     d = q.shape[-1]
-    kf = keys.astype(jnp.float32)
+    kf = jnp.where(valid[..., None], keys.astype(jnp.float32), 0.0)     # masked rows never reach the sums
     logits = jnp.einsum("bhd,bkd->bhk", q.astype(jnp.float32), kf, precision=jax.lax.Precision.HIGHEST) * d ** -0.5
     logits = jnp.where(valid[:, None, :], logits, -jnp.inf)
     m = jnp.max(logits, axis=-1, keepdims=True)

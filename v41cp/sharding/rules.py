@@ -33,7 +33,7 @@ class AxisRules:
         return dict(self.rules).get(logical) if logical is not None else None
 
 
-# Plain attention tensor parallelism: heads, experts, MLP width, vocab and Engram rows over `tp`.
+# Attention tensor parallelism: heads, experts, MLP width, vocab and Engram rows over ("tp", "cp").
 # (Attention TP is the mesh-axis pair ("tp", "cp"); see `v41cp.sharding.mesh`.)
 _AT = ("tp", "cp")
 TP_RULES = AxisRules((
