@@ -119,9 +119,7 @@ def test_dcp_sparse_selection_tokens_equal_single_device():
 
 def _compiled_text(cfg, params, plan, max_blocks):
     cache = init_cache(cfg, B * max_blocks, BT, B, plan=plan)
-    meta = DecodeMetadata(jnp.zeros(B, jnp.int32), jnp.zeros(B, jnp.int32), jnp.arange(B, dtype=jnp.int32),
-                          jnp.full((B, max_blocks), -1, jnp.int32), jnp.zeros(B, bool),
-                          jnp.zeros((B, len(cfg.engram_layer_ids), cfg.engram_hash_heads), jnp.int32), B, max_blocks)
+    meta = DecodeMetadata.idle(cfg, B, max_blocks)
     return decode_step.lower(params, cache, meta, cfg, plan).compile().as_text(), cache
 
 

@@ -112,17 +112,21 @@ def write_owned(plan: DCPPlan, write, pool, blk: jax.Array, row: jax.Array, valu
     return plan.shard_map(body, (spec, P(), P(), P(), P()), spec)(pool, blk, row, values, emits)
 
 
-def _owned_rows(plan: DCPPlan, tables: jax.Array, epb: int):
-    """This rank's owned table positions → (local block rows ``[B, LT]``, entry ids ``[B, LT·epb]`` with −1 for
-    positions outside the table or unallocated)."""
+def _owned_pages(plan: DCPPlan, tables: jax.Array):
+    """This rank's owned table positions of ``tables [B, MB]`` → (positions ``[B, LT]``, owned mask, local rows)."""
     n = plan.n
     r = jax.lax.axis_index(CP)
     mb = tables.shape[1]
     pos = owned_positions(tables[:, 0], r, n, mb, xp=jnp)                            # [B, LT]
-    in_table = pos < mb
     v = jnp.take_along_axis(tables, jnp.minimum(pos, mb - 1), axis=1)
-    ok = in_table & (v >= 0) & (v % n == r)
-    rows = jnp.where(ok, v // n, 0)
+    ok = (pos < mb) & (v >= 0) & (v % n == r)
+    return pos, ok, jnp.where(ok, v // n, 0)
+
+
+def _owned_rows(plan: DCPPlan, tables: jax.Array, epb: int):
+    """This rank's owned table positions → (local block rows ``[B, LT]``, entry ids ``[B, LT·epb]`` with −1 for
+    positions outside the table or unallocated)."""
+    pos, ok, rows = _owned_pages(plan, tables)
     ids = pos[..., None] * epb + jnp.arange(epb)                                      # [B, LT, epb]
     ids = jnp.where(ok[..., None], ids, -1).reshape(tables.shape[0], -1)
     return rows, ids
@@ -246,11 +250,7 @@ def gather_history(plan: DCPPlan, pool, table: jax.Array):
     mb = table.shape[0]
 
     def body(pool, table):
-        r = jax.lax.axis_index(CP)
-        pos = owned_positions(table[:1], r, n, mb, xp=jnp)[0]                          # [LT]
-        v = table[jnp.minimum(pos, mb - 1)]
-        ok = (pos < mb) & (v >= 0) & (v % n == r)
-        rows = jnp.where(ok, v // n, 0)
+        _, ok, rows = (x[0] for x in _owned_pages(plan, table[None]))               # [LT]
 
         def one(a):
             mine = jnp.where(ok[:, None, None], a[rows], jnp.zeros((), a.dtype))       # [LT, epb, C]

@@ -68,6 +68,16 @@ class DecodeMetadata:
     max_batch: int
     max_blocks: int
 
+    @classmethod
+    def idle(cls, cfg: ModelConfig, max_batch: int, max_blocks: int) -> "DecodeMetadata":
+        """Metadata of a bucket with no active row (for lowering / compiling the step ahead of traffic)."""
+        n_eng = len(cfg.engram_layer_ids)
+        return cls(jnp.zeros(max_batch, jnp.int32), jnp.zeros(max_batch, jnp.int32),
+                   jnp.arange(max_batch, dtype=jnp.int32), jnp.full((max_batch, max_blocks), -1, jnp.int32),
+                   jnp.zeros(max_batch, bool),
+                   jnp.zeros((max_batch, n_eng, cfg.engram_hash_heads if n_eng else 0), jnp.int32),
+                   max_batch, max_blocks)
+
 
 def engram_ids_for_last(cfg: ModelConfig, history) -> np.ndarray:
     """Engram row ids ``[n_engram, hash_heads]`` of the last token of ``history`` (host side)."""
@@ -178,7 +188,6 @@ def _attention(cfg: ModelConfig, role: LayerRole, p: dict, x: jax.Array, cache: 
     ``cache_only``: write this layer's caches (window KV, compressed KV, index keys) and stop (CED prepass)."""
     dt = dtype_of(cfg.dtype)
     meta, pos = st.meta, st.pos
-    b = meta.max_batch
     w = cfg.sliding_window
     compressed = role.ratio > 0
     angles = rope_angles(cfg, pos[:, None], compressed)                       # [B,1,P]

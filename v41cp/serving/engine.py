@@ -294,12 +294,8 @@ class Engine:
 
     def compiled_decode_text(self) -> str:
         """Optimized HLO of this engine's decode step (its static bucket), for structure checks."""
-        cfg, b, mb = self.cfg, self.capacity.max_batch, self.capacity.max_blocks
-        n_eng = len(cfg.engram_layer_ids)
-        meta = DecodeMetadata(jnp.zeros(b, jnp.int32), jnp.zeros(b, jnp.int32), jnp.arange(b, dtype=jnp.int32),
-                              jnp.full((b, mb), -1, jnp.int32), jnp.zeros(b, bool),
-                              jnp.zeros((b, n_eng, cfg.engram_hash_heads if n_eng else 0), jnp.int32), b, mb)
-        return decode_step.lower(self.params, self.cache, meta, cfg, self.plan).compile().as_text()
+        meta = DecodeMetadata.idle(self.cfg, self.capacity.max_batch, self.capacity.max_blocks)
+        return decode_step.lower(self.params, self.cache, meta, self.cfg, self.plan).compile().as_text()
 
     @staticmethod
     def compile_counts() -> dict[str, int]:
