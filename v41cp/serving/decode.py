@@ -110,14 +110,15 @@ def init_cache(cfg: ModelConfig, num_blocks: int, block_tokens: int, max_batch: 
     if records and not cfg.fake_quant:
         raise ValueError("byte records are the fake-quant formats: records=True needs cfg.fake_quant")
     d, di = cfg.head_dim, cfg.index_head_dim
+    zeros = jax.ShapeDtypeStruct           # the layout first; the arrays are created already placed (below)
 
     def store(shape, fmt):
         if not records:
-            return jnp.zeros((*shape, {"fp8": d, "nvfp4": d, "mxfp4": di}[fmt]), dt)
+            return zeros((*shape, {"fp8": d, "nvfp4": d, "mxfp4": di}[fmt]), dt)
         c = {"fp8": d, "nvfp4": d, "mxfp4": di}[fmt]
         block = RECORD_FORMATS[fmt][0]
-        return {"q": jnp.zeros((*shape, c if fmt == "fp8" else c // 2), jnp.uint8),
-                "s": jnp.zeros((*shape, c // block), jnp.uint8)}
+        return {"q": zeros((*shape, c if fmt == "fp8" else c // 2), jnp.uint8),
+                "s": zeros((*shape, c // block), jnp.uint8)}
 
     cache = {"swa": store((cfg.num_hidden_layers, max_batch, cfg.sliding_window), "fp8"),
              "ckv": {}, "ikey": {}, "open_kv": {}, "open_score": {}}
@@ -130,15 +131,18 @@ def init_cache(cfg: ModelConfig, num_blocks: int, block_tokens: int, max_batch: 
         if g.ratio > 1:
             if g.ratio != 2:
                 raise ValueError(f"the decode cache supports compress ratios 1 and 2, layer {g.index} has {g.ratio}")
-            cache["open_kv"][str(g.index)] = jnp.zeros((max_batch, d), jnp.float32)
-            cache["open_score"][str(g.index)] = jnp.zeros((max_batch, d), jnp.float32)
+            cache["open_kv"][str(g.index)] = zeros((max_batch, d), jnp.float32)
+            cache["open_score"][str(g.index)] = zeros((max_batch, d), jnp.float32)
     if plan is None:
-        return jax.device_put(cache, sharding or jax.devices()[0])
-    if num_blocks % plan.n:
-        raise ValueError(f"num_blocks={num_blocks} must be a multiple of kv_parallel_size={plan.n}")
-    rep, pool = NamedSharding(plan.mesh, PartitionSpec()), dcp.pool_sharding(plan.mesh)
-    shardings = {k: jax.tree.map(lambda _: pool if k in ("ckv", "ikey") else rep, v) for k, v in cache.items()}
-    return jax.device_put(cache, shardings)
+        one = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: one, cache)
+    else:
+        if num_blocks % plan.n:
+            raise ValueError(f"num_blocks={num_blocks} must be a multiple of kv_parallel_size={plan.n}")
+        rep, pool = NamedSharding(plan.mesh, PartitionSpec()), dcp.pool_sharding(plan.mesh)
+        shardings = {k: jax.tree.map(lambda _: pool if k in ("ckv", "ikey") else rep, v) for k, v in cache.items()}
+    # each device allocates only its own shard (no full-size staging copy on one device)
+    return jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), cache), out_shardings=shardings)()
 
 
 _FAKE_QUANT = {"fp8": fp8_block32, "nvfp4": nvfp4_block16, "mxfp4": mxfp4_block32}
