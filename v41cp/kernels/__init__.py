@@ -1,5 +1,35 @@
-"""GPU kernels (Pallas / jax-triton) for sparse MLA over paged V4.1 caches and the indexer scan.
+"""GPU kernels for V4.1 decode and prefill: sparse attention over paged caches and the indexer scan + top-k.
 
-Empty for now: the kernels issue adds each kernel next to its ``*_reference`` (the jnp paths in
-`v41cp.layers` are those references today). jax_triton is imported lazily inside kernels only.
+One folder per kernel (tokamax-style op / reference / kernel split):
+
+* ``reference.py`` — the pure-``jnp`` definition the kernel must reproduce (the XLA path);
+* ``pallas_triton.py`` — the Pallas kernel, Triton backend (explicit ``pltriton.CompilerParams``);
+* ``__init__.py`` — the op: dispatch on a `Backend` and the wrapper logic shared by both.
+
+Backends (`BACKENDS`): ``"xla"`` (the reference, default) and ``"pallas"`` (the Pallas Triton kernel on a
+GPU; on any other platform the same kernel runs in Pallas interpret mode, which is how CPU CI checks it).
+The model config's ``attention_backend`` / ``indexer_backend`` fields select them; the serving engine,
+the decode step and the DCP path pass them down. Record formats are decoded inside the kernels
+(`v41cp.kernels.dequant`). jax_triton is not used (Pallas lowers to Triton itself), so nothing here
+imports it.
 """
+
+from __future__ import annotations
+
+import jax
+
+__all__ = ["BACKENDS", "check_backend", "interpret_mode"]
+
+BACKENDS = ("xla", "pallas")
+
+
+def check_backend(name: str, field: str = "backend") -> str:
+    """Validate a backend name; the error names the field and the value."""
+    if name not in BACKENDS:
+        raise ValueError(f"{field} must be one of {BACKENDS}, got {name!r}")
+    return name
+
+
+def interpret_mode() -> bool:
+    """Pallas kernels run compiled on a GPU and in interpret mode anywhere else."""
+    return jax.default_backend() != "gpu"

@@ -1,0 +1,87 @@
+"""Sparse attention over paged V4.1 caches: the window pool and the index-selected compressed entries in
+one softmax (the FlashMLA sparse-decode contract, `performance-limits.md` §2).
+
+`sparse_attention(q, stores, indices, lengths=None, sink=None, backend=...)`:
+
+* ``q [R, H, D]``: query rows (decode: one per request; prefill: one per token), any float dtype;
+* ``stores``: the key pools, each addressed by **physical slot** (row of the flattened pool): an
+  unquantized ``[N, D]`` array, or the release's byte records ``{"q", "s"}`` — FP8 window rows
+  (``q [N, D]``, ue8m0 per 32) or NVFP4 compressed KV (``q [N, D/2]``, e4m3 per 16), decoded on the fly;
+* ``indices``: per store ``[R, K_i]`` int32 slots with −1 padding; ``lengths``: per store ``[R]`` — only
+  the first ``lengths`` slots are read (so padding costs nothing in the kernel);
+* returns ``(o [R, H, D] FP32, lse [R, H] FP32)``: the output **without** the sink and the natural-log LSE
+  (a row with no valid key: ``o = 0``, ``lse = −inf``). ``sink [H]`` (optional) is an epilogue on the output
+  only (`v41cp.sharding.lse_merge.apply_sink`), so DCP can merge partials first and apply it once.
+
+Backends: ``"xla"`` (`sparse_attention_reference`) or ``"pallas"`` (`sparse_attention_pallas`; interpret mode
+off the GPU).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from v41cp.kernels import check_backend, interpret_mode
+from v41cp.kernels.dequant import merge_channels, split_channels
+from v41cp.kernels.sparse_attention.pallas_triton import sparse_attention_pallas
+from v41cp.kernels.sparse_attention.reference import gather_keys, sparse_attention_reference
+from v41cp.sharding.lse_merge import apply_sink
+
+__all__ = ["sparse_attention", "sparse_attention_reference", "sparse_attention_pallas", "store_format",
+           "flatten_store", "gather_keys"]
+
+
+def store_format(store, channels: int) -> str | None:
+    """The record format of a store: None (values), ``"fp8"`` or ``"nvfp4"`` (from the payload width)."""
+    if not isinstance(store, dict):
+        return None
+    width = store["q"].shape[-1]
+    if width == channels:
+        return "fp8"
+    if width == channels // 2 and store["s"].shape[-1] == channels // 16:
+        return "nvfp4"
+    raise ValueError(f"unknown record layout: payload width {width}, scale width {store['s'].shape[-1]} "
+                     f"for {channels} channels")
+
+
+def flatten_store(store):
+    """A pool ``[..., slots, C]`` (or a record dict of such) → rows ``[N, C]`` addressed by physical slot."""
+    return jax.tree.map(lambda a: a.reshape(-1, a.shape[-1]), store)
+
+
+def _pad_to(x: jax.Array, axis: int, multiple: int, value) -> jax.Array:
+    pad = -x.shape[axis] % multiple
+    if not pad:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def sparse_attention(q: jax.Array, stores, indices, lengths=None, sink: jax.Array | None = None,
+                     backend: str = "xla", block_h: int = 16, block_k: int = 32, num_warps: int = 4,
+                     num_stages: int = 2, interpret: bool | None = None):
+    """See the module docstring. Returns ``(o, lse)``; with ``sink``, ``o`` has the sink applied
+    (``lse`` never includes it)."""
+    check_backend(backend, "attention_backend")
+    d = q.shape[-1]
+    stores, indices = tuple(stores), tuple(indices)
+    formats = tuple(store_format(s, d) for s in stores)
+    if lengths is None:
+        lengths = tuple(jnp.full((q.shape[0],), i.shape[1], jnp.int32) for i in indices)
+    if backend == "xla":
+        o, lse = sparse_attention_reference(q, stores, formats, indices, lengths)
+    else:
+        r, h, _ = q.shape
+        q_e, q_o = (_pad_to(x, 1, block_h, 0) for x in split_channels(q))
+        refs = tuple((s,) if f is None else (s["q"], s["s"]) for s, f in zip(stores, formats))
+        idx = tuple(_pad_to(i.astype(jnp.int32), 1, block_k, -1) for i in indices)
+        lens = jnp.stack([jnp.minimum(n, i.shape[1]) for n, i in zip(lengths, indices)], axis=1).astype(jnp.int32)
+        o_e, o_o, lse = sparse_attention_pallas(
+            q_e, q_o, refs, formats, idx, lens, block_h=block_h, block_k=block_k, num_warps=num_warps,
+            num_stages=num_stages, interpret=interpret_mode() if interpret is None else interpret)
+        o, lse = merge_channels(o_e, o_o)[:, :h], lse[:, :h]
+    if sink is not None:
+        o = apply_sink(o, lse, sink)
+    return o, lse
