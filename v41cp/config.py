@@ -25,6 +25,8 @@ from typing import Any, Mapping
 __all__ = ["ConfigError", "ModelConfig", "LayerRole", "PRESETS", "preset", "ENGRAM_ROW_ALIGN"]
 
 ENGRAM_ROW_ALIGN = 64
+# fields that describe how to run the model, not the model: never written to a checkpoint's config
+RUNTIME_FIELDS = ("engram_token_map", "attention_backend", "indexer_backend")
 
 
 class ConfigError(ValueError):
@@ -186,6 +188,12 @@ class ModelConfig:
     # (routed experts packed FP4 + e8m0 scales, Engram tables FP8 rows + e8m0 scales), decoded inside
     # the jitted forward. At the released size only the latter fits one 8xH200 node.
     keep_quantized: bool = False
+    # Kernel backends (runtime options, not checkpoint fields: `to_dict` leaves them out): "xla" (the jnp
+    # reference paths) or "pallas" (`v41cp.kernels`; Pallas Triton on a GPU, interpret mode elsewhere) for
+    # the sparse attention and for the indexer scan + top-k, honoured by the decode step, chunked prefill
+    # and the DCP path alike.
+    attention_backend: str = "xla"
+    indexer_backend: str = "xla"
     # Engram compressed-token map (token id -> compressed id), derived from the tokenizer.
     # Used only by host-side hashing, never inside jitted code, hence excluded from eq/hash.
     engram_token_map: tuple[int, ...] | None = field(default=None, compare=False, repr=False)
@@ -256,7 +264,7 @@ class ModelConfig:
         """The text config as a JSON-serialisable dict (released field names)."""
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
-            if f.name == "engram_token_map":
+            if f.name in RUNTIME_FIELDS:
                 continue
             v = getattr(self, f.name)
             if f.name == "rope_scaling":
@@ -311,6 +319,9 @@ class ModelConfig:
             raise ConfigError(f"topk_method must be 'noaux_tc' for V4.1, got {self.topk_method!r}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        for name in ("attention_backend", "indexer_backend"):
+            if getattr(self, name) not in ("xla", "pallas"):
+                raise ConfigError(f"{name} must be 'xla' or 'pallas', got {getattr(self, name)!r}")
         for name in ("fake_quant", "keep_quantized"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a boolean, got {getattr(self, name)!r}")

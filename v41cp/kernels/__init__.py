@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import jax
 
-__all__ = ["BACKENDS", "check_backend", "interpret_mode"]
+__all__ = ["BACKENDS", "check_backend", "interpret_mode", "match_varying", "out_struct"]
 
 BACKENDS = ("xla", "pallas")
 
@@ -33,3 +33,29 @@ def check_backend(name: str, field: str = "backend") -> str:
 def interpret_mode() -> bool:
     """Pallas kernels run compiled on a GPU and in interpret mode anywhere else."""
     return jax.default_backend() != "gpu"
+
+
+def _varying(x) -> frozenset:
+    mat = getattr(jax.typeof(x), "manual_axis_type", None)
+    return frozenset(getattr(mat, "varying", ())) if mat is not None else frozenset()
+
+
+def match_varying(operands: list) -> tuple[list, frozenset]:
+    """Inside ``jax.shard_map`` (``check_vma`` on): cast every operand to the union of the mesh axes they vary
+    over, so a kernel sees one varying-axes type; returns (operands, that union). A no-op outside."""
+    axes = frozenset().union(*(_varying(x) for x in operands))
+    out = [x if _varying(x) == axes else jax.lax.pcast(x, tuple(sorted(axes - _varying(x))), to="varying")
+           for x in operands]
+    return out, axes
+
+
+def out_struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
+    """A ``pallas_call`` output type varying over the same mesh axes as operand ``like`` (as `check_vma`
+    requires inside ``jax.shard_map``)."""
+    mat = getattr(jax.typeof(like), "manual_axis_type", None)
+    if mat is None:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    try:
+        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
+    except TypeError:                      # releases that name it by its varying axes
+        return jax.ShapeDtypeStruct(shape, dtype, vma=frozenset(mat.varying))

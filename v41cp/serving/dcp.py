@@ -29,8 +29,13 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from v41cp.config import LayerRole, ModelConfig
+from v41cp.kernels import interpret_mode
+from v41cp.kernels.indexer_topk import index_block_maxima, indexer_topk
+from v41cp.kernels.sparse_attention import flatten_store, sparse_attention
 from v41cp.layers.indexer import index_scores
-from v41cp.sharding.dist_topk import candidate_mask, distributed_candidate_blocks, distributed_topk
+from v41cp.sharding.dist_topk import (candidate_mask, distributed_candidate_blocks,
+                                      distributed_candidate_blocks_from_maxima, distributed_topk, gather_merge_topk,
+                                      kept_block_mask)
 from v41cp.sharding.lse_merge import apply_sink, merge_a2a, merge_ag_rs, partial_attention
 from v41cp.sharding.mesh import ATTN_TP, CP
 from v41cp.sharding.ownership import owned_positions
@@ -84,8 +89,13 @@ class DCPPlan:
         """TP head layout of the attention output (and of the sink)."""
         return P(None, ATTN_TP, None) if self.heads_sharded else P()
 
-    def shard_map(self, f, in_specs, out_specs):
-        return jax.shard_map(f, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
+    def shard_map(self, f, in_specs, out_specs, backend: str = "xla"):
+        """A ``cp`` island. ``check_vma`` stays on, except around a Pallas kernel in *interpret* mode (CPU):
+        JAX's Pallas HLO interpreter re-evaluates the kernel body with the kernel's own index constants
+        (invariant) gathering from varying refs, which its varying-axes check rejects (jax 0.10, "pass
+        check_vma=False as a temporary workaround"); the compiled GPU kernel keeps the check."""
+        check = not (backend == "pallas" and interpret_mode())
+        return jax.shard_map(f, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check)
 
 
 def pool_sharding(mesh: Mesh) -> NamedSharding:
@@ -145,6 +155,23 @@ def select(plan: DCPPlan, cfg: ModelConfig, role: LayerRole, read, ikey_pool, q:
     g = tables.shape[1] * epb
     k = min(cfg.index_topk, g)
 
+    def kernel_body(pool, q, weights, tables, positions, cand):
+        pos, ok, rows = _owned_pages(plan, tables)
+        pages, store = jnp.where(ok, rows, -1), flatten_store(pool)
+        visible = (positions + 1) // role.ratio
+        cbs, out_cand, mask = cfg.candidate_block_size, cand, None
+        if role.candidate_source:
+            maxima, blk = index_block_maxima(q, weights, store, pages, pos, visible, epb=epb, cbs=cbs,
+                                             backend="pallas")
+            out_cand = distributed_candidate_blocks_from_maxima(maxima, blk, visible, cfg.candidate_topk_blocks,
+                                                                cbs, g, CP)
+        elif role.uses_candidates:
+            mask = kept_block_mask(cand, -(-g // cbs))
+        ids, vals = indexer_topk(q, weights, store, pages, pos, visible, k, epb=epb, block_mask=mask, cbs=cbs,
+                                 backend="pallas")
+        topk, _ = gather_merge_topk(vals, ids, k, CP)
+        return topk, out_cand
+
     def body(pool, q, weights, tables, positions, cand):
         rows, ids = _owned_rows(plan, tables, epb)
         b = tables.shape[0]
@@ -165,18 +192,20 @@ def select(plan: DCPPlan, cfg: ModelConfig, role: LayerRole, read, ikey_pool, q:
     if cand_blocks is None:
         cand_blocks = jnp.zeros((tables.shape[0], 0), jnp.int32)
     spec = jax.tree.map(lambda _: P(CP), ikey_pool)
-    return plan.shard_map(body, (spec, P(), P(), P(), P(), P()), (P(), P()))(
+    body = kernel_body if cfg.indexer_backend == "pallas" else body
+    return plan.shard_map(body, (spec, P(), P(), P(), P(), P()), (P(), P()), cfg.indexer_backend)(
         ikey_pool, q, weights, tables, positions, cand_blocks)
 
 
 def attend(plan: DCPPlan, read, q: jax.Array, ring: jax.Array, ring_valid: jax.Array, topk, ckv_pool,
-           tables: jax.Array, sink: jax.Array) -> jax.Array:
+           tables: jax.Array, sink: jax.Array, backend: str = "xla") -> jax.Array:
     """DCP attention of one compressed layer for one query row per batch row.
 
     q ``[B, H, D]`` (TP head layout, `DCPPlan.q_spec`); ring ``[B, W, D]`` / ring_valid ``[B, W]`` the
     replicated window keys; topk ``[B, K]`` selected entry ids (−1 padding, replicated); ckv_pool the
     cp-split compressed-KV pool; sink ``[H]``. Returns the sink-applied output ``[B, H, D]`` in the TP head
-    layout (`DCPPlan.out_spec`)."""
+    layout (`DCPPlan.out_spec`). ``backend="pallas"``: each rank's partial (output, LSE) comes from the
+    sparse-attention kernel, reading the window and its own pool shard in place (records decoded in-kernel)."""
     n = plan.n
     epb = _local(ckv_pool).shape[1]
     mb = tables.shape[1]
@@ -187,14 +216,25 @@ def attend(plan: DCPPlan, read, q: jax.Array, ring: jax.Array, ring_valid: jax.A
             q = jax.lax.all_gather(q, CP, axis=1, tiled=True)                        # heads of the cp group
         keys = ring
         valid = ring_valid & (r == 0)                  # the replicated window counts on cp rank 0 only
-        if topk.shape[-1]:
+        if backend == "pallas":
+            b, w = valid.shape
+            stores = [ring.reshape(b * w, -1)]
+            indices = [jnp.where(valid, jnp.arange(b)[:, None] * w + jnp.arange(w), -1)]
+            if topk.shape[-1]:
+                page = jnp.take_along_axis(tables, jnp.clip(topk // epb, 0, mb - 1), axis=1)
+                own = (topk >= 0) & (page >= 0) & (page % n == r)
+                stores.append(flatten_store(pool))
+                indices.append(jnp.where(own, (page // n) * epb + topk % epb, -1))
+            o, lse = sparse_attention(q, stores, indices, backend="pallas")
+        elif topk.shape[-1]:
             page = jnp.take_along_axis(tables, jnp.clip(topk // epb, 0, mb - 1), axis=1)
             own = (topk >= 0) & (page >= 0) & (page % n == r)
             local = jnp.where(own, page // n, 0)
             picked = read(pool, lambda a: a[local, jnp.where(own, topk % epb, 0)])   # [B, K, D]
             keys = jnp.concatenate([ring, picked.astype(ring.dtype)], axis=1)
             valid = jnp.concatenate([valid, own], axis=1)
-        o, lse = partial_attention(q, keys, valid)
+        if backend != "pallas":
+            o, lse = partial_attention(q, keys, valid)
         if plan.merge == "a2a":
             o, lse = merge_a2a(o, lse, CP, n)
         else:
@@ -203,7 +243,7 @@ def attend(plan: DCPPlan, read, q: jax.Array, ring: jax.Array, ring_valid: jax.A
 
     sink_spec = P(*plan.out_spec[1:2])
     spec = jax.tree.map(lambda _: P(CP), ckv_pool)
-    return plan.shard_map(body, (plan.q_spec, P(), P(), P(), spec, P(), sink_spec), plan.out_spec)(
+    return plan.shard_map(body, (plan.q_spec, P(), P(), P(), spec, P(), sink_spec), plan.out_spec, backend)(
         q, ring, ring_valid, topk, ckv_pool, tables, sink)
 
 

@@ -40,7 +40,7 @@ from v41cp.layers.mhc import HyperConnection, collapse, expand
 from v41cp.layers.moe import MoE
 from v41cp.layers.rope import apply_rope, rope_angles
 from v41cp.quant import fp8_block32, mxfp4_block32, nvfp4_block16
-from v41cp.serving import dcp
+from v41cp.serving import dcp, kernel_ops
 from v41cp.serving.dcp import DCPPlan
 from v41cp.serving.records import RECORD_FORMATS, decode, encode
 
@@ -204,15 +204,17 @@ def _attention(cfg: ModelConfig, role: LayerRole, p: dict, x: jax.Array, cache: 
         if compressed:
             cache, state = _update_compressed(cfg, role, p, x, qr, angles, cache, st, state, keys_only=True)
         return None, cache, state
-    ring = _read(swa, "fp8", kv.dtype, lambda a: a[role.index][st.slot_r])   # [B,W,D]
     k = jnp.arange(w)
     ring_pos = pos[:, None] - ((pos[:, None] - k[None, :]) % w)               # position held by ring row k
+    if cfg.attention_backend == "pallas" and st.plan is None:
+        return _kernel_attention(cfg, role, p, q[:, 0], x, qr, angles, cache, st, state, ring_pos >= 0, dt)
+    ring = _read(swa, "fp8", kv.dtype, lambda a: a[role.index][st.slot_r])   # [B,W,D]
     keys, valid = ring[:, None], (ring_pos >= 0)[:, None]                      # [B,1,W,D], [B,1,W]
     if compressed and st.plan is not None:
         cache, state = _update_compressed(cfg, role, p, x, qr, angles, cache, st, state)
         pool = cache["ckv"][str(role.kv_source)]
         o = dcp.attend(st.plan, lambda a, f: _read(a, "nvfp4", kv.dtype, f), q[:, 0], ring, ring_pos >= 0,
-                       state["topk"], pool, meta.block_tables, p["attn_sink"])[:, None]
+                       state["topk"], pool, meta.block_tables, p["attn_sink"], cfg.attention_backend)[:, None]
         return _project_out(cfg, p, o, angles, dt), cache, state
     if compressed:
         cache, state = _update_compressed(cfg, role, p, x, qr, angles, cache, st, state)
@@ -224,6 +226,21 @@ def _attention(cfg: ModelConfig, role: LayerRole, p: dict, x: jax.Array, cache: 
             valid = jnp.concatenate([valid, sel >= 0], axis=2)
     o = sink_attention(q, keys, valid, p["attn_sink"])
     return _project_out(cfg, p, o, angles, dt), cache, state
+
+
+def _kernel_attention(cfg: ModelConfig, role: LayerRole, p: dict, q: jax.Array, x, qr, angles, cache: dict,
+                      st: _Step, state: dict, ring_valid: jax.Array, dt):
+    """`_attention` through the sparse-attention kernel: the window rows and the selected entries are read
+    from the stores in place (`v41cp.serving.kernel_ops`)."""
+    pool = sel = None
+    if role.ratio > 0:
+        cache, state = _update_compressed(cfg, role, p, x, qr, angles, cache, st, state)
+        pool = cache["ckv"][str(role.kv_source)]
+        epb = (pool["q"] if isinstance(pool, dict) else pool).shape[1]
+        sel = kernel_ops.entry_slots(state["topk"][:, 0], st.meta.block_tables, epb)
+    win = kernel_ops.window_slots(role.index, st.slot_r, ring_valid, st.n_slots)
+    o = kernel_ops.attend(cfg, q, cache["swa"], win, pool, sel, p["attn_sink"])
+    return _project_out(cfg, p, o[:, None], angles, dt), cache, state
 
 
 def _project_out(cfg: ModelConfig, p: dict, o: jax.Array, angles: jax.Array, dt) -> jax.Array:
@@ -288,8 +305,11 @@ def _update_compressed(cfg, role, p, x, qr, angles, cache, st: _Step, state, key
         gather = lambda a: _gather_group(a, meta.block_tables)
         if keys_only:
             return cache, state
-        state = {"ckv": _read(cache["ckv"][src], "nvfp4", x.dtype, gather),
-                 "ikey": _read(cache["ikey"][src], "mxfp4", x.dtype, gather)}
+        if cfg.attention_backend == "pallas" and cfg.indexer_backend == "pallas":
+            state = {}                         # both kernels read the pools in place: no history gather
+        else:
+            state = {"ckv": _read(cache["ckv"][src], "nvfp4", x.dtype, gather),
+                     "ikey": _read(cache["ikey"][src], "mxfp4", x.dtype, gather)}
     if role.is_index_source and st.plan is not None:
         ip = p["indexer"]
         qi, wi = index_query(cfg, ip["wq_b"], ip["weights_proj"], x[:, None], qr[:, None], angles)
@@ -297,6 +317,13 @@ def _update_compressed(cfg, role, p, x, qr, angles, cache, st: _Step, state, key
                                 cache["ikey"][src], qi[:, 0], wi[:, 0], meta.block_tables, pos,
                                 state.get("candidates"))
         state = {**state, "topk": topk, "candidates": cand}
+    elif role.is_index_source and cfg.indexer_backend == "pallas":
+        ip = p["indexer"]
+        qi, wi = index_query(cfg, ip["wq_b"], ip["weights_proj"], x[:, None], qr[:, None], angles)
+        cand = state.get("candidates")
+        topk, cand = kernel_ops.select(cfg, role, qi[:, 0], wi[:, 0], cache["ikey"][src], meta.block_tables, pos,
+                                       None if cand is None else cand[:, 0])
+        state = {**state, "topk": topk[:, None], "candidates": None if cand is None else cand[:, None]}
     elif role.is_index_source:
         ip = p["indexer"]
         topk, cand, _ = select_positions(cfg, role, ip["wq_b"], ip["weights_proj"], x[:, None], qr[:, None], angles,

@@ -23,8 +23,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["local_topk", "merge_topk", "distributed_topk", "local_block_maxima", "merge_blocks",
-           "distributed_candidate_blocks", "candidate_mask"]
+__all__ = ["local_topk", "merge_topk", "distributed_topk", "gather_merge_topk", "local_block_maxima", "merge_blocks",
+           "distributed_candidate_blocks", "distributed_candidate_blocks_from_maxima", "candidate_mask",
+           "kept_block_mask"]
 
 
 def local_topk(scores: jax.Array, ids: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -56,8 +57,14 @@ def distributed_topk(scores: jax.Array, ids: jax.Array, k: int, axis: str) -> tu
     """Inside shard_map over ``axis``: this rank's ``scores [B, Gl]`` / ``ids [B, Gl]`` → the exact global
     top-``k`` ids ``[B, k]`` (identical on every rank) and scores. Communicates ``N·B·k`` (score, id) pairs."""
     vals, gid = local_topk(scores, ids, k)
+    return gather_merge_topk(vals, gid, k, axis)
+
+
+def gather_merge_topk(vals: jax.Array, ids: jax.Array, k: int, axis: str) -> tuple[jax.Array, jax.Array]:
+    """Inside shard_map over ``axis``: this rank's local top-``k`` candidates (``vals / ids [B, k]``, −inf / −1
+    padding; e.g. from the indexer kernel) → the global top-``k`` ids and scores, identical on every rank."""
     vals_all = jax.lax.all_gather(vals, axis, axis=1, tiled=True, to="invarying")     # [B, N·k]
-    ids_all = jax.lax.all_gather(gid, axis, axis=1, tiled=True, to="invarying")
+    ids_all = jax.lax.all_gather(ids, axis, axis=1, tiled=True, to="invarying")
     return merge_topk(vals_all, ids_all, k)
 
 
@@ -94,8 +101,25 @@ def distributed_candidate_blocks(scores: jax.Array, ids: jax.Array, visible_len:
     this rank's masked scores ``[B, Gl]`` of entries ``ids [B, Gl]``; ``num_entries`` = the history capacity
     in entries (the reference's ``G``). Communicates ``N·B·kb`` (block max, block id) pairs."""
     nb = -(-num_entries // block_size)
+    return _distributed_blocks(local_block_maxima(scores, ids, block_size, nb), visible_len, topk_blocks,
+                               block_size, axis)
+
+
+def distributed_candidate_blocks_from_maxima(maxima: jax.Array, block_ids: jax.Array, visible_len: jax.Array,
+                                             topk_blocks: int, block_size: int, num_entries: int,
+                                             axis: str) -> jax.Array:
+    """As `distributed_candidate_blocks`, from this rank's partial block maxima ``maxima [B, C]`` of logical
+    blocks ``block_ids [B, C]`` (−1 = none; e.g. the indexer kernel's block maxima)."""
+    nb = -(-num_entries // block_size)
+    return _distributed_blocks(local_block_maxima(maxima, block_ids, 1, nb), visible_len, topk_blocks,
+                               block_size, axis)
+
+
+def _distributed_blocks(local: jax.Array, visible_len: jax.Array, topk_blocks: int, block_size: int,
+                        axis: str) -> jax.Array:
+    nb = local.shape[1]
     kb = min(topk_blocks, nb)
-    local = _pin(local_block_maxima(scores, ids, block_size, nb), visible_len, block_size)
+    local = _pin(local, visible_len, block_size)
     top, idx = jax.lax.top_k(local, kb)
     idx = jnp.where(top > -jnp.inf, idx, -1).astype(jnp.int32)
     top_all = jax.lax.all_gather(top, axis, axis=1, tiled=True, to="invarying")
@@ -106,7 +130,13 @@ def distributed_candidate_blocks(scores: jax.Array, ids: jax.Array, visible_len:
 def candidate_mask(blocks: jax.Array, ids: jax.Array, block_size: int, num_entries: int) -> jax.Array:
     """Whether entries ``ids [B, G]`` (−1 = none) lie in the kept ``blocks [B, kb]`` → bool ``[B, G]``."""
     nb = -(-num_entries // block_size)
-    b = blocks.shape[0]
-    keep = jnp.zeros((b, nb + 1), bool).at[jnp.arange(b)[:, None], jnp.where(blocks >= 0, blocks, nb)].set(True)
-    keep = keep.at[:, nb].set(False)
+    keep = jnp.pad(kept_block_mask(blocks, nb), ((0, 0), (0, 1)))
     return jnp.take_along_axis(keep, jnp.where(ids >= 0, ids // block_size, nb), axis=-1)
+
+
+def kept_block_mask(blocks: jax.Array, num_blocks: int) -> jax.Array:
+    """Kept block ids ``[B, kb]`` (−1 padding) → bool mask ``[B, num_blocks]``."""
+    b = blocks.shape[0]
+    keep = jnp.zeros((b, num_blocks + 1), bool)
+    keep = keep.at[jnp.arange(b)[:, None], jnp.where(blocks >= 0, blocks, num_blocks)].set(True)
+    return keep[:, :num_blocks]

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from v41cp.kernels import match_varying, out_struct
 from v41cp.kernels.dequant import load_rows_split
 from v41cp.kernels.indexer_topk.reference import score_rows
 
@@ -88,12 +89,13 @@ def index_scan_pallas(q_e, q_o, w, store, fmt, visible, pages, page_ids, groups,
     if block_mask is not None:
         in_specs.append(row(block_mask.shape[1]))
         operands.append(block_mask)
+    operands, _ = match_varying(operands)
     if mode == "max":
-        out_shape = jax.ShapeDtypeStruct((r, n_groups), jnp.float32)
+        out_shape = out_struct((r, n_groups), jnp.float32, operands[0])
         out_specs = pl.BlockSpec((None, tpg), lambda i, k: (i, k))
     else:
-        out_shape = (jax.ShapeDtypeStruct((r, n_groups * group), jnp.float32),
-                     jax.ShapeDtypeStruct((r, n_groups * group), jnp.int32))
+        out_shape = (out_struct((r, n_groups * group), jnp.float32, operands[0]),
+                     out_struct((r, n_groups * group), jnp.int32, operands[0]))
         out_specs = (pl.BlockSpec((None, tile), lambda i, k: (i, k)),) * 2
     kernel = functools.partial(_kernel, fmt=fmt, n_store=len(store), epb=epb, group=group, tile=tile, cbs=cbs,
                                mode=mode, has_groups=groups is not None, has_mask=block_mask is not None,

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from v41cp.kernels import match_varying, out_struct
 from v41cp.kernels.dequant import load_rows_split
 
 __all__ = ["sparse_attention_pallas"]
@@ -92,8 +93,9 @@ def sparse_attention_pallas(q_e, q_o, stores, formats, indices, lengths, *, bloc
         for a in store:
             in_specs.append(pl.BlockSpec(a.shape, lambda i, j, nd=a.ndim: (0,) * nd))
             operands.append(a)
-    out_shape = (jax.ShapeDtypeStruct((r, h, half), jnp.float32), jax.ShapeDtypeStruct((r, h, half), jnp.float32),
-                 jax.ShapeDtypeStruct((r, h), jnp.float32))
+    operands, _ = match_varying(operands)
+    out_shape = (out_struct((r, h, half), jnp.float32, operands[0]), out_struct((r, h, half), jnp.float32, operands[0]),
+                 out_struct((r, h), jnp.float32, operands[0]))
     out_specs = (q_spec, q_spec, pl.BlockSpec((None, block_h), lambda i, j: (i, j)))
     return pl.pallas_call(
         kernel, grid=(r, h // block_h), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
