@@ -5,6 +5,8 @@
 * ``convert SRC DST [--dtype bf16|fp32] [--keep-quantized]`` released layout → orbax in the model's tree.
 * ``generate [--prompt-ids 1,2,3 ...] [--max-new-tokens N] [--devices N] [--json]`` the serving engine.
 * ``bench decode|prefill [--lengths 64,512,2048] --json`` engine step latency, tokens/s, compile counts.
+* ``bench kernels [--shapes flash|tiny] [--contexts ...] [--batches ...] --json`` the Pallas kernels vs the XLA
+  paths vs the HBM roofline (`v41cp.kernels.bench`).
 
 ``info`` and ``forward`` default to the embedded tiny checkpoint (``checkpoints/tiny-v41``); their
 ``--checkpoint`` takes a converted or a released-layout directory.
@@ -246,6 +248,14 @@ def _kvp_structure(eng, cfg, cap, budget_bytes: int) -> dict:
 
 
 def cmd_bench(args) -> int:
+    if args.kind == "kernels":
+        from v41cp.kernels.bench import run
+
+        ints = lambda text: tuple(int(x) for x in text.split(","))
+        out = run(args.shapes, ints(args.contexts), ints(args.batches), tuple(args.kernels.split(",")), args.reps,
+                  not args.no_xla)
+        print(json.dumps(out) if args.json else json.dumps(out, indent=1))
+        return 0
     from v41cp.serving.engine import Capacity
 
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -326,8 +336,8 @@ def main(argv=None) -> int:
     _topology_flags(g)
     g.add_argument("--no-fake-quant", action="store_true")
     g.add_argument("--json", action="store_true")
-    b = sub.add_parser("bench", help="decode / prefill benchmark of the engine (prints JSON)")
-    b.add_argument("kind", choices=("decode", "prefill"))
+    b = sub.add_parser("bench", help="decode / prefill benchmark of the engine, or of the kernels (prints JSON)")
+    b.add_argument("kind", choices=("decode", "prefill", "kernels"))
     b.add_argument("--checkpoint")
     b.add_argument("--lengths", default="64,512,2048", help="context lengths")
     b.add_argument("--batch", type=int, default=1)
@@ -337,6 +347,13 @@ def main(argv=None) -> int:
                    help="per-device global-page budget for max_resident_tokens (decode)")
     b.add_argument("--no-fake-quant", action="store_true")
     b.add_argument("--json", action="store_true")
+    k = b.add_argument_group("bench kernels")
+    k.add_argument("--shapes", choices=("flash", "tiny"), default="flash", help="V4.1-Flash shapes or toy ones")
+    k.add_argument("--contexts", default="8192,131072,1048576", help="context lengths in tokens")
+    k.add_argument("--batches", default="1,16,64", help="batch sizes")
+    k.add_argument("--kernels", default="indexer,attention", help="which kernels")
+    k.add_argument("--reps", type=int, default=10, help="timed calls per case (median reported)")
+    k.add_argument("--no-xla", action="store_true", help="skip the XLA reference paths")
     args = p.parse_args(argv)
     if getattr(args, "devices", 1) > 1 and "jax" not in sys.modules:
         import os

@@ -33,7 +33,7 @@ from v41cp.kernels.indexer_topk.pallas_triton import index_scan_pallas
 from v41cp.kernels.indexer_topk.reference import index_scan_reference
 
 __all__ = ["indexer_topk", "index_block_maxima", "index_scan_reference", "index_scan_pallas", "key_format",
-           "dense_pages"]
+           "dense_pages", "prepare_queries"]
 
 MIN_HEADS = 16          # tensor-core dot minimum; extra heads get zero weights
 
@@ -59,7 +59,8 @@ def dense_pages(keys: jax.Array, page: int):
     return keys.reshape(b * gp, di), pages, jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
 
 
-def _prepare(q, w):
+def prepare_queries(q, w):
+    """Split channels and pad heads to the tensor-core minimum (zero weights) → (q_e, q_o, w)."""
     r, hi, _ = q.shape
     hp = max(MIN_HEADS, hi)
     pad = ((0, 0), (0, hp - hi))
@@ -88,7 +89,7 @@ def _check_layout(group: int, tile: int):
 def _scan(q, w, store, pages, page_ids, visible, block_mask, groups, *, epb, group, tile, cbs, mode, interpret,
           num_warps, num_stages):
     fmt = key_format(store, q.shape[-1])
-    q_e, q_o, wp = _prepare(q, w)
+    q_e, q_o, wp = prepare_queries(q, w)
     mask = None if block_mask is None else block_mask.astype(jnp.int32)
     return index_scan_pallas(q_e, q_o, wp, _refs(store, fmt), fmt, visible.astype(jnp.int32), pages, page_ids,
                              groups, mask, epb=epb, group=group, tile=tile, cbs=cbs, mode=mode,

@@ -1,0 +1,146 @@
+"""One-shot GPU check of the kernels (run on a GPU host; prints JSON lines, writes them to $OUT if set).
+
+1. each kernel vs its reference on the GPU at V4.1-Flash head counts (ragged lengths, an all-padding row,
+   a single-entry page), fp32 and bf16: max relative error, top-k ids identical;
+3. the tiny engine (CED off): greedy tokens with attention/indexer backends "pallas" == "xla";
+2. ``v41cp.kernels.bench`` at the requested contexts and batches.
+
+Usage: ``python scripts/gpu_kernel_check.py [--contexts 8192,131072,1048576] [--batches 1,16,64] [--reps 5]``
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def emit(obj, sink):
+    line = json.dumps(obj)
+    print(line, flush=True)
+    sink.append(line)
+    if os.environ.get("OUT"):                   # appended as it goes: a timeout keeps what was measured
+        with open(os.path.join(os.environ["OUT"], "gpu_kernel_check.jsonl"), "a") as f:
+            f.write(line + "\n")
+
+
+def guarded(name, fn, sink):
+    t0 = time.perf_counter()
+    try:
+        emit({"check": name, **fn(), "check_wall_s": round(time.perf_counter() - t0, 1)}, sink)
+    except Exception as e:
+        emit({"check": name, "error": f"{type(e).__name__}: {e}"[:2000]}, sink)
+
+
+def check_kernels():
+    from v41cp.kernels.indexer_topk import index_block_maxima, indexer_topk
+    from v41cp.kernels.sparse_attention import sparse_attention
+    from v41cp.serving.records import encode
+    from v41cp.quant import mxfp4_block32
+
+    out = {}
+    rng = np.random.default_rng(0)
+    r, h, d, nw, nc = 5, 64, 512, 300, 2000
+    for dt in ("float32", "bfloat16"):
+        q = jax.random.normal(jax.random.key(0), (r, h, d)).astype(dt)
+        win = encode(jax.random.normal(jax.random.key(1), (nw, d)), "fp8")
+        ck = encode(jax.random.normal(jax.random.key(2), (nc, d)), "nvfp4")
+        stores = ({"q": win[0], "s": win[1]}, {"q": ck[0], "s": ck[1]})
+        iw = jnp.asarray(rng.integers(-1, nw, (r, 128)), jnp.int32).at[4].set(-1)
+        ic = jnp.asarray(rng.integers(-1, nc, (r, 512)), jnp.int32).at[4].set(-1)
+        lens = (jnp.array([128, 100, 1, 128, 0]), jnp.array([512, 77, 1, 0, 0]))
+        t0 = time.perf_counter()
+        o1, l1 = sparse_attention(q, stores, (iw, ic), lens, backend="pallas")
+        jax.block_until_ready(o1)
+        t1 = time.perf_counter() - t0
+        o2, l2 = sparse_attention(q, stores, (iw, ic), lens, backend="xla")
+        fin = jnp.isfinite(l2)
+        out[f"sparse_attention_{dt}"] = {
+            "max_rel_err": float(jnp.max(jnp.abs(o1 - o2)) / jnp.max(jnp.abs(o2))),
+            "max_lse_err": float(jnp.max(jnp.where(fin, jnp.abs(l1 - l2), 0.0))),
+            "padding_row_lse_is_neg_inf": bool(jnp.all(l1[4] == -jnp.inf)), "first_call_s": round(t1, 2)}
+        # indexer: 32 heads x 128, top-512, MXFP4 keys, pages of 32 entries, one single-valid-entry row
+        hi, di, epb, npg = 32, 128, 32, 96
+        keys = encode(jax.random.normal(jax.random.key(3), (r * npg * epb, di)), "mxfp4")
+        store = {"q": keys[0], "s": keys[1]}
+        qi = mxfp4_block32(jax.random.normal(jax.random.key(4), (r, hi, di))).astype(dt)
+        wi = jax.random.normal(jax.random.key(5), (r, hi))
+        tables = jnp.asarray(np.stack([b * npg + rng.permutation(npg) for b in range(r)]), jnp.int32)
+        tables = tables.at[1, 40:].set(-1)
+        pids = jnp.broadcast_to(jnp.arange(npg, dtype=jnp.int32), (r, npg))
+        vis = jnp.array([npg * epb, 1200, 1, 0, 2000])
+        mask = jnp.asarray(rng.random((r, npg * epb // 8)) < 0.5)
+        res = {}
+        for name, kw in (("plain", {}), ("reindex_mask", {"block_mask": mask, "cbs": 8})):
+            a = indexer_topk(qi, wi, store, tables, pids, vis, 512, epb=epb, backend="pallas", **kw)
+            b = indexer_topk(qi, wi, store, tables, pids, vis, 512, epb=epb, backend="xla", **kw)
+            fin = jnp.isfinite(b[1])
+            res[name] = {"ids_identical": bool(jnp.all(a[0] == b[0])),
+                         "rows_differing": int(jnp.sum(jnp.any(a[0] != b[0], axis=1))),
+                         "max_rel_score_err": float(jnp.max(jnp.where(fin, jnp.abs(a[1] - b[1]), 0.0))
+                                                    / jnp.max(jnp.where(fin, jnp.abs(b[1]), 0.0)))}
+        m1 = index_block_maxima(qi, wi, store, tables, pids, vis, epb=epb, cbs=8, backend="pallas")
+        m2 = index_block_maxima(qi, wi, store, tables, pids, vis, epb=epb, cbs=8, backend="xla")
+        fin = jnp.isfinite(m2[0])
+        res["block_maxima"] = {"ids_identical": bool(jnp.all(m1[1] == m2[1])),
+                               "finite_pattern_identical": bool(jnp.all(jnp.isfinite(m1[0]) == fin)),
+                               "max_rel_err": float(jnp.max(jnp.where(fin, jnp.abs(m1[0] - m2[0]), 0.0))
+                                                    / jnp.max(jnp.where(fin, jnp.abs(m2[0]), 0.0)))}
+        out[f"indexer_{dt}"] = res
+    return out
+
+
+def check_engine():
+    from v41cp.checkpoint import default_checkpoint, load
+    from v41cp.serving.engine import Capacity, Engine, SamplingParams
+
+    cfg, params = load(default_checkpoint())
+    cap = Capacity(max_batch=3, max_tokens=48, block_tokens=4, prefill_chunk=8)
+    rng = np.random.default_rng(3)
+    prompts = {f"p{n}": rng.integers(3, 256, n).tolist() for n in (5, 13, 21)}
+    outs, times = {}, {}
+    for be in ("xla", "pallas"):
+        t0 = time.perf_counter()
+        eng = Engine(params, cfg.replace(attention_backend=be, indexer_backend=be), cap)
+        for rid, p in prompts.items():
+            eng.submit(rid, p, SamplingParams(max_new_tokens=6, stop_on_eos=False))
+        outs[be] = {x["id"]: x["output_ids"] for x in eng.run()}
+        times[be] = round(time.perf_counter() - t0, 1)
+    return {"tokens_equal": outs["xla"] == outs["pallas"], "tokens": outs, "wall_s": times}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--contexts", default="8192,131072,1048576")
+    p.add_argument("--batches", default="1,16,64")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--skip", default="", help="comma list of: kernels,engine,bench")
+    a = p.parse_args()
+    lines = []
+    skip = set(a.skip.split(","))
+    emit({"devices": [str(d) for d in jax.devices()], "jax": jax.__version__}, lines)
+    if "kernels" not in skip:
+        guarded("kernels", check_kernels, lines)
+    if "bench" not in skip:
+        from v41cp.kernels.bench import bench_indexer, bench_sparse_attention, SHAPES
+
+        for c in (int(x) for x in a.contexts.split(",")):
+            for b in (int(x) for x in a.batches.split(",")):
+                for fn in (bench_indexer, bench_sparse_attention):
+                    try:
+                        emit(fn(SHAPES["flash"], c, b, a.reps, True), lines)
+                    except Exception as e:
+                        emit({"kernel": fn.__name__, "context": c, "batch": b, "error": f"{type(e).__name__}: {e}"[:400]},
+                             lines)
+    if "engine" not in skip:
+        guarded("engine", check_engine, lines)
+
+
+if __name__ == "__main__":
+    main()

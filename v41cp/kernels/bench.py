@@ -1,0 +1,182 @@
+"""Kernel benchmark: the Pallas kernels vs their XLA reference paths vs the HBM roofline (prints JSON).
+
+``python -m v41cp bench kernels [--shapes flash|tiny] [--contexts 8192,131072,1048576] [--batches 1,16,64]``
+
+Shapes (``flash``, V4.1-Flash): the indexer scans the index keys of one ratio-2 index source (``context / 2``
+entries per request, MXFP4 records of 68 B, 32 heads × 128, top-512, pages of 32 entries = 64 tokens); the
+sparse decode attention reads a 128-row FP8 window (528 B rows) and 512 selected NVFP4 entries (288 B) of
+a ``context / 2``-entry pool per request, 64 heads × 512. ``tiny`` runs the same code at toy sizes (CPU,
+interpret mode) so the CLI itself is testable.
+
+Per case: median wall time of ``--reps`` calls after a warm-up, the compile time of the first call, the
+bytes the kernel must move (each cache byte once, plus queries / outputs), achieved GB/s and TFLOP/s, the
+roofline time ``bytes / hbm_bw`` and the fraction of it achieved, and the speed-up over the XLA path.
+Times are absolute only on a GPU; on a CPU the kernels run in interpret mode and only the shapes and the
+correctness checks mean anything.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from v41cp.kernels.indexer_topk import index_scan_pallas, indexer_topk, prepare_queries
+from v41cp.kernels.sparse_attention import sparse_attention
+
+__all__ = ["SHAPES", "run"]
+
+HBM_BYTES_PER_S = 4.8e12            # H200 datasheet (performance-limits.md §5)
+
+SHAPES = {
+    "flash": dict(heads=64, head_dim=512, window=128, topk=512, index_heads=32, index_dim=128, epb=32,
+                  ratio=2, dtype="bfloat16"),
+    "tiny": dict(heads=16, head_dim=64, window=8, topk=16, index_heads=16, index_dim=32, epb=8, ratio=2,
+                 dtype="float32"),
+}
+
+
+def _time(fn, *args, reps: int):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    compile_s = time.perf_counter() - t0
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), compile_s
+
+
+def _random_bytes(key, shape):
+    return jax.random.bits(key, shape, jnp.uint8)
+
+
+def _mxfp4_pool(key, n_rows: int, di: int):
+    """Random MXFP4 index-key records with scale bytes near 2^0 (finite, typical magnitudes)."""
+    k1, k2 = jax.random.split(key)
+    return {"q": _random_bytes(k1, (n_rows, di // 2)),
+            "s": (120 + jax.random.randint(k2, (n_rows, di // 32), 0, 8)).astype(jnp.uint8)}
+
+
+def _fp8_rows(key, n_rows: int, d: int):
+    k1, k2 = jax.random.split(key)
+    q = _random_bytes(k1, (n_rows, d)) & jnp.uint8(0xF7)        # no NaN code (exponent 15, mantissa 7)
+    return {"q": q, "s": (120 + jax.random.randint(k2, (n_rows, d // 32), 0, 8)).astype(jnp.uint8)}
+
+
+def _nvfp4_rows(key, n_rows: int, d: int):
+    k1, k2 = jax.random.split(key)
+    # e4m3 scale bytes 0x30-0x37: 2^-1 · (1 + m/8), finite and positive
+    return {"q": _random_bytes(k1, (n_rows, d // 2)),
+            "s": (0x30 + jax.random.randint(k2, (n_rows, d // 16), 0, 8)).astype(jnp.uint8)}
+
+
+def _paged_tables(batch: int, pages: int, seed: int):
+    """Each request's pages, a random permutation of its own page range (as an allocator hands them out)."""
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(np.stack([b * pages + rng.permutation(pages) for b in range(batch)]).astype(np.int32))
+
+
+def _stats(t: float, nbytes: int, flops: int) -> dict:
+    roof = nbytes / HBM_BYTES_PER_S
+    return {"ms": round(t * 1e3, 4), "gb_per_s": round(nbytes / t / 1e9, 1), "tflop_per_s": round(flops / t / 1e12, 2),
+            "roofline_ms": round(roof * 1e3, 4), "fraction_of_roofline": round(roof / t, 3)}
+
+
+def bench_indexer(shape: dict, context: int, batch: int, reps: int, with_xla: bool, seed: int = 0) -> dict:
+    hi, di, epb, k = shape["index_heads"], shape["index_dim"], shape["epb"], shape["topk"]
+    dt = jnp.dtype(shape["dtype"])
+    g = context // shape["ratio"]                          # entries per request
+    pages = -(-g // epb)
+    key = jax.random.key(seed)
+    kq, kw, kp = jax.random.split(key, 3)
+    store = _mxfp4_pool(kp, batch * pages * epb, di)
+    tables = _paged_tables(batch, pages, seed)
+    page_ids = jnp.broadcast_to(jnp.arange(pages, dtype=jnp.int32), (batch, pages))
+    visible = jnp.full((batch,), g, jnp.int32)
+    q = jax.random.normal(kq, (batch, hi, di), jnp.float32).astype(dt)
+    w = jax.random.normal(kw, (batch, hi), jnp.float32)
+    kk = min(k, g)
+
+    topk = jax.jit(lambda q, w, s, t: indexer_topk(q, w, s, t, page_ids, visible, kk, epb=epb, backend="pallas"))
+    q_e, q_o, wp = prepare_queries(q, w)
+    scan = jax.jit(lambda q_e, q_o, wp, sq, ss, t: index_scan_pallas(
+        q_e, q_o, wp, (sq, ss), "mxfp4", visible, t, page_ids, None, None, epb=epb, group=16, tile=64, cbs=1,
+        mode="max", interpret=jax.default_backend() != "gpu"))
+    key_bytes = batch * g * (di // 2 + di // 32)
+    nbytes = key_bytes + batch * pages * 4 + q.size * q.dtype.itemsize + w.size * 4
+    flops = 2 * batch * g * hi * di
+    out = {"kernel": "indexer_topk", "context": context, "batch": batch, "entries_per_request": g, "k": kk,
+           "bytes": nbytes}
+    t_p, c = _time(topk, q, w, store, tables, reps=reps)
+    out["pallas"] = {**_stats(t_p, nbytes, flops), "compile_s": round(c, 2)}
+    t, c = _time(scan, q_e, q_o, wp, store["q"], store["s"], tables, reps=reps)
+    out["pallas_scan_pass"] = {**_stats(t, nbytes, flops), "compile_s": round(c, 2)}
+    if with_xla:
+        ref = jax.jit(lambda q, w, s, t: indexer_topk(q, w, s, t, page_ids, visible, kk, epb=epb, backend="xla"))
+        try:
+            t_x, c = _time(ref, q, w, store, tables, reps=reps)
+            out["xla"] = {**_stats(t_x, nbytes, flops), "compile_s": round(c, 2)}
+            out["speedup_vs_xla"] = round(t_x / t_p, 2)
+            a, b = topk(q, w, store, tables)[0], ref(q, w, store, tables)[0]
+            out["ids_equal_xla"] = bool(jnp.all(a == b))
+            out["rows_with_id_mismatch"] = int(jnp.sum(jnp.any(a != b, axis=1)))
+        except Exception as e:                              # e.g. the reference's decoded keys exceed memory
+            out["xla"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+    return out
+
+
+def bench_sparse_attention(shape: dict, context: int, batch: int, reps: int, with_xla: bool, seed: int = 0) -> dict:
+    h, d, win, k, epb = shape["heads"], shape["head_dim"], shape["window"], shape["topk"], shape["epb"]
+    dt = jnp.dtype(shape["dtype"])
+    g = context // shape["ratio"]
+    kk = min(k, g)
+    key = jax.random.key(seed + 1)
+    kq, kw, kc, ks = jax.random.split(key, 4)
+    window = _fp8_rows(kw, batch * win, d)
+    pool = _nvfp4_rows(kc, batch * g, d)
+    rng = np.random.default_rng(seed)
+    sel = np.stack([b * g + np.sort(rng.choice(g, kk, replace=False)) for b in range(batch)]).astype(np.int32)
+    win_idx = jnp.asarray(np.arange(batch)[:, None] * win + np.arange(win), jnp.int32)
+    sel = jnp.asarray(sel)
+    q = jax.random.normal(kq, (batch, h, d), jnp.float32).astype(dt)
+    sink = jnp.zeros((h,), jnp.float32)
+    nbytes = batch * (win * (d + d // 32) + kk * (d // 2 + d // 16) + (win + kk) * 4) + 2 * q.size * q.dtype.itemsize \
+        + batch * h * (d + 1) * 4
+    flops = 4 * batch * h * (win + kk) * d
+    out = {"kernel": "sparse_attention", "context": context, "batch": batch, "keys_per_row": win + kk,
+           "bytes": nbytes}
+    fn = {be: jax.jit(lambda q, a, b, c, e, i, j, be=be: sparse_attention(
+        q, ({"q": a, "s": b}, {"q": c, "s": e}), (i, j), sink=sink, backend=be)) for be in ("pallas", "xla")}
+    args = (q, window["q"], window["s"], pool["q"], pool["s"], win_idx, sel)
+    t, c = _time(fn["pallas"], *args, reps=reps)
+    out["pallas"] = {**_stats(t, nbytes, flops), "compile_s": round(c, 2)}
+    if with_xla:
+        t_x, c = _time(fn["xla"], *args, reps=reps)
+        out["xla"] = {**_stats(t_x, nbytes, flops), "compile_s": round(c, 2)}
+        out["speedup_vs_xla"] = round(t_x / t, 2)
+        (o1, l1), (o2, l2) = fn["pallas"](*args), fn["xla"](*args)
+        out["max_rel_err_vs_xla"] = float(jnp.max(jnp.abs(o1 - o2)) / jnp.maximum(jnp.max(jnp.abs(o2)), 1e-30))
+        out["max_abs_lse_err_vs_xla"] = float(jnp.max(jnp.abs(l1 - l2)))
+    return out
+
+
+def run(shapes: str = "flash", contexts=(8192, 131072, 1048576), batches=(1, 16, 64), kernels=("indexer", "attention"),
+        reps: int = 10, with_xla: bool = True) -> dict:
+    """Every (kernel, context, batch) case → a JSON-ready dict."""
+    shape = SHAPES[shapes]
+    dev = jax.devices()[0]
+    out = {"bench": "kernels", "shapes": shapes, "shape": shape, "device": getattr(dev, "device_kind", str(dev)),
+           "platform": jax.default_backend(), "jax": jax.__version__, "interpret": jax.default_backend() != "gpu",
+           "hbm_bytes_per_s": HBM_BYTES_PER_S, "cases": []}
+    for context in contexts:
+        for batch in batches:
+            if "indexer" in kernels:
+                out["cases"].append(bench_indexer(shape, context, batch, reps, with_xla))
+            if "attention" in kernels:
+                out["cases"].append(bench_sparse_attention(shape, context, batch, reps, with_xla))
+    return out
