@@ -120,6 +120,7 @@ def main():
     p.add_argument("--contexts", default="8192,131072,1048576")
     p.add_argument("--batches", default="1,16,64")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--bench", default="indexer,attention", help="which kernels to benchmark")
     p.add_argument("--skip", default="", help="comma list of: kernels,engine,bench")
     a = p.parse_args()
     lines = []
@@ -132,7 +133,8 @@ def main():
 
         for c in (int(x) for x in a.contexts.split(",")):
             for b in (int(x) for x in a.batches.split(",")):
-                for fn in (bench_indexer, bench_sparse_attention):
+                for fn in [f for n, f in (("indexer", bench_indexer), ("attention", bench_sparse_attention))
+                           if n in a.bench]:
                     try:
                         emit(fn(SHAPES["flash"], c, b, a.reps, True), lines)
                     except Exception as e:

@@ -48,8 +48,8 @@ def _kernel(*refs, formats, n_refs, block_k, scale, dot_dtype, precision):
             ok = (idx >= 0) & (slot < n)
             k_e, k_o = load_rows_split(store, fmt, jnp.where(ok, idx, 0), 2 * half)
             k_e, k_o = k_e.astype(dot_dtype), k_o.astype(dot_dtype)
-            s = (pl.dot(q_e, k_e, trans_b=True, precision=precision)
-                 + pl.dot(q_o, k_o, trans_b=True, precision=precision)) * scale       # [BH, BK]
+            s = (jnp.dot(q_e, k_e.T, precision=precision, preferred_element_type=jnp.float32)
+                 + jnp.dot(q_o, k_o.T, precision=precision, preferred_element_type=jnp.float32)) * scale
             s = jnp.where(ok[None, :], s, -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(s, axis=1))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -57,8 +57,8 @@ def _kernel(*refs, formats, n_refs, block_k, scale, dot_dtype, precision):
             alpha = jnp.exp(m - m_safe)
             l = l * alpha + jnp.sum(p, axis=1)
             p = p.astype(dot_dtype)
-            acc_e = acc_e * alpha[:, None] + pl.dot(p, k_e, precision=precision)
-            acc_o = acc_o * alpha[:, None] + pl.dot(p, k_o, precision=precision)
+            acc_e = acc_e * alpha[:, None] + jnp.dot(p, k_e, precision=precision, preferred_element_type=jnp.float32)
+            acc_o = acc_o * alpha[:, None] + jnp.dot(p, k_o, precision=precision, preferred_element_type=jnp.float32)
             return m_new, l, acc_e, acc_o
 
         m, l, acc_e, acc_o = jax.lax.fori_loop(0, (n + block_k - 1) // block_k, tile, (m, l, acc_e, acc_o))
