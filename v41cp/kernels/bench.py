@@ -131,7 +131,7 @@ def bench_indexer(shape: dict, context: int, batch: int, reps: int, with_xla: bo
 
 
 def bench_sparse_attention(shape: dict, context: int, batch: int, reps: int, with_xla: bool, seed: int = 0) -> dict:
-    h, d, win, k, epb = shape["heads"], shape["head_dim"], shape["window"], shape["topk"], shape["epb"]
+    h, d, win, k = shape["heads"], shape["head_dim"], shape["window"], shape["topk"]
     dt = jnp.dtype(shape["dtype"])
     g = context // shape["ratio"]
     kk = min(k, g)

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from v41cp.config import LayerRole, ModelConfig
+from v41cp.kernels.sparse_attention import sparse_attention
 from v41cp.layers.common import RMSNorm, declare, dtype_of, zeros_init
 from v41cp.layers.compressor import Compressor
 from v41cp.layers.indexer import Indexer
@@ -64,6 +65,24 @@ def sink_attention(q: jax.Array, keys: jax.Array, valid: jax.Array, sink: jax.Ar
     return out.astype(q.dtype)
 
 
+def kernel_sink_attention(q: jax.Array, kv: jax.Array, widx: jax.Array, wvalid: jax.Array, state: CSAState | None,
+                          sink: jax.Array) -> jax.Array:
+    """`sink_attention` over the window and the selected entries through the sparse-attention kernel
+    (``attention_backend="pallas"``): every query row ``(b, s)`` is one kernel row; the window KV ``[B·S, D]``
+    and the compressed KV ``[B·G, D]`` are its two stores, addressed by slot lists instead of gathered keys.
+    Returns ``[B,S,Hq,D]`` in ``q.dtype``."""
+    b, s, h, d = q.shape
+    win = jnp.where(wvalid[None], jnp.arange(b)[:, None, None] * s + widx[None], -1).reshape(b * s, -1)
+    stores, indices = [kv.reshape(b * s, d)], [win]
+    if state is not None and state.ckv.shape[1]:
+        g = state.ckv.shape[1]
+        sel = jnp.where(state.topk >= 0, jnp.arange(b)[:, None, None] * g + state.topk, -1)
+        stores.append(state.ckv.reshape(b * g, d))
+        indices.append(sel.reshape(b * s, -1))
+    o, _ = sparse_attention(q.reshape(b * s, h, d), stores, indices, sink=sink, backend="pallas")
+    return o.reshape(b, s, h, d).astype(q.dtype)
+
+
 class Attention(nn.Module):
     """One layer's attention. Parameters: ``wq_a [H, q_lora]``, ``q_norm``, ``wq_b [q_lora, heads, D]``,
     ``wkv [H, D]``, ``kv_norm``, ``wo_a [o_groups, heads/o_groups·D, o_lora]``,
@@ -101,16 +120,18 @@ class Attention(nn.Module):
             kv = fp8_block32(kv)
 
         widx, wvalid = window_indices(s, cfg.sliding_window)
-        keys = kv[:, widx]                                                   # [B,S,W,D]
-        valid = jnp.broadcast_to(wvalid[None], (b, *wvalid.shape))
         if compressed:
             state = self._update_state(x, qr, angles, state)
-            g = state.ckv.shape[1]
-            if g:
+        if cfg.attention_backend == "pallas":
+            o = kernel_sink_attention(q, kv, widx, wvalid, state if compressed else None, sink)
+        else:
+            keys = kv[:, widx]                                                   # [B,S,W,D]
+            valid = jnp.broadcast_to(wvalid[None], (b, *wvalid.shape))
+            if compressed and state.ckv.shape[1]:
                 sel = state.topk
                 keys = jnp.concatenate([keys, jax.vmap(lambda c, i: c[jnp.maximum(i, 0)])(state.ckv, sel)], axis=2)
                 valid = jnp.concatenate([valid, sel >= 0], axis=2)
-        o = sink_attention(q, keys, valid, sink)
+            o = sink_attention(q, keys, valid, sink)
         o = apply_rope(o, angles, inverse=True)
         o = o.reshape(b, s, cfg.o_groups, g_in)
         y = jnp.einsum("bsgi,gio->bsgo", o, wo_a.astype(o.dtype))
@@ -140,7 +161,8 @@ class Attention(nn.Module):
                 return state
             keys, topk, cand, scores = Indexer(cfg, role, name="indexer")(
                 x, qr, angles, latent, compressed_angles, state.ikeys, state.candidates)
-            self.sow("intermediates", "index_scores", scores)
+            if scores is not None:                      # the kernel path never materializes scores
+                self.sow("intermediates", "index_scores", scores)
             if role.candidate_source:
                 self.sow("intermediates", "candidates", cand)
             state = state._replace(ikeys=keys, topk=topk, candidates=cand)

@@ -100,6 +100,9 @@ def select_positions(cfg: ModelConfig, role: LayerRole, wq_b, w_proj, x, qr, ang
     b, s, _ = x.shape
     g = keys.shape[1]
     q, weights = index_query(cfg, wq_b, w_proj, x, qr, angles)
+    if cfg.indexer_backend == "pallas":
+        topk, candidates = _kernel_select(cfg, role, q, weights, keys, positions, candidates)
+        return topk, candidates, None
     visible_len = jnp.broadcast_to(((positions + 1) // role.ratio)[..., None], (b, s, 1))
     allowed = jnp.arange(g)[None, None, :] < visible_len                            # [B,S,G]
     scores = jnp.where(allowed, index_scores(q, weights, keys, stable), -jnp.inf)
@@ -110,6 +113,37 @@ def select_positions(cfg: ModelConfig, role: LayerRole, wq_b, w_proj, x, qr, ang
         scores = jnp.where(candidates, scores, -jnp.inf)
     topk, _ = topk_select(scores, min(cfg.index_topk, g))
     return topk, candidates, scores
+
+
+def _kernel_select(cfg: ModelConfig, role: LayerRole, q, weights, keys, positions, candidates):
+    """`select_positions` through the indexer kernels (``indexer_backend="pallas"``): each query row ``(b, s)`` is
+    one kernel row whose page list covers request ``b``'s keys (`v41cp.kernels.indexer_topk.dense_pages`).
+    Returns ``(topk [B,S,K], candidates [B,S,G] or the input)``; the scores are never materialized."""
+    from v41cp.kernels.indexer_topk import dense_pages, index_block_maxima, indexer_topk
+
+    b, s, hi, di = q.shape
+    g = keys.shape[1]
+    cbs = cfg.candidate_block_size
+    page = cbs * max(1, 16 // cbs)                                    # a whole number of candidate blocks
+    store, pages, page_ids = dense_pages(keys, page)
+    rows = lambda a: jnp.repeat(a, s, axis=0)                         # [B, ...] -> [B*S, ...]
+    pages, page_ids = rows(pages), rows(page_ids)
+    visible = jnp.broadcast_to((positions + 1) // role.ratio, (b, s)).reshape(-1)
+    qf, wf = q.reshape(b * s, hi, di), weights.reshape(b * s, hi)
+    mask = None
+    if role.candidate_source:
+        maxima, _ = index_block_maxima(qf, wf, store, pages, page_ids, visible, epb=page, cbs=cbs, backend="pallas")
+        nb = -(-g // cbs)
+        blocks = jnp.where(jnp.arange(nb)[None] == ((visible - 1) // cbs)[:, None], jnp.inf, maxima[:, :nb])
+        vals, idx = jax.lax.top_k(blocks, min(cfg.candidate_topk_blocks, nb))
+        keep = jnp.zeros((b * s, nb), bool).at[jnp.arange(b * s)[:, None], idx].set(vals > -jnp.inf)
+        allowed = jnp.arange(g)[None] < visible[:, None]
+        candidates = (jnp.repeat(keep, cbs, axis=1)[:, :g] & allowed).reshape(b, s, g)
+    elif role.uses_candidates:
+        mask = candidates.reshape(b * s, g)[:, ::cbs]
+    topk, _ = indexer_topk(qf, wf, store, pages, page_ids, visible, min(cfg.index_topk, g), epb=page,
+                           block_mask=mask, cbs=cbs, backend="pallas")
+    return topk.reshape(b, s, -1), candidates
 
 
 class Indexer(nn.Module):
