@@ -1,0 +1,177 @@
+"""Kernels (`v41cp.kernels`) in Pallas interpret mode == their jnp references; every GPU kernel lowers for CUDA.
+
+Shapes use the V4.1-Flash head counts (64 heads × 512 for attention; 32 index heads × 128, top-512 for the
+indexer) with few rows, and include ragged lengths, all-padding rows and pages with a single valid entry.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import rel_err
+from v41cp.config import ConfigError, preset
+from v41cp.kernels import check_backend
+from v41cp.kernels.dequant import e2m1, e4m3, e8m0, load_rows_split, merge_channels
+from v41cp.kernels.indexer_topk import index_block_maxima, indexer_topk
+from v41cp.kernels.sparse_attention import gather_keys, sparse_attention
+from v41cp.layers.attention import sink_attention
+from v41cp.quant import FP4_TABLE, mxfp4_block32
+from v41cp.serving.records import decode, encode
+
+
+def test_in_kernel_decoders_equal_the_record_decoder():
+    b = jnp.arange(256, dtype=jnp.int32)
+    finite = (b & 0x7F) != 0x7F                                     # e4m3fn NaN codes are never written
+    want = jax.lax.bitcast_convert_type(b.astype(jnp.uint8), jnp.float8_e4m3fn).astype(jnp.float32)
+    np.testing.assert_array_equal(np.asarray(e4m3(b))[finite], np.asarray(want)[finite])
+    assert np.array_equal(np.signbit(e4m3(b))[finite], np.signbit(want)[finite])
+    want8 = np.ldexp(1.0, np.arange(255) - 127).astype(np.float32)
+    want8[0] = 0.0                                                   # byte 0 reads as 0, as records.decode does
+    np.testing.assert_array_equal(e8m0(b[:255]), want8)
+    np.testing.assert_array_equal(e2m1(jnp.arange(16, dtype=jnp.int32)), FP4_TABLE)
+    x = jax.random.normal(jax.random.key(0), (7, 64)) * 3
+    for fmt in ("fp8", "nvfp4", "mxfp4"):
+        q, s = encode(x, fmt)
+        even, odd = load_rows_split((q, s), fmt, jnp.arange(7), 64)
+        np.testing.assert_array_equal(merge_channels(even, odd), decode(q, s, fmt, jnp.float32))
+
+
+def _attention_case(dtype, h=64, d=512, rows=4):
+    rng = np.random.default_rng(1)
+    q = jax.random.normal(jax.random.key(1), (rows, h, d)).astype(dtype)
+    win = encode(jax.random.normal(jax.random.key(2), (40, d)), "fp8")
+    comp = encode(jax.random.normal(jax.random.key(3), (90, d)), "nvfp4")
+    values = jax.random.normal(jax.random.key(4), (30, d)).astype(dtype)
+    stores = ({"q": win[0], "s": win[1]}, {"q": comp[0], "s": comp[1]}, values)
+    idx = [jnp.asarray(rng.integers(-1, n, (rows, k)), jnp.int32) for n, k in ((40, 8), (90, 40), (30, 5))]
+    idx = [i.at[2].set(-1) for i in idx]                            # row 2: nothing valid anywhere
+    idx[1] = idx[1].at[3].set(-1).at[3, 0].set(17)                   # row 3: one compressed entry ...
+    idx[0] = idx[0].at[3].set(-1)                                     # ... and no window
+    lengths = (jnp.array([8, 3, 8, 8]), jnp.array([40, 33, 40, 1]), jnp.array([5, 0, 5, 5]))
+    return q, stores, tuple(idx), lengths
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 2e-2)])
+def test_sparse_attention_kernel_equals_reference(dtype, tol):
+    q, stores, idx, lengths = _attention_case(dtype)
+    o, lse = sparse_attention(q, stores, idx, lengths, backend="pallas")
+    o_ref, lse_ref = sparse_attention(q, stores, idx, lengths, backend="xla")
+    assert rel_err(o, o_ref) <= tol
+    fin = np.isfinite(lse_ref)
+    assert np.array_equal(np.isfinite(lse), fin) and not fin[2].any()
+    np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(lse_ref)[fin], rtol=tol, atol=tol)
+    assert np.all(np.asarray(o)[2] == 0)
+    # natural-log LSE, without the sink: row 0 by hand
+    keys = [gather_keys(s, f, i[:1, :n], 512) for s, f, i, n in
+            zip(stores, ("fp8", "nvfp4", None), idx, (8, 40, 5))]
+    keys = jnp.concatenate(keys, axis=1)[0]
+    ok = np.concatenate([np.asarray(i[0, :n]) >= 0 for i, n in zip(idx, (8, 40, 5))])
+    logits = np.asarray(q[0].astype(jnp.float32) @ keys.T, np.float64)[:, ok] / np.sqrt(512)
+    np.testing.assert_allclose(np.asarray(lse_ref)[0], np.log(np.exp(logits).sum(-1)), rtol=1e-5)
+
+
+def test_sink_is_an_output_epilogue_that_leaves_the_lse_alone():
+    q, stores, idx, lengths = _attention_case("float32", h=16, d=64)
+    sink = jnp.linspace(-2.0, 2.0, 16)
+    o, lse = sparse_attention(q, stores, idx, lengths, sink=sink, backend="pallas")
+    _, lse_nosink = sparse_attention(q, stores, idx, lengths, backend="pallas")
+    np.testing.assert_array_equal(lse, lse_nosink)
+    keys, valid = [], []
+    for s, f, i, n in zip(stores, ("fp8", "nvfp4", None), idx, lengths):
+        keys.append(gather_keys(s, f, i, 64))
+        valid.append((i >= 0) & (jnp.arange(i.shape[1]) < n[:, None]))
+    want = sink_attention(q[:, None], jnp.concatenate(keys, 1)[:, None], jnp.concatenate(valid, 1)[:, None], sink)
+    assert rel_err(o, want[:, 0]) <= 1e-5
+
+
+def _indexer_case(dtype, values=False):
+    r, hi, di, epb, npg = 3, 32, 128, 32, 40
+    rng = np.random.default_rng(2)
+    keys = jax.random.normal(jax.random.key(5), (r * npg * epb, di))
+    store = keys.astype(dtype) if values else dict(zip(("q", "s"), encode(keys, "mxfp4")))
+    q = mxfp4_block32(jax.random.normal(jax.random.key(6), (r, hi, di))).astype(dtype)
+    w = jax.random.normal(jax.random.key(7), (r, hi))
+    pages = jnp.asarray(np.stack([b * npg + rng.permutation(npg) for b in range(r)]), jnp.int32)
+    pages = pages.at[1, 30:].set(-1)
+    page_ids = jnp.broadcast_to(jnp.arange(npg, dtype=jnp.int32), (r, npg))
+    # row 0: every entry; row 1: ends one entry into page 20 (a page with a single valid entry); row 2: none
+    visible = jnp.array([npg * epb, 20 * epb + 1, 0])
+    return q, w, store, pages, page_ids, visible, epb
+
+
+@pytest.mark.parametrize("dtype,values", [("float32", False), ("bfloat16", False), ("float32", True)])
+def test_indexer_topk_kernel_ids_equal_reference(dtype, values):
+    q, w, store, pages, page_ids, visible, epb = _indexer_case(dtype, values)
+    mask = jnp.asarray(np.random.default_rng(3).random((3, 40 * epb // 8)) < 0.4)
+    for kw in ({}, {"block_mask": mask, "cbs": 8}):
+        ids, vals = indexer_topk(q, w, store, pages, page_ids, visible, 512, epb=epb, backend="pallas", **kw)
+        ids_ref, vals_ref = indexer_topk(q, w, store, pages, page_ids, visible, 512, epb=epb, backend="xla", **kw)
+        np.testing.assert_array_equal(ids, ids_ref)
+        assert np.all(np.asarray(ids)[2] == -1) and np.all(np.asarray(ids)[1] < visible[1])
+        fin = np.isfinite(vals_ref)
+        assert rel_err(np.asarray(vals)[fin], np.asarray(vals_ref)[fin]) <= 1e-5
+
+
+def test_indexer_ties_resolve_by_ascending_logical_id_on_a_scattered_page_list():
+    """Identical keys tie everywhere: the top-k is the k lowest visible logical ids, whatever the page order;
+    page ids as under KVP (every 3rd logical page owned)."""
+    q, w, _, _, _, _, _ = _indexer_case("float32")
+    n, epb = 12, 8
+    store = jnp.broadcast_to(jax.random.normal(jax.random.key(8), (1, 128)), (3 * n * epb, 128))
+    pages = jnp.asarray(np.stack([b * n + np.random.default_rng(b).permutation(n) for b in range(3)]), jnp.int32)
+    page_ids = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) * 3 + 1, (3, n))
+    visible = jnp.array([200, 60, 9])
+    for backend in ("pallas", "xla"):
+        ids, _ = indexer_topk(q, w, store, pages, page_ids, visible, 20, epb=epb, backend=backend)
+        lid = (np.arange(n) * 3 + 1)[:, None] * epb + np.arange(epb)
+        for row in range(3):
+            want = np.sort(lid[lid < int(visible[row])])[:20]
+            got = np.asarray(ids[row])
+            np.testing.assert_array_equal(got[:len(want)], want)
+            assert np.all(got[len(want):] == -1)
+
+
+def test_index_block_maxima_kernel_equals_reference():
+    q, w, store, pages, page_ids, visible, epb = _indexer_case("float32")
+    m, blk = index_block_maxima(q, w, store, pages, page_ids, visible, epb=epb, cbs=8, backend="pallas")
+    m_ref, blk_ref = index_block_maxima(q, w, store, pages, page_ids, visible, epb=epb, cbs=8, backend="xla")
+    np.testing.assert_array_equal(blk, blk_ref)
+    fin = np.isfinite(m_ref)
+    assert np.array_equal(np.isfinite(m), fin)
+    assert rel_err(np.asarray(m)[fin], np.asarray(m_ref)[fin]) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_every_kernel_lowers_for_cuda(dtype):
+    """Pallas → Triton lowering on this CPU host (nothing runs): catches a kernel that no longer lowers."""
+    s = jax.ShapeDtypeStruct
+    u8, i32 = jnp.uint8, jnp.int32
+
+    def lower(fn, *avals):
+        text = jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
+        assert "__gpu$xla.gpu.triton" in text
+
+    lower(lambda q, wq, ws, cq, cs, v, i, j, k: sparse_attention(
+        q, ({"q": wq, "s": ws}, {"q": cq, "s": cs}, v), (i, j, k), backend="pallas", interpret=False),
+        s((16, 64, 512), dtype), s((2048, 512), u8), s((2048, 16), u8), s((4096, 256), u8), s((4096, 32), u8),
+        s((100, 512), dtype), s((16, 128), i32), s((16, 512), i32), s((16, 7), i32))
+    for mask in (None, s((16, 128), jnp.bool_)):
+        lower(lambda q, w, sq, ss, t, p, v, m=None: indexer_topk(
+            q, w, {"q": sq, "s": ss}, t, p, v, 512, epb=32, block_mask=m, cbs=8, backend="pallas", interpret=False),
+            s((16, 32, 128), dtype), s((16, 32), jnp.float32), s((4096, 64), u8), s((4096, 4), u8),
+            s((16, 32), i32), s((16, 32), i32), s((16,), i32), *([mask] if mask else []))
+    lower(lambda q, w, k, t, p, v: index_block_maxima(q, w, k, t, p, v, epb=32, cbs=8, backend="pallas",
+                                                      interpret=False),
+          s((16, 32, 128), dtype), s((16, 32), jnp.float32), s((4096, 128), dtype), s((16, 32), i32),
+          s((16, 32), i32), s((16,), i32))
+
+
+def test_backend_names_are_validated():
+    with pytest.raises(ConfigError, match="attention_backend"):
+        preset("tiny", attention_backend="triton")
+    with pytest.raises(ConfigError, match="indexer_backend.*'cuda'"):
+        preset("tiny", indexer_backend="cuda")
+    with pytest.raises(ValueError, match="attention_backend.*'mosaic'"):
+        check_backend("mosaic", "attention_backend")
+    assert "attention_backend" not in preset("tiny", attention_backend="pallas").to_dict()
