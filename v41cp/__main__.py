@@ -4,6 +4,8 @@
 * ``forward`` next-token predictions for a prompt of token ids (full-sequence forward).
 * ``convert SRC DST [--dtype bf16|fp32] [--keep-quantized]`` released layout → orbax in the model's tree.
 * ``generate [--prompt-ids 1,2,3 ...] [--max-new-tokens N] [--devices N] [--json]`` the serving engine.
+  ``forward``, ``generate`` and ``bench decode|prefill`` take ``--attention-backend`` / ``--indexer-backend``
+  (``xla`` | ``pallas``).
 * ``bench decode|prefill [--lengths 64,512,2048] --json`` engine step latency, tokens/s, compile counts.
 * ``bench kernels [--shapes flash|tiny] [--contexts ...] [--batches ...] --json`` the Pallas kernels vs the XLA
   paths vs the HBM roofline (`v41cp.kernels.bench`).
@@ -80,7 +82,8 @@ def cmd_forward(args) -> int:
     from v41cp.checkpoint import default_checkpoint, open_checkpoint
 
     t0 = time.perf_counter()
-    cfg, params = open_checkpoint(args.checkpoint or default_checkpoint(), fake_quant=not args.no_fake_quant)
+    cfg, params = open_checkpoint(args.checkpoint or default_checkpoint(), fake_quant=not args.no_fake_quant,
+                                  **_backends(args))
     t_load = time.perf_counter() - t0
     if args.tokens is None:
         rng = np.random.default_rng(args.seed)
@@ -132,8 +135,20 @@ def _engine(args, capacity):
     from v41cp.serving.engine import Engine
 
     parallel = _parallel(args)
-    cfg, params = open_checkpoint(args.checkpoint or default_checkpoint(), fake_quant=not args.no_fake_quant)
+    cfg, params = open_checkpoint(args.checkpoint or default_checkpoint(), fake_quant=not args.no_fake_quant,
+                                  **_backends(args))
     return cfg, Engine(params, cfg, capacity, parallel=parallel)
+
+
+def _backends(args) -> dict:
+    """The kernel-backend overrides of ``--attention-backend`` / ``--indexer-backend``."""
+    return {"attention_backend": args.attention_backend, "indexer_backend": args.indexer_backend}
+
+
+def _backend_flags(p) -> None:
+    for name, what in (("attention", "sparse attention"), ("indexer", "indexer scan + top-k")):
+        p.add_argument(f"--{name}-backend", choices=("xla", "pallas"), default="xla",
+                       help=f"{what}: the XLA path, or the Pallas kernel (interpret mode off the GPU)")
 
 
 def _parallel(args, kv_parallel_size=None):
@@ -318,6 +333,7 @@ def main(argv=None) -> int:
             s.add_argument("--length", type=int, default=40, help="length of the random prompt")
             s.add_argument("--seed", type=int, default=1)
             s.add_argument("--top", type=int, default=5)
+            _backend_flags(s)
     c = sub.add_parser("convert", help="convert a released-layout checkpoint to an orbax checkpoint")
     c.add_argument("src", help="released-layout directory (config.json, tokenizer.json, safetensors)")
     c.add_argument("dst", help="output directory (must not exist unless --overwrite)")
@@ -334,6 +350,7 @@ def main(argv=None) -> int:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     _topology_flags(g)
+    _backend_flags(g)
     g.add_argument("--no-fake-quant", action="store_true")
     g.add_argument("--json", action="store_true")
     b = sub.add_parser("bench", help="decode / prefill benchmark of the engine, or of the kernels (prints JSON)")
@@ -343,6 +360,7 @@ def main(argv=None) -> int:
     b.add_argument("--batch", type=int, default=1)
     b.add_argument("--steps", type=int, default=32, help="decode steps per length")
     _topology_flags(b)
+    _backend_flags(b)
     b.add_argument("--cache-budget-mib", type=int, default=64,
                    help="per-device global-page budget for max_resident_tokens (decode)")
     b.add_argument("--no-fake-quant", action="store_true")
