@@ -150,7 +150,8 @@ def test_compiled_step_structure(merge, q_mode):
 
 def test_kvp_engine_with_ced_and_chunked_prefill_equals_single_device():
     """The engine under KVP = DCP = 4 (chunked, CED-narrowed prefill through the owner-masked cached path,
-    then DCP decode; two requests, one reusing the other's pages after it finishes) == the one-device engine."""
+    then DCP decode; two requests, one reusing the other's pages after it finishes) == the one-device engine,
+    with the XLA path and with the Pallas kernels (interpret mode) in the DCP islands."""
     from v41cp.serving.engine import Capacity, Engine, SamplingParams
 
     cfg, params = _model(False)
@@ -159,8 +160,11 @@ def test_kvp_engine_with_ced_and_chunked_prefill_equals_single_device():
     prompts = {"long": rng.integers(3, cfg.vocab_size, 37).tolist(), "short": rng.integers(3, cfg.vocab_size, 3).tolist(),
                "late": rng.integers(3, cfg.vocab_size, 11).tolist()}
     out = []
-    for par in (None, ParallelConfig(tp_size=8, kv_parallel_size=4, decode_context_parallel_size=4)):
-        eng = Engine(params, cfg, cap, parallel=par)
+    kvp4 = ParallelConfig(tp_size=8, kv_parallel_size=4, decode_context_parallel_size=4)
+    kernels = cfg.replace(attention_backend="pallas", indexer_backend="pallas")
+    # one device (XLA path); KVP 4 (XLA path); KVP 4 with the Pallas kernels inside the DCP islands
+    for c, par in ((cfg, None), (cfg, kvp4), (kernels, kvp4)):
+        eng = Engine(params, c, cap, parallel=par)
         eng.submit("long", prompts["long"], SamplingParams(max_new_tokens=12, stop_on_eos=False))
         eng.submit("short", prompts["short"], SamplingParams(max_new_tokens=2, stop_on_eos=False))
         eng.step()
@@ -171,6 +175,7 @@ def test_kvp_engine_with_ced_and_chunked_prefill_equals_single_device():
         logits = {rid: eng.requests[rid].last_logits for rid in res}
         assert eng.stats["ced_encoder_only_rows"] > 0
         out.append((res, logits))
-    assert out[0][0] == out[1][0]
-    for rid in out[0][1]:
-        assert rel_err(out[1][1][rid], out[0][1][rid]) <= 1e-5
+    for other in out[1:]:
+        assert other[0] == out[0][0]
+        for rid in out[0][1]:
+            assert rel_err(other[1][rid], out[0][1][rid]) <= 1e-5
