@@ -108,9 +108,12 @@ class Engine:
         self.parallel = parallel
         self.plan = None
         n = 1
-        if parallel is not None and parallel.query_context_parallel_size > 1:
-            raise ValueError(f"topology: query_context_parallel_size={parallel.query_context_parallel_size} — "
-                             f"query context parallelism is not built yet (issue 6)")
+        if parallel is not None:
+            for name in ("query_context_parallel_size", "indexer_query_parallel_size",
+                         "attention_query_parallel_size"):
+                if getattr(parallel, name) > 1:
+                    raise ValueError(f"topology: {name}={getattr(parallel, name)} — query context parallelism "
+                                     f"is not built into the engine yet (issue 6)")
         if parallel is not None and mesh is None:
             mesh = parallel.make_mesh(jax.devices()[:parallel.num_devices])
         if mesh is not None:

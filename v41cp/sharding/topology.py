@@ -10,6 +10,8 @@ Restrictions (seed "Configuration"; cp-survey §2.5):
 * ``kv_parallel_size`` divides attention TP (so a group never crosses a data-parallel replica);
 * decode runs the DCP path over the KVP pages, so ``decode_context_parallel_size == kv_parallel_size``;
 * ``query_context_parallel_size`` is 1 or the attention TP size, and with it KVP is 1 or equal to QCP;
+* the operator-local indexer / attention QCP sizes are 1 or the attention TP size, and neither combines with
+  model-wide QCP;
 * the ``a2a`` merge splits the query heads over the group: ``num_attention_heads`` must divide by attention TP;
 * prefill and decode run in separate rounds and prefill is eager (the engine's only mode).
 """
@@ -31,7 +33,11 @@ class ParallelConfig:
     tp_size: attention tensor-parallel size; dp_size: data-parallel replicas (devices = tp · dp).
     kv_parallel_size: ranks that share one request's global KV / index-K pages page-cyclically (KVP).
     decode_context_parallel_size: ranks of one DCP decode group (must equal KVP).
-    query_context_parallel_size: model-wide prefill query partition (1 = off).
+    query_context_parallel_size: model-wide prefill query partition (1 = off; rows per `QueryShardPlan`).
+    indexer_query_parallel_size / attention_query_parallel_size: operator-local QCP of the indexer / the selected
+    prefill attention (1 = off, else the attention TP size; not combinable with model-wide QCP), applied from
+    ``indexer_query_min_tokens`` query rows and from ``attention_query_min_tokens`` (global layers) /
+    ``attention_query_swa_min_tokens`` (SWA-only layers) rows.
     dcp_merge: ``ag_rs`` (all-gather LSE + reduce-scatter outputs) or ``a2a`` (one packed all-to-all).
     dcp_q: ``gather`` (all-gather query heads per layer) or ``replicate`` (query projections replicated
     over the group, queries computed locally).
@@ -44,10 +50,16 @@ class ParallelConfig:
     query_context_parallel_size: int = 1
     dcp_merge: str = "ag_rs"
     dcp_q: str = "gather"
+    indexer_query_parallel_size: int = 1
+    attention_query_parallel_size: int = 1
+    indexer_query_min_tokens: int = 1024
+    attention_query_min_tokens: int = 1024
+    attention_query_swa_min_tokens: int = 4096
 
     def __post_init__(self):
         for name in ("tp_size", "dp_size", "kv_parallel_size", "decode_context_parallel_size",
-                     "query_context_parallel_size"):
+                     "query_context_parallel_size", "indexer_query_parallel_size", "attention_query_parallel_size",
+                     "indexer_query_min_tokens", "attention_query_min_tokens", "attention_query_swa_min_tokens"):
             v = getattr(self, name)
             if type(v) is not int or v <= 0:
                 raise ValueError(f"topology: {name} must be a positive integer, got {v!r}")
@@ -66,6 +78,13 @@ class ParallelConfig:
         if qcp > 1 and kvp not in (1, qcp):
             raise ValueError(f"topology: with query_context_parallel_size={qcp}, kv_parallel_size={kvp} must be "
                              f"1 (replicated KV) or equal to it")
+        for name in ("indexer_query_parallel_size", "attention_query_parallel_size"):
+            v = getattr(self, name)
+            if v not in (1, tp):
+                raise ValueError(f"topology: {name}={v} must be 1 or the attention tp_size={tp}")
+            if v > 1 and qcp > 1:
+                raise ValueError(f"topology: operator-local {name}={v} cannot be combined with model-wide "
+                                 f"query_context_parallel_size={qcp}")
         if self.dcp_merge not in DCP_MERGES:
             raise ValueError(f"topology: dcp_merge={self.dcp_merge!r} is not one of {DCP_MERGES}")
         if self.dcp_q not in DCP_Q_MODES:
