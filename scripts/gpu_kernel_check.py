@@ -121,6 +121,7 @@ def main():
     p.add_argument("--batches", default="1,16,64")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--bench", default="indexer,attention", help="which kernels to benchmark")
+    p.add_argument("--sweep", action="store_true", help="also time the alternative kernel parameters")
     p.add_argument("--skip", default="", help="comma list of: kernels,engine,bench")
     a = p.parse_args()
     lines = []
@@ -129,14 +130,16 @@ def main():
     if "kernels" not in skip:
         guarded("kernels", check_kernels, lines)
     if "bench" not in skip:
-        from v41cp.kernels.bench import bench_indexer, bench_sparse_attention, SHAPES
+        from v41cp.kernels.bench import SHAPES, SWEEP, bench_indexer, bench_sparse_attention
 
         for c in (int(x) for x in a.contexts.split(",")):
             for b in (int(x) for x in a.batches.split(",")):
                 for fn in [f for n, f in (("indexer", bench_indexer), ("attention", bench_sparse_attention))
                            if n in a.bench]:
                     try:
-                        emit(fn(SHAPES["flash"], c, b, a.reps, True), lines)
+                        kind = "indexer" if fn is bench_indexer else "attention"
+                        emit(fn(SHAPES["flash"], c, b, a.reps, True, sweep_configs=SWEEP[kind] if a.sweep else None),
+                             lines)
                     except Exception as e:
                         emit({"kernel": fn.__name__, "context": c, "batch": b, "error": f"{type(e).__name__}: {e}"[:400]},
                              lines)

@@ -12,6 +12,7 @@ import pytest
 from helpers import rel_err
 from v41cp.config import ConfigError, preset
 from v41cp.kernels import check_backend
+from v41cp.kernels.bench import SWEEP
 from v41cp.kernels.dequant import e2m1, e4m3, e8m0, load_rows_split, merge_channels
 from v41cp.kernels.indexer_topk import index_block_maxima, indexer_topk
 from v41cp.kernels.sparse_attention import gather_keys, sparse_attention
@@ -152,13 +153,15 @@ def test_every_kernel_lowers_for_cuda(dtype):
         text = jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text
 
-    lower(lambda q, wq, ws, cq, cs, v, i, j, k: sparse_attention(
-        q, ({"q": wq, "s": ws}, {"q": cq, "s": cs}, v), (i, j, k), backend="pallas", interpret=False),
-        s((16, 64, 512), dtype), s((2048, 512), u8), s((2048, 16), u8), s((4096, 256), u8), s((4096, 32), u8),
-        s((100, 512), dtype), s((16, 128), i32), s((16, 512), i32), s((16, 7), i32))
-    for mask in (None, s((16, 128), jnp.bool_)):
-        lower(lambda q, w, sq, ss, t, p, v, m=None: indexer_topk(
-            q, w, {"q": sq, "s": ss}, t, p, v, 512, epb=32, block_mask=m, cbs=8, backend="pallas", interpret=False),
+    for kw in SWEEP["attention"]:                         # the defaults and the benchmark's alternatives
+        lower(lambda q, wq, ws, cq, cs, v, i, j, k, kw=kw: sparse_attention(
+            q, ({"q": wq, "s": ws}, {"q": cq, "s": cs}, v), (i, j, k), backend="pallas", interpret=False, **kw),
+            s((16, 64, 512), dtype), s((2048, 512), u8), s((2048, 16), u8), s((4096, 256), u8), s((4096, 32), u8),
+            s((100, 512), dtype), s((16, 128), i32), s((16, 512), i32), s((16, 7), i32))
+    for mask, kw in [(None, kw) for kw in SWEEP["indexer"]] + [(s((16, 128), jnp.bool_), {})]:
+        lower(lambda q, w, sq, ss, t, p, v, m=None, kw=kw: indexer_topk(
+            q, w, {"q": sq, "s": ss}, t, p, v, 512, epb=32, block_mask=m, cbs=8, backend="pallas", interpret=False,
+            **kw),
             s((16, 32, 128), dtype), s((16, 32), jnp.float32), s((4096, 64), u8), s((4096, 4), u8),
             s((16, 32), i32), s((16, 32), i32), s((16,), i32), *([mask] if mask else []))
     lower(lambda q, w, k, t, p, v: index_block_maxima(q, w, k, t, p, v, epb=32, cbs=8, backend="pallas",

@@ -268,7 +268,7 @@ def cmd_bench(args) -> int:
 
         ints = lambda text: tuple(int(x) for x in text.split(","))
         out = run(args.shapes, ints(args.contexts), ints(args.batches), tuple(args.kernels.split(",")), args.reps,
-                  not args.no_xla)
+                  not args.no_xla, args.sweep)
         print(json.dumps(out) if args.json else json.dumps(out, indent=1))
         return 0
     from v41cp.serving.engine import Capacity
@@ -372,6 +372,7 @@ def main(argv=None) -> int:
     k.add_argument("--kernels", default="indexer,attention", help="which kernels")
     k.add_argument("--reps", type=int, default=10, help="timed calls per case (median reported)")
     k.add_argument("--no-xla", action="store_true", help="skip the XLA reference paths")
+    k.add_argument("--sweep", action="store_true", help="also time alternative kernel parameters (block sizes, warps)")
     args = p.parse_args(argv)
     if getattr(args, "devices", 1) > 1 and "jax" not in sys.modules:
         import os

@@ -52,7 +52,9 @@ def _time(fn, *args, reps: int):
 
 
 def _random_bytes(key, shape):
-    return jax.random.bits(key, shape, jnp.uint8)
+    """Random uint8 ``shape`` (last dim a multiple of 4) drawn as uint32 words: no 4×-sized intermediate."""
+    words = jax.random.bits(key, (*shape[:-1], shape[-1] // 4), jnp.uint32)
+    return jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(shape)
 
 
 def _mxfp4_pool(key, n_rows: int, di: int):
@@ -87,7 +89,8 @@ def _stats(t: float, nbytes: int, flops: int) -> dict:
             "roofline_ms": round(roof * 1e3, 4), "fraction_of_roofline": round(roof / t, 3)}
 
 
-def bench_indexer(shape: dict, context: int, batch: int, reps: int, with_xla: bool, seed: int = 0) -> dict:
+def bench_indexer(shape: dict, context: int, batch: int, reps: int, with_xla: bool, seed: int = 0,
+                  sweep_configs=None) -> dict:
     hi, di, epb, k = shape["index_heads"], shape["index_dim"], shape["epb"], shape["topk"]
     dt = jnp.dtype(shape["dtype"])
     g = context // shape["ratio"]                          # entries per request
@@ -103,6 +106,7 @@ def bench_indexer(shape: dict, context: int, batch: int, reps: int, with_xla: bo
     kk = min(k, g)
 
     topk = jax.jit(lambda q, w, s, t: indexer_topk(q, w, s, t, page_ids, visible, kk, epb=epb, backend="pallas"))
+
     q_e, q_o, wp = prepare_queries(q, w)
     scan = jax.jit(lambda q_e, q_o, wp, sq, ss, t: index_scan_pallas(
         q_e, q_o, wp, (sq, ss), "mxfp4", visible, t, page_ids, None, None, epb=epb, group=16, tile=64, cbs=1,
@@ -116,6 +120,14 @@ def bench_indexer(shape: dict, context: int, batch: int, reps: int, with_xla: bo
     out["pallas"] = {**_stats(t_p, nbytes, flops), "compile_s": round(c, 2)}
     t, c = _time(scan, q_e, q_o, wp, store["q"], store["s"], tables, reps=reps)
     out["pallas_scan_pass"] = {**_stats(t, nbytes, flops), "compile_s": round(c, 2)}
+    if sweep_configs:
+        out["sweep"] = []
+        for cfg in sweep_configs:
+            fn = jax.jit(lambda q, w, s, t, cfg=cfg: indexer_topk(q, w, s, t, page_ids, visible, kk, epb=epb,
+                                                                   backend="pallas", **cfg))
+            t_s, c = _time(fn, q, w, store, tables, reps=reps)
+            out["sweep"].append({"config": cfg, "ms": round(t_s * 1e3, 4), "gb_per_s": round(nbytes / t_s / 1e9, 1),
+                                 "compile_s": round(c, 2)})
     if with_xla:
         ref = jax.jit(lambda q, w, s, t: indexer_topk(q, w, s, t, page_ids, visible, kk, epb=epb, backend="xla"))
         try:
@@ -130,7 +142,8 @@ def bench_indexer(shape: dict, context: int, batch: int, reps: int, with_xla: bo
     return out
 
 
-def bench_sparse_attention(shape: dict, context: int, batch: int, reps: int, with_xla: bool, seed: int = 0) -> dict:
+def bench_sparse_attention(shape: dict, context: int, batch: int, reps: int, with_xla: bool, seed: int = 0,
+                           sweep_configs=None) -> dict:
     h, d, win, k = shape["heads"], shape["head_dim"], shape["window"], shape["topk"]
     dt = jnp.dtype(shape["dtype"])
     g = context // shape["ratio"]
@@ -155,6 +168,14 @@ def bench_sparse_attention(shape: dict, context: int, batch: int, reps: int, wit
     args = (q, window["q"], window["s"], pool["q"], pool["s"], win_idx, sel)
     t, c = _time(fn["pallas"], *args, reps=reps)
     out["pallas"] = {**_stats(t, nbytes, flops), "compile_s": round(c, 2)}
+    if sweep_configs:
+        out["sweep"] = []
+        for cfg in sweep_configs:
+            f = jax.jit(lambda q, a, b, c, e, i, j, cfg=cfg: sparse_attention(
+                q, ({"q": a, "s": b}, {"q": c, "s": e}), (i, j), sink=sink, backend="pallas", **cfg))
+            t_s, c = _time(f, *args, reps=reps)
+            out["sweep"].append({"config": cfg, "ms": round(t_s * 1e3, 4), "gb_per_s": round(nbytes / t_s / 1e9, 1),
+                                 "compile_s": round(c, 2)})
     if with_xla:
         t_x, c = _time(fn["xla"], *args, reps=reps)
         out["xla"] = {**_stats(t_x, nbytes, flops), "compile_s": round(c, 2)}
@@ -165,9 +186,20 @@ def bench_sparse_attention(shape: dict, context: int, batch: int, reps: int, wit
     return out
 
 
+# kernel parameters tried by ``--sweep`` (the defaults come first)
+SWEEP = {
+    "attention": [dict(block_h=16, block_k=32, num_warps=4), dict(block_h=16, block_k=64, num_warps=4),
+                  dict(block_h=32, block_k=32, num_warps=8), dict(block_h=64, block_k=32, num_warps=8),
+                  dict(block_h=64, block_k=64, num_warps=8, num_stages=3)],
+    "indexer": [dict(tile=64, group=16, num_warps=4), dict(tile=128, group=16, num_warps=4),
+                dict(tile=128, group=32, num_warps=8), dict(tile=256, group=32, num_warps=8)],
+}
+
+
 def run(shapes: str = "flash", contexts=(8192, 131072, 1048576), batches=(1, 16, 64), kernels=("indexer", "attention"),
-        reps: int = 10, with_xla: bool = True) -> dict:
-    """Every (kernel, context, batch) case → a JSON-ready dict."""
+        reps: int = 10, with_xla: bool = True, sweep: bool = False) -> dict:
+    """Every (kernel, context, batch) case → a JSON-ready dict. ``sweep``: also time the `SWEEP` kernel
+    parameters of each case (Pallas path only), for choosing the defaults on a GPU."""
     shape = SHAPES[shapes]
     dev = jax.devices()[0]
     out = {"bench": "kernels", "shapes": shapes, "shape": shape, "device": getattr(dev, "device_kind", str(dev)),
@@ -176,7 +208,9 @@ def run(shapes: str = "flash", contexts=(8192, 131072, 1048576), batches=(1, 16,
     for context in contexts:
         for batch in batches:
             if "indexer" in kernels:
-                out["cases"].append(bench_indexer(shape, context, batch, reps, with_xla))
+                out["cases"].append(bench_indexer(shape, context, batch, reps, with_xla,
+                                                  sweep_configs=SWEEP["indexer"] if sweep else None))
             if "attention" in kernels:
-                out["cases"].append(bench_sparse_attention(shape, context, batch, reps, with_xla))
+                out["cases"].append(bench_sparse_attention(shape, context, batch, reps, with_xla,
+                                                           sweep_configs=SWEEP["attention"] if sweep else None))
     return out
