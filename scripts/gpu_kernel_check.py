@@ -2,8 +2,8 @@
 
 1. each kernel vs its reference on the GPU at V4.1-Flash head counts (ragged lengths, an all-padding row,
    a single-entry page), fp32 and bf16: max relative error, top-k ids identical;
-3. the tiny engine (CED off): greedy tokens with attention/indexer backends "pallas" == "xla";
-2. ``v41cp.kernels.bench`` at the requested contexts and batches.
+2. ``v41cp.kernels.bench`` at the requested contexts and batches (``--sweep``: alternative kernel parameters);
+3. the tiny engine (CED off): greedy tokens with attention/indexer backends "pallas" == "xla".
 
 Usage: ``python scripts/gpu_kernel_check.py [--contexts 8192,131072,1048576] [--batches 1,16,64] [--reps 5]``
 """

@@ -39,7 +39,7 @@ def _check(lengths, n):
 
 
 def test_exhaustive_small_batches():
-    for b in (1, 2, 3):
+    for b in (0, 1, 2, 3):                          # 0: an empty batch
         for lengths in itertools.product(range(7), repeat=b):
             for n in range(1, 9):
                 _check(list(lengths), n)

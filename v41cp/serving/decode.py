@@ -206,7 +206,7 @@ def _attention(cfg: ModelConfig, role: LayerRole, p: dict, x: jax.Array, cache: 
         return None, cache, state
     k = jnp.arange(w)
     ring_pos = pos[:, None] - ((pos[:, None] - k[None, :]) % w)               # position held by ring row k
-    if cfg.attention_backend == "pallas" and st.plan is None:
+    if cfg.attention_backend == "pallas" and (st.plan is None or not compressed):
         return _kernel_attention(cfg, role, p, q[:, 0], x, qr, angles, cache, st, state, ring_pos >= 0, dt)
     ring = _read(swa, "fp8", kv.dtype, lambda a: a[role.index][st.slot_r])   # [B,W,D]
     keys, valid = ring[:, None], (ring_pos >= 0)[:, None]                      # [B,1,W,D], [B,1,W]

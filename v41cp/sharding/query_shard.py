@@ -93,7 +93,8 @@ class QueryShardPlan:
     def positions(self) -> np.ndarray:
         """Position of each local slot inside its request ``[n, C]`` (0 for padding) — with a request's
         prefix length added, its cache coordinate."""
-        starts = np.repeat(np.concatenate([[0], np.cumsum(self.lengths)[:-1]]), self.lengths)
+        offsets = np.concatenate([[0], np.cumsum(self.lengths, dtype=np.int64)])
+        starts = np.repeat(offsets[:-1], self.lengths)
         pos = np.arange(self.total_rows) - starts
         return np.where(self.local_rows >= 0, pos[np.maximum(self.local_rows, 0)], 0).astype(np.int32)
 

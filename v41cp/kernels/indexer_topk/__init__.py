@@ -35,7 +35,7 @@ from v41cp.kernels.indexer_topk.reference import index_scan_reference
 __all__ = ["indexer_topk", "index_block_maxima", "index_scan_reference", "index_scan_pallas", "key_format",
            "dense_pages", "prepare_queries"]
 
-MIN_HEADS = 16          # tensor-core dot minimum; extra heads get zero weights
+MIN_HEADS = 16          # tensor-core dot minimum; extra (padding) heads get zero weights
 
 
 def key_format(store, channels: int) -> str | None:
@@ -62,7 +62,7 @@ def dense_pages(keys: jax.Array, page: int):
 def prepare_queries(q, w):
     """Split channels and pad heads to the tensor-core minimum (zero weights) → (q_e, q_o, w)."""
     r, hi, _ = q.shape
-    hp = max(MIN_HEADS, hi)
+    hp = max(MIN_HEADS, 1 << (hi - 1).bit_length())          # Triton blocks: a power of two, ≥ 16
     pad = ((0, 0), (0, hp - hi))
     q_e, q_o = (jnp.pad(x, pad + ((0, 0),)) for x in split_channels(q))
     return q_e, q_o, jnp.pad(w.astype(jnp.float32), pad)
