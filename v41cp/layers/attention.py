@@ -159,7 +159,7 @@ class Attention(nn.Module):
                 state = state._replace(ikeys=keys, topk=jnp.zeros((b, s, 0), jnp.int32), candidates=cand)
                 self.sow("intermediates", "topk", state.topk)
                 return state
-            keys, topk, cand, scores = Indexer(cfg, role, name="indexer")(
+            keys, topk, cand, scores = Indexer(cfg, role, self.shard, name="indexer")(
                 x, qr, angles, latent, compressed_angles, state.ikeys, state.candidates)
             if scores is not None:                      # the kernel path never materializes scores
                 self.sow("intermediates", "index_scores", scores)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from v41cp.config import LayerRole, ModelConfig
 from v41cp.layers.common import RMSNorm, declare, dtype_of
@@ -146,12 +147,49 @@ def _kernel_select(cfg: ModelConfig, role: LayerRole, q, weights, keys, position
     return topk.reshape(b, s, -1), candidates
 
 
+def query_parallel_applies(shard, role: LayerRole, rows: int) -> bool:
+    """Whether operator-local indexer QCP runs for this layer: enabled in ``shard``, at least
+    ``indexer_query_min_tokens`` query rows, and an ordinary index layer (the candidate-producing Full source
+    and the Reindex layers inside its candidates keep their existing path)."""
+    return bool(shard is not None and shard.indexer_query_parallel and rows >= shard.indexer_query_min_tokens
+                and not role.candidate_source and not role.uses_candidates)
+
+
+def query_parallel_select(shard, cfg: ModelConfig, role: LayerRole, wq_b, w_proj, x, qr, angles, keys, positions):
+    """Operator-local indexer QCP: query rows interleaved over attention TP (row ``s`` on rank ``s mod N``); each
+    rank projects its rows (all index heads), scores them against the complete keys and selects; the logical
+    top-k ids are all-gathered back to the original row order. Every rank ends with the same ``[B,S,K]``.
+    Inputs as `select_positions` (replicated over attention TP)."""
+    from jax.sharding import PartitionSpec as P
+
+    from v41cp.sharding.mesh import ATTN_TP
+
+    axes = tuple(a for a in ATTN_TP if a in shard.mesh.shape)
+    n = int(np.prod([shard.mesh.shape[a] for a in axes]))
+    b, s, _ = x.shape
+    local = -(-s // n)
+    positions = jnp.broadcast_to(positions, (b, s))
+
+    def body(wq_b, w_proj, x, qr, angles, keys, positions):
+        rows = jax.lax.axis_index(axes) + n * jnp.arange(local)                   # this rank's rows
+        take = lambda a: jnp.take(a, jnp.minimum(rows, s - 1), axis=1)
+        topk, _, _ = select_positions(cfg, role, wq_b, w_proj, take(x), take(qr), take(angles), keys,
+                                      take(positions), None)
+        got = jax.lax.all_gather(topk, axes, to="invarying")                      # [N, B, local, K]
+        return jnp.moveaxis(got, 0, 2).reshape(b, local * n, -1)[:, :s]
+
+    rep = P()
+    return jax.shard_map(body, mesh=shard.mesh, in_specs=(rep,) * 7, out_specs=rep)(
+        wq_b, w_proj, x, qr, angles, keys, positions)
+
+
 class Indexer(nn.Module):
     """Parameters: ``wq_b [q_lora, index_heads, index_head_dim]``, ``weights_proj [H, index_heads]``;
     KV sources also ``wk [head_dim, index_head_dim]`` and ``k_norm [index_head_dim]``."""
 
     cfg: ModelConfig
     role: LayerRole
+    shard: object = None            # ShardingContext (operator-local indexer QCP)
 
     def index_keys(self, latent: jax.Array, compressed_angles: jax.Array) -> jax.Array:
         """Index keys ``[B,G,index_head_dim]`` from the pre-RoPE compressor latent ``[B,G,head_dim]``."""
@@ -184,6 +222,10 @@ class Indexer(nn.Module):
         wq_b = declare(self, "wq_b", (cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim),
                        ("q_lora", "index_heads", None), dt)
         w_proj = declare(self, "weights_proj", (cfg.hidden_size, cfg.index_n_heads), ("embed", "index_heads"), dt)
-        topk, candidates, scores = select_positions(cfg, role, wq_b, w_proj, x, qr, angles, keys,
-                                                    jnp.arange(x.shape[1])[None], candidates)
+        positions = jnp.arange(x.shape[1])[None]
+        if query_parallel_applies(self.shard, role, x.shape[0] * x.shape[1]):
+            topk = query_parallel_select(self.shard, cfg, role, wq_b, w_proj, x, qr, angles, keys, positions)
+            return keys, topk, candidates, None
+        topk, candidates, scores = select_positions(cfg, role, wq_b, w_proj, x, qr, angles, keys, positions,
+                                                    candidates)
         return keys, topk, candidates, scores

@@ -113,7 +113,9 @@ class Engine:
                          "attention_query_parallel_size"):
                 if getattr(parallel, name) > 1:
                     raise ValueError(f"topology: {name}={getattr(parallel, name)} — query context parallelism "
-                                     f"is not built into the engine yet (issue 6)")
+                                     f"is not built into the engine yet (its prefill is token-serial; issue 6). "
+                                     f"Operator-local indexer QCP runs in the full-sequence forward: "
+                                     f"model.forward(..., shard=parallel.sharding_context(mesh))")
         if parallel is not None and mesh is None:
             mesh = parallel.make_mesh(jax.devices()[:parallel.num_devices])
         if mesh is not None:

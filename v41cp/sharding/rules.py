@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AxisRules", "TP_RULES", "REPLICATED_Q_RULES", "REPLICATED_RULES", "mesh_axes_size", "ShardingContext", "logical_sharding",
+__all__ = ["AxisRules", "TP_RULES", "REPLICATED_Q_RULES", "REPLICATED_RULES", "INDEXER_QCP_RULES", "mesh_axes_size", "ShardingContext", "logical_sharding",
            "param_shardings", "constrain"]
 
 
@@ -45,14 +45,22 @@ TP_RULES = AxisRules((
 # locally (more weight memory, no per-layer query all-gather).
 REPLICATED_Q_RULES = AxisRules(tuple((k, "tp" if k in ("heads", "index_heads") else v) for k, v in TP_RULES.rules))
 REPLICATED_RULES = AxisRules((("batch", "dp"),))
+# Operator-local indexer QCP: every rank projects its own query rows with all index heads, so the indexer's
+# query / weight projections are replicated (everything else as in TP_RULES).
+INDEXER_QCP_RULES = AxisRules(tuple((k, None if k == "index_heads" else v) for k, v in TP_RULES.rules))
 
 
 @dataclass(frozen=True)
 class ShardingContext:
-    """Mesh + rules handed to modules that constrain activations (None = single device)."""
+    """Mesh + rules handed to modules that constrain activations (None = single device).
+
+    ``indexer_query_parallel``: operator-local indexer QCP over attention TP (`v41cp.layers.indexer`) for
+    forwards of at least ``indexer_query_min_tokens`` query rows (use with `INDEXER_QCP_RULES`)."""
 
     mesh: Mesh
     rules: AxisRules = TP_RULES
+    indexer_query_parallel: bool = False
+    indexer_query_min_tokens: int = 1024
 
 
 def mesh_axes_size(mesh: Mesh, axes) -> int:

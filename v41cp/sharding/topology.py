@@ -119,6 +119,18 @@ class ParallelConfig:
 
     def rules(self):
         """Parameter sharding rules for this topology."""
-        from v41cp.sharding.rules import REPLICATED_Q_RULES, TP_RULES
+        from v41cp.sharding.rules import INDEXER_QCP_RULES, REPLICATED_Q_RULES, TP_RULES
 
+        if self.indexer_query_parallel_size > 1:
+            if self.kv_parallel_size > 1 and self.dcp_q == "replicate":
+                raise ValueError("topology: indexer_query_parallel_size > 1 with dcp_q='replicate' is not supported "
+                                 "(both choose the indexer's query-projection layout)")
+            return INDEXER_QCP_RULES
         return REPLICATED_Q_RULES if self.kv_parallel_size > 1 and self.dcp_q == "replicate" else TP_RULES
+
+    def sharding_context(self, mesh):
+        """The `ShardingContext` of a full-sequence forward under this topology (rules + operator-local QCP)."""
+        from v41cp.sharding.rules import ShardingContext
+
+        return ShardingContext(mesh, self.rules(), indexer_query_parallel=self.indexer_query_parallel_size > 1,
+                               indexer_query_min_tokens=self.indexer_query_min_tokens)
