@@ -16,6 +16,7 @@ from typing import NamedTuple, Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from v41cp.config import LayerRole, ModelConfig
 from v41cp.kernels.sparse_attention import sparse_attention
@@ -63,6 +64,68 @@ def sink_attention(q: jax.Array, keys: jax.Array, valid: jax.Array, sink: jax.Ar
     probs = jax.nn.softmax(jnp.concatenate([logits, sink_col], axis=-1), axis=-1)[..., :-1]
     out = jnp.einsum("bshk,bskd->bshd", probs, kf, precision=jax.lax.Precision.HIGHEST)
     return out.astype(q.dtype)
+
+
+def rows_sink_attention(q, kv, widx, wvalid, ckv, sel, sink, rows=None) -> jax.Array:
+    """`sink_attention` of query rows ``q [B,R,Hq,D]`` = rows ``rows [R]`` of the sequence (default: all): keys
+    are their windows in ``kv [B,S,D]`` (``widx / wvalid [S,W]``) and, with ``ckv [B,G,D]``, the selected entries
+    ``sel [B,S,K]`` (−1 = none). Rows past the sequence (``rows ≥ S``, padding) attend nothing."""
+    b, s = kv.shape[:2]
+    rows = jnp.arange(s) if rows is None else rows
+    r = jnp.minimum(rows, s - 1)
+    keys = kv[:, widx[r]]                                                  # [B,R,W,D]
+    valid = jnp.broadcast_to((wvalid[r] & (rows < s)[:, None])[None], (b, rows.shape[0], widx.shape[1]))
+    if ckv is not None:
+        picked = sel[:, r]
+        keys = jnp.concatenate([keys, jax.vmap(lambda c, i: c[jnp.maximum(i, 0)])(ckv, picked)], axis=2)
+        valid = jnp.concatenate([valid, (picked >= 0) & (rows < s)[None, :, None]], axis=2)
+    return sink_attention(q, keys, valid, sink)
+
+
+def attention_query_parallel_applies(shard, cfg: ModelConfig, role: LayerRole, rows: int) -> bool:
+    """Operator-local attention QCP for this layer: enabled, the query heads split evenly over attention TP, and
+    at least ``attention_query_min_tokens`` (global layers) / ``attention_query_swa_min_tokens`` (SWA-only
+    layers) query rows."""
+    if shard is None or not shard.attention_query_parallel:
+        return False
+    n = _attn_tp(shard)[1]
+    threshold = shard.attention_query_swa_min_tokens if role.ratio == 0 else shard.attention_query_min_tokens
+    return n > 1 and cfg.num_attention_heads % n == 0 and rows >= threshold
+
+
+def _attn_tp(shard):
+    from v41cp.sharding.mesh import ATTN_TP
+
+    axes = tuple(a for a in ATTN_TP if shard.mesh.shape.get(a, 1) > 1)
+    return axes, int(np.prod([shard.mesh.shape[a] for a in axes]))
+
+
+def query_parallel_attention(shard, q, kv, widx, wvalid, ckv, sel, sink) -> jax.Array:
+    """Operator-local attention QCP: each rank trades its local heads of every row for all heads of a
+    contiguous block of rows (all-to-all), attends that block, and the inverse all-to-all restores the TP head
+    layout. ``q [B,S,Hq,D]`` head-sharded over attention TP; kv / ckv / sel replicated; returns ``[B,S,Hq,D]``
+    head-sharded, equal to `rows_sink_attention` over all rows."""
+    from jax.sharding import PartitionSpec as P
+
+    axes, n = _attn_tp(shard)
+    b, s = kv.shape[:2]
+    local = -(-s // n)
+    has_c = ckv is not None
+
+    def body(q, kv, ckv, sel, sink):
+        q = jnp.pad(q, ((0, 0), (0, local * n - s), (0, 0), (0, 0)))
+        q_rows = jax.lax.all_to_all(q, axes, split_axis=1, concat_axis=2, tiled=True)     # [B, local, Hq, D]
+        rows = jax.lax.axis_index(axes) * local + jnp.arange(local)
+        sink_all = jax.lax.all_gather(sink, axes, tiled=True)
+        o = rows_sink_attention(q_rows, kv, widx, wvalid, ckv if has_c else None, sel, sink_all, rows)
+        o = jax.lax.all_to_all(o, axes, split_axis=2, concat_axis=1, tiled=True)           # [B, local·N, Hq/N, D]
+        return o[:, :s]
+
+    heads = P(None, None, axes, None)
+    ckv = ckv if has_c else jnp.zeros((b, 0, kv.shape[-1]), kv.dtype)
+    sel = sel if has_c else jnp.zeros((b, s, 0), jnp.int32)
+    return jax.shard_map(body, mesh=shard.mesh, in_specs=(heads, P(), P(), P(), P(axes)), out_specs=heads)(
+        q, kv, ckv, sel, sink)
 
 
 def kernel_sink_attention(q: jax.Array, kv: jax.Array, widx: jax.Array, wvalid: jax.Array, state: CSAState | None,
@@ -122,16 +185,14 @@ class Attention(nn.Module):
         widx, wvalid = window_indices(s, cfg.sliding_window)
         if compressed:
             state = self._update_state(x, qr, angles, state)
+        sel = state.topk if compressed and state.ckv.shape[1] else None
         if cfg.attention_backend == "pallas":
             o = kernel_sink_attention(q, kv, widx, wvalid, state if compressed else None, sink)
+        elif attention_query_parallel_applies(self.shard, cfg, role, b * s):
+            o = query_parallel_attention(self.shard, q, kv, widx, wvalid, state.ckv if sel is not None else None,
+                                         sel, sink)
         else:
-            keys = kv[:, widx]                                                   # [B,S,W,D]
-            valid = jnp.broadcast_to(wvalid[None], (b, *wvalid.shape))
-            if compressed and state.ckv.shape[1]:
-                sel = state.topk
-                keys = jnp.concatenate([keys, jax.vmap(lambda c, i: c[jnp.maximum(i, 0)])(state.ckv, sel)], axis=2)
-                valid = jnp.concatenate([valid, sel >= 0], axis=2)
-            o = sink_attention(q, keys, valid, sink)
+            o = rows_sink_attention(q, kv, widx, wvalid, state.ckv if sel is not None else None, sel, sink)
         o = apply_rope(o, angles, inverse=True)
         o = o.reshape(b, s, cfg.o_groups, g_in)
         y = jnp.einsum("bsgi,gio->bsgo", o, wo_a.astype(o.dtype))

@@ -55,12 +55,17 @@ class ShardingContext:
     """Mesh + rules handed to modules that constrain activations (None = single device).
 
     ``indexer_query_parallel``: operator-local indexer QCP over attention TP (`v41cp.layers.indexer`) for
-    forwards of at least ``indexer_query_min_tokens`` query rows (use with `INDEXER_QCP_RULES`)."""
+    forwards of at least ``indexer_query_min_tokens`` query rows (use with `INDEXER_QCP_RULES`);
+    ``attention_query_parallel``: operator-local attention QCP (`v41cp.layers.attention`) from
+    ``attention_query_min_tokens`` rows (global layers) / ``attention_query_swa_min_tokens`` (SWA-only)."""
 
     mesh: Mesh
     rules: AxisRules = TP_RULES
     indexer_query_parallel: bool = False
     indexer_query_min_tokens: int = 1024
+    attention_query_parallel: bool = False
+    attention_query_min_tokens: int = 1024
+    attention_query_swa_min_tokens: int = 4096
 
 
 def mesh_axes_size(mesh: Mesh, axes) -> int:

@@ -133,4 +133,7 @@ class ParallelConfig:
         from v41cp.sharding.rules import ShardingContext
 
         return ShardingContext(mesh, self.rules(), indexer_query_parallel=self.indexer_query_parallel_size > 1,
-                               indexer_query_min_tokens=self.indexer_query_min_tokens)
+                               indexer_query_min_tokens=self.indexer_query_min_tokens,
+                               attention_query_parallel=self.attention_query_parallel_size > 1,
+                               attention_query_min_tokens=self.attention_query_min_tokens,
+                               attention_query_swa_min_tokens=self.attention_query_swa_min_tokens)

@@ -1,0 +1,55 @@
+"""Operator-local QCP in the full-sequence forward == the unsharded forward (logits, every block input and every
+layer's selection), above and below the row thresholds:
+
+* indexer QCP — query rows interleaved over attention TP, top-k ids gathered back in row order;
+* attention QCP — local heads of every row traded (all-to-all) for all heads of a contiguous row block, and back.
+"""
+
+import jax
+import numpy as np
+
+from helpers import TOKEN_MAP, perturbed, rel_err
+from v41cp import model
+from v41cp.config import preset
+from v41cp.layers.attention import attention_query_parallel_applies
+from v41cp.layers.indexer import query_parallel_applies
+from v41cp.sharding import make_mesh
+from v41cp.sharding.topology import ParallelConfig
+
+
+def _intermediates(tree, name):
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {jax.tree_util.keystr(k): np.asarray(v) for k, v in flat if name in jax.tree_util.keystr(k)}
+
+
+def test_operator_local_qcp_equals_unsharded_above_and_below_thresholds():
+    cfg = preset("tiny-tp8", engram_token_map=TOKEN_MAP)
+    params = perturbed(model.init_params(cfg, jax.random.key(0)))
+    tokens = np.random.default_rng(1).integers(3, cfg.vocab_size, (2, 37))      # 74 rows: not a multiple of N
+    want, want_h, want_i = model.forward_debug(params, cfg, tokens)
+    for n, low in ((8, True), (2, False)):
+        t = 1 if low else 75                                                    # 75 > 74 rows: below every threshold
+        par = ParallelConfig(tp_size=n, indexer_query_parallel_size=n, attention_query_parallel_size=n,
+                             indexer_query_min_tokens=t, attention_query_min_tokens=t,
+                             attention_query_swa_min_tokens=1 if low else 10**6)
+        mesh = make_mesh(tp=n, devices=jax.devices()[:n])
+        ctx = par.sharding_context(mesh)
+        sharded = model.shard_params(params, cfg, mesh, par.rules())
+        got, got_h, got_i = model.forward_debug(sharded, cfg, tokens, shard=ctx)
+        assert rel_err(got, want) <= 1e-5 and rel_err(got_h, want_h) <= 1e-5
+        topk, want_topk = _intermediates(got_i, "topk"), _intermediates(want_i, "topk")
+        assert topk.keys() == want_topk.keys()
+        for k in topk:
+            np.testing.assert_array_equal(topk[k], want_topk[k], err_msg=k)
+        roles = cfg.layer_roles
+        idx = [r.index for r in roles if r.is_index_source and query_parallel_applies(ctx, r, 74)]
+        att = [r.index for r in roles if attention_query_parallel_applies(ctx, cfg, r, 74)]
+        assert idx == ([1, 3] if low else [])       # never the candidate source (4) or its Reindex (5)
+        assert att == (list(range(cfg.num_hidden_layers)) if low else [])
+        # the indexer QCP path never materializes a layer's full score matrix
+        scored = sorted(int(k.split("layers_")[1].split("'")[0]) for k in _intermediates(got_i, "index_scores"))
+        assert scored == sorted({1, 3, 4, 5} - set(idx))
+        if low:       # the exchange is in the program: two all-to-alls per layer
+            text = model._apply.lower(sharded, np.asarray(tokens, np.int32), model.engram_inputs(cfg, tokens), cfg,
+                                      ctx, "debug").as_text()
+            assert text.count("all_to_all") == 2 * cfg.num_hidden_layers
