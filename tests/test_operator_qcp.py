@@ -53,3 +53,23 @@ def test_operator_local_qcp_equals_unsharded_above_and_below_thresholds():
             text = model._apply.lower(sharded, np.asarray(tokens, np.int32), model.engram_inputs(cfg, tokens), cfg,
                                       ctx, "debug").as_text()
             assert text.count("all_to_all") == 2 * cfg.num_hidden_layers
+
+
+def test_per_device_flops_fall_to_one_nth():
+    """Compiled cost analysis of one long prefill (benchmarks/operator_qcp_structure.py): indexer QCP divides the
+    per-device indexer FLOPs by N (the replicated baseline does not); attention QCP keeps head-sharded TP's 1/N
+    with rows instead of heads; the id gather moves exactly K = min(index_topk, entries) int32 per row."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "operator_qcp_structure.py"
+    res = subprocess.run([sys.executable, str(script), "--devices", "8", "--rows", "512"], capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    parts = json.loads(res.stdout)["parts"]
+    assert abs(parts["indexer"]["flops_ratio_qcp_vs_unsharded"] - 1 / 8) <= 0.01
+    assert parts["indexer"]["flops_ratio_tp_baseline_vs_unsharded"] == 1.0
+    assert abs(parts["attention"]["flops_ratio_qcp_vs_unsharded"] - 1 / 8) <= 0.01
+    assert parts["indexer"]["qcp_collective_bytes_per_row"] == min(512, 512 // 2) * 4     # K = min(top-k, entries)
