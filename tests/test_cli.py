@@ -30,6 +30,15 @@ def test_forward_matches_the_library():
     logits = np.asarray(model.forward(params, cfg, np.array([[int(t) for t in prompt.split()]])))
     assert out["next_token"] == int(np.argmax(logits[0, -1]))
     assert out["greedy_per_position"] == logits[0].argmax(-1).tolist()
+    # operator-local indexer + attention QCP over attention TP 4 (the tiny model's 4 heads), thresholds 1 row
+    qcp = _cli("forward", "--json", "--tokens", prompt, "--devices", "4",
+               "--deepseek-v41-indexer-query-parallel-size", "4", "--deepseek-v41-attention-query-parallel-size", "4",
+               "--deepseek-v41-indexer-query-min-tokens", "1", "--deepseek-v41-attention-query-min-tokens", "1",
+               "--deepseek-v41-attention-query-swa-min-tokens", "1")
+    assert qcp.returncode == 0, qcp.stderr
+    got = json.loads(qcp.stdout)
+    assert got["greedy_per_position"] == out["greedy_per_position"]
+    np.testing.assert_allclose([t["logit"] for t in got["top"]], [t["logit"] for t in out["top"]], rtol=1e-5)
 
 
 def test_forward_rejects_bad_token_id():
@@ -63,6 +72,13 @@ def test_topology_flags_are_validated():
     assert res.returncode == 2 and "decode_context_parallel_size=2 must equal kv_parallel_size=4" in res.stderr
     res = _cli("generate", "--devices", "8", "--tp-size", "3")
     assert res.returncode == 2 and "--tp-size 3 does not divide --devices 8" in res.stderr
+    res = _cli("generate", "--devices", "8", "--deepseek-v41-indexer-query-parallel-size", "4")
+    assert res.returncode == 2 and "indexer_query_parallel_size=4 must be 1 or the attention tp_size=8" in res.stderr
+    res = _cli("generate", "--devices", "8", "--deepseek-v41-attention-query-parallel-size", "8")
+    assert res.returncode == 2 and "not built into the engine yet" in res.stderr
+    res = _cli("forward", "--devices", "8", "--query-context-parallel-size", "8",
+               "--deepseek-v41-indexer-query-parallel-size", "8")
+    assert res.returncode == 2 and "cannot be combined with model-wide" in res.stderr
 
 
 def test_bench_decode_kvp_json():

@@ -5,7 +5,8 @@
 * ``convert SRC DST [--dtype bf16|fp32] [--keep-quantized]`` released layout → orbax in the model's tree.
 * ``generate [--prompt-ids 1,2,3 ...] [--max-new-tokens N] [--devices N] [--json]`` the serving engine.
   ``forward``, ``generate`` and ``bench decode|prefill`` take ``--attention-backend`` / ``--indexer-backend``
-  (``xla`` | ``pallas``).
+  (``xla`` | ``pallas``) and the topology flags; ``forward`` runs operator-local indexer / attention QCP
+  (``--deepseek-v41-{indexer,attention}-query-parallel-size``), the engine rejects QCP (not built there yet).
 * ``bench decode|prefill [--lengths 64,512,2048] --json`` engine step latency, tokens/s, compile counts.
 * ``bench kernels [--shapes flash|tiny] [--contexts ...] [--batches ...] --json`` the Pallas kernels vs the XLA
   paths vs the HBM roofline (`v41cp.kernels.bench`).
@@ -82,8 +83,15 @@ def cmd_forward(args) -> int:
     from v41cp.checkpoint import default_checkpoint, open_checkpoint
 
     t0 = time.perf_counter()
-    cfg, params = open_checkpoint(args.checkpoint or default_checkpoint(), fake_quant=not args.no_fake_quant,
-                                  **_backends(args))
+    parallel = _parallel(args)
+    if parallel is not None and (parallel.kv_parallel_size > 1 or parallel.query_context_parallel_size > 1):
+        raise ValueError("topology: forward runs the full-sequence model: KVP / DCP are decode (generate, bench) "
+                         "options and model-wide QCP is not built yet (issue 6)")
+    mesh = parallel.make_mesh() if parallel is not None else None
+    cfg, params = open_checkpoint(args.checkpoint or default_checkpoint(), mesh=mesh,
+                                  rules=parallel.rules() if parallel is not None else None,
+                                  fake_quant=not args.no_fake_quant, **_backends(args))
+    shard = parallel.sharding_context(mesh) if parallel is not None else None
     t_load = time.perf_counter() - t0
     if args.tokens is None:
         rng = np.random.default_rng(args.seed)
@@ -91,10 +99,10 @@ def cmd_forward(args) -> int:
     else:
         tokens = _parse_tokens(args.tokens, cfg.vocab_size)
     t0 = time.perf_counter()
-    logits = np.asarray(model.forward(params, cfg, tokens))
+    logits = np.asarray(model.forward(params, cfg, tokens, shard=shard))
     t_first = time.perf_counter() - t0
     t0 = time.perf_counter()
-    np.asarray(model.forward(params, cfg, tokens))
+    np.asarray(model.forward(params, cfg, tokens, shard=shard))
     t_steady = time.perf_counter() - t0
     last = logits[0, -1]
     top = np.argsort(-last, kind="stable")[: args.top]
@@ -161,10 +169,13 @@ def _parallel(args, kv_parallel_size=None):
     tp = args.tp_size or args.devices
     if args.devices % tp:
         raise ValueError(f"topology: --tp-size {tp} does not divide --devices {args.devices}")
+    qcp = {k: getattr(args, k) for k in ("query_context_parallel_size", "indexer_query_parallel_size",
+                                         "attention_query_parallel_size", "indexer_query_min_tokens",
+                                         "attention_query_min_tokens", "attention_query_swa_min_tokens")}
     if args.devices == 1 and kvp == 1 and dcp == 1:
         return None
     return ParallelConfig(tp_size=tp, dp_size=args.devices // tp, kv_parallel_size=kvp,
-                          decode_context_parallel_size=dcp, dcp_merge=args.dcp_merge, dcp_q=args.dcp_q)
+                          decode_context_parallel_size=dcp, dcp_merge=args.dcp_merge, dcp_q=args.dcp_q, **qcp)
 
 
 def cmd_generate(args) -> int:
@@ -315,6 +326,19 @@ def _topology_flags(p) -> None:
     p.add_argument("--dcp-merge", choices=("ag_rs", "a2a"), default="ag_rs", help="DCP merge backend")
     p.add_argument("--dcp-q", choices=("gather", "replicate"), default="gather",
                    help="DCP queries: all-gather heads per layer, or replicated query projections")
+    q = p.add_argument_group("query context parallelism (prefill; 1 = off, else the attention TP size)")
+    q.add_argument("--query-context-parallel-size", type=int, default=1,
+                   help="model-wide QCP (per-request zigzag rows); not built yet: rejected with an error")
+    q.add_argument("--deepseek-v41-indexer-query-parallel-size", dest="indexer_query_parallel_size", type=int,
+                   default=1, help="operator-local indexer QCP (full-sequence forward)")
+    q.add_argument("--deepseek-v41-attention-query-parallel-size", dest="attention_query_parallel_size", type=int,
+                   default=1, help="operator-local attention QCP (full-sequence forward)")
+    q.add_argument("--deepseek-v41-indexer-query-min-tokens", dest="indexer_query_min_tokens", type=int,
+                   default=1024, help="indexer QCP applies from this many query rows")
+    q.add_argument("--deepseek-v41-attention-query-min-tokens", dest="attention_query_min_tokens", type=int,
+                   default=1024, help="attention QCP applies from this many rows (global layers)")
+    q.add_argument("--deepseek-v41-attention-query-swa-min-tokens", dest="attention_query_swa_min_tokens", type=int,
+                   default=4096, help="attention QCP applies from this many rows (SWA-only layers)")
 
 
 def main(argv=None) -> int:
@@ -334,6 +358,7 @@ def main(argv=None) -> int:
             s.add_argument("--seed", type=int, default=1)
             s.add_argument("--top", type=int, default=5)
             _backend_flags(s)
+            _topology_flags(s)
     c = sub.add_parser("convert", help="convert a released-layout checkpoint to an orbax checkpoint")
     c.add_argument("src", help="released-layout directory (config.json, tokenizer.json, safetensors)")
     c.add_argument("dst", help="output directory (must not exist unless --overwrite)")

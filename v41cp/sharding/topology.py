@@ -106,12 +106,16 @@ class ParallelConfig:
                              f"num_attention_heads={cfg.num_attention_heads} does not divide by tp_size={self.tp_size}")
 
     def make_mesh(self, devices=None):
-        """The ``(dp, tp / cp, cp)`` mesh of this topology over ``devices`` (default: all)."""
+        """The ``(dp, tp / cp, cp)`` mesh of this topology over ``devices`` (default: the first
+        ``tp_size · dp_size`` devices of the host)."""
         import jax
 
         from v41cp.sharding.mesh import make_mesh
 
-        devices = list(jax.devices() if devices is None else devices)
+        if devices is None:
+            devices = jax.devices()
+            devices = devices[:self.num_devices] if len(devices) >= self.num_devices else devices
+        devices = list(devices)
         if len(devices) != self.num_devices:
             raise ValueError(f"topology: tp_size={self.tp_size} x dp_size={self.dp_size} = {self.num_devices} "
                              f"devices, but {len(devices)} devices are available")
