@@ -19,7 +19,8 @@ from v41cp.layers.common import RMSNorm, declare, dtype_of
 from v41cp.layers.rope import apply_rope
 from v41cp.quant import mxfp4_block32
 
-__all__ = ["Indexer", "index_query", "index_scores", "select_candidate_blocks", "select_positions", "topk_select"]
+__all__ = ["Indexer", "index_query", "index_scores", "kept_candidate_entries", "select_candidate_blocks",
+           "select_positions", "topk_select"]
 
 
 def select_candidate_blocks(scores: jax.Array, visible_len: jax.Array, topk_blocks: int,
@@ -34,14 +35,20 @@ def select_candidate_blocks(scores: jax.Array, visible_len: jax.Array, topk_bloc
     pad = -g % block_size
     blocks = jnp.pad(scores, ((0, 0), (0, 0), (0, pad)), constant_values=-jnp.inf)
     blocks = jnp.max(blocks.reshape(b, s, -1, block_size), axis=-1)
-    nb = blocks.shape[-1]
-    last = jnp.floor_divide(visible_len - 1, block_size)                       # [B,S,1]
-    blocks = jnp.where(jnp.arange(nb) == last, jnp.inf, blocks)
-    k = min(topk_blocks, nb)
-    vals, idx = jax.lax.top_k(blocks, k)
-    keep_blocks = jnp.zeros((b, s, nb), bool)
-    keep_blocks = keep_blocks.at[jnp.arange(b)[:, None, None], jnp.arange(s)[None, :, None], idx].set(vals > -jnp.inf)
-    return jnp.repeat(keep_blocks, block_size, axis=-1)[..., :g]
+    return kept_candidate_entries(blocks, visible_len[..., 0], topk_blocks, block_size, g)
+
+
+def kept_candidate_entries(blocks: jax.Array, visible_len: jax.Array, topk_blocks: int, block_size: int,
+                           g: int) -> jax.Array:
+    """Block maxima ``[..., nb]`` (−inf = no scored entry) → the kept entry mask ``[..., g]``: the block holding
+    the newest visible position ``(len−1)//block_size`` is pinned (+inf), the top ``topk_blocks`` blocks with a
+    finite (or pinned) maximum are kept. ``visible_len [...]``. Shared by the XLA and kernel paths."""
+    lead, nb = blocks.shape[:-1], blocks.shape[-1]
+    last = jnp.floor_divide(visible_len - 1, block_size)[..., None]
+    blocks = jnp.where(jnp.arange(nb) == last, jnp.inf, blocks).reshape(-1, nb)
+    vals, idx = jax.lax.top_k(blocks, min(topk_blocks, nb))
+    keep = jnp.zeros(blocks.shape, bool).at[jnp.arange(blocks.shape[0])[:, None], idx].set(vals > -jnp.inf)
+    return jnp.repeat(keep.reshape(*lead, nb), block_size, axis=-1)[..., :g]
 
 
 def topk_select(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -134,12 +141,8 @@ def _kernel_select(cfg: ModelConfig, role: LayerRole, q, weights, keys, position
     mask = None
     if role.candidate_source:
         maxima, _ = index_block_maxima(qf, wf, store, pages, page_ids, visible, epb=page, cbs=cbs, backend="pallas")
-        nb = -(-g // cbs)
-        blocks = jnp.where(jnp.arange(nb)[None] == ((visible - 1) // cbs)[:, None], jnp.inf, maxima[:, :nb])
-        vals, idx = jax.lax.top_k(blocks, min(cfg.candidate_topk_blocks, nb))
-        keep = jnp.zeros((b * s, nb), bool).at[jnp.arange(b * s)[:, None], idx].set(vals > -jnp.inf)
-        allowed = jnp.arange(g)[None] < visible[:, None]
-        candidates = (jnp.repeat(keep, cbs, axis=1)[:, :g] & allowed).reshape(b, s, g)
+        kept = kept_candidate_entries(maxima[:, :-(-g // cbs)], visible, cfg.candidate_topk_blocks, cbs, g)
+        candidates = (kept & (jnp.arange(g)[None] < visible[:, None])).reshape(b, s, g)
     elif role.uses_candidates:
         mask = candidates.reshape(b * s, g)[:, ::cbs]
     topk, _ = indexer_topk(qf, wf, store, pages, page_ids, visible, min(cfg.index_topk, g), epb=page,

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from v41cp.config import LayerRole, ModelConfig
 from v41cp.kernels.indexer_topk import index_block_maxima, indexer_topk
 from v41cp.kernels.sparse_attention import flatten_store, sparse_attention
-from v41cp.sharding.dist_topk import _pin
+from v41cp.layers.indexer import kept_candidate_entries
 
 __all__ = ["entry_slots", "window_slots", "attend", "select", "candidate_blocks", "block_mask"]
 
@@ -54,13 +54,9 @@ def block_mask(entry_mask: jax.Array, cbs: int) -> jax.Array:
 
 def candidate_blocks(cfg: ModelConfig, maxima: jax.Array, visible: jax.Array, g: int) -> jax.Array:
     """Candidate source: block maxima ``[B, nb]`` (all blocks, logical order) → the kept entry mask ``[B, G]``,
-    as `v41cp.layers.indexer.select_candidate_blocks` keeps it (newest block pinned, top blocks kept)."""
-    b, nb = maxima.shape
-    pinned = _pin(maxima, visible, cfg.candidate_block_size)
-    vals, idx = jax.lax.top_k(pinned, min(cfg.candidate_topk_blocks, nb))
-    keep = jnp.zeros((b, nb), bool).at[jnp.arange(b)[:, None], idx].set(vals > -jnp.inf)
-    allowed = jnp.arange(g)[None, :] < visible[:, None]
-    return jnp.repeat(keep, cfg.candidate_block_size, axis=1)[:, :g] & allowed
+    as the XLA path keeps it (`v41cp.layers.indexer.kept_candidate_entries`), restricted to visible entries."""
+    kept = kept_candidate_entries(maxima, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size, g)
+    return kept & (jnp.arange(g)[None, :] < visible[:, None])
 
 
 def select(cfg: ModelConfig, role: LayerRole, q: jax.Array, w: jax.Array, ikeys, tables: jax.Array,
