@@ -19,7 +19,8 @@ from v41cp.layers.common import RMSNorm, declare, dtype_of
 from v41cp.layers.rope import apply_rope
 from v41cp.quant import mxfp4_block32
 
-__all__ = ["Indexer", "index_query", "index_scores", "kept_candidate_entries", "select_candidate_blocks",
+__all__ = ["Indexer", "index_query", "index_scores", "kept_candidate_entries", "kernel_select_rows",
+           "select_candidate_blocks",
            "select_positions", "topk_select"]
 
 
@@ -123,11 +124,32 @@ def select_positions(cfg: ModelConfig, role: LayerRole, wq_b, w_proj, x, qr, ang
     return topk, candidates, scores
 
 
+def kernel_select_rows(cfg: ModelConfig, role: LayerRole, q, w, store, pages, page_ids, visible, epb: int, g: int,
+                       candidates):
+    """Index selection of kernel rows through the indexer kernels (shared by the full-sequence model and the
+    decode step). q ``[R, Hi, Di]``, w ``[R, Hi]``; ``store`` / ``pages`` / ``page_ids`` / ``visible`` as
+    `v41cp.kernels.indexer_topk`; ``g`` the history capacity in entries (the reference's ``G``);
+    ``candidates [R, g]`` the candidate entry mask (uses_candidates layers) or None.
+    Returns ``(topk [R, min(index_topk, g)], candidates [R, g] or the input)``, as `select_positions` selects."""
+    from v41cp.kernels.indexer_topk import index_block_maxima, indexer_topk
+
+    cbs, backend, mask = cfg.candidate_block_size, cfg.indexer_backend, None
+    if role.candidate_source:
+        maxima, _ = index_block_maxima(q, w, store, pages, page_ids, visible, epb=epb, cbs=cbs, backend=backend)
+        kept = kept_candidate_entries(maxima[:, :-(-g // cbs)], visible, cfg.candidate_topk_blocks, cbs, g)
+        candidates = kept & (jnp.arange(g)[None] < visible[:, None])
+    elif role.uses_candidates:
+        mask = candidates[:, ::cbs]                        # the entry mask repeats a block mask
+    topk, _ = indexer_topk(q, w, store, pages, page_ids, visible, min(cfg.index_topk, g), epb=epb,
+                           block_mask=mask, cbs=cbs, backend=backend)
+    return topk, candidates
+
+
 def _kernel_select(cfg: ModelConfig, role: LayerRole, q, weights, keys, positions, candidates):
     """`select_positions` through the indexer kernels (``indexer_backend="pallas"``): each query row ``(b, s)`` is
     one kernel row whose page list covers request ``b``'s keys (`v41cp.kernels.indexer_topk.dense_pages`).
     Returns ``(topk [B,S,K], candidates [B,S,G] or the input)``; the scores are never materialized."""
-    from v41cp.kernels.indexer_topk import dense_pages, index_block_maxima, indexer_topk
+    from v41cp.kernels.indexer_topk import dense_pages
 
     b, s, hi, di = q.shape
     g = keys.shape[1]
@@ -135,19 +157,11 @@ def _kernel_select(cfg: ModelConfig, role: LayerRole, q, weights, keys, position
     page = cbs * max(1, 16 // cbs)                                    # a whole number of candidate blocks
     store, pages, page_ids = dense_pages(keys, page)
     rows = lambda a: jnp.repeat(a, s, axis=0)                         # [B, ...] -> [B*S, ...]
-    pages, page_ids = rows(pages), rows(page_ids)
     visible = jnp.broadcast_to((positions + 1) // role.ratio, (b, s)).reshape(-1)
-    qf, wf = q.reshape(b * s, hi, di), weights.reshape(b * s, hi)
-    mask = None
-    if role.candidate_source:
-        maxima, _ = index_block_maxima(qf, wf, store, pages, page_ids, visible, epb=page, cbs=cbs, backend="pallas")
-        kept = kept_candidate_entries(maxima[:, :-(-g // cbs)], visible, cfg.candidate_topk_blocks, cbs, g)
-        candidates = (kept & (jnp.arange(g)[None] < visible[:, None])).reshape(b, s, g)
-    elif role.uses_candidates:
-        mask = candidates.reshape(b * s, g)[:, ::cbs]
-    topk, _ = indexer_topk(qf, wf, store, pages, page_ids, visible, min(cfg.index_topk, g), epb=page,
-                           block_mask=mask, cbs=cbs, backend="pallas")
-    return topk.reshape(b, s, -1), candidates
+    cand = None if candidates is None else candidates.reshape(b * s, g)
+    topk, cand = kernel_select_rows(cfg, role, q.reshape(b * s, hi, di), weights.reshape(b * s, hi), store,
+                                    rows(pages), rows(page_ids), visible, page, g, cand)
+    return topk.reshape(b, s, -1), None if cand is None else cand.reshape(b, s, g)
 
 
 def query_parallel_applies(shard, role: LayerRole, rows: int) -> bool:

@@ -216,21 +216,20 @@ def attend(plan: DCPPlan, read, q: jax.Array, ring: jax.Array, ring_valid: jax.A
             q = jax.lax.all_gather(q, CP, axis=1, tiled=True)                        # heads of the cp group
         keys = ring
         valid = ring_valid & (r == 0)                  # the replicated window counts on cp rank 0 only
+        if topk.shape[-1]:                             # selected entries this rank owns: local block, offset
+            page = jnp.take_along_axis(tables, jnp.clip(topk // epb, 0, mb - 1), axis=1)
+            own = (topk >= 0) & (page >= 0) & (page % n == r)
+            local, off = jnp.where(own, page // n, 0), jnp.where(own, topk % epb, 0)
         if backend == "pallas":
             b, w = valid.shape
             stores = [ring.reshape(b * w, -1)]
             indices = [jnp.where(valid, jnp.arange(b)[:, None] * w + jnp.arange(w), -1)]
             if topk.shape[-1]:
-                page = jnp.take_along_axis(tables, jnp.clip(topk // epb, 0, mb - 1), axis=1)
-                own = (topk >= 0) & (page >= 0) & (page % n == r)
                 stores.append(flatten_store(pool))
-                indices.append(jnp.where(own, (page // n) * epb + topk % epb, -1))
+                indices.append(jnp.where(own, local * epb + off, -1))
             o, lse = sparse_attention(q, stores, indices, backend="pallas")
         elif topk.shape[-1]:
-            page = jnp.take_along_axis(tables, jnp.clip(topk // epb, 0, mb - 1), axis=1)
-            own = (topk >= 0) & (page >= 0) & (page % n == r)
-            local = jnp.where(own, page // n, 0)
-            picked = read(pool, lambda a: a[local, jnp.where(own, topk % epb, 0)])   # [B, K, D]
+            picked = read(pool, lambda a: a[local, off])                              # [B, K, D]
             keys = jnp.concatenate([ring, picked.astype(ring.dtype)], axis=1)
             valid = jnp.concatenate([valid, own], axis=1)
         if backend != "pallas":

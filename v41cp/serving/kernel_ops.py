@@ -13,11 +13,10 @@ import jax
 import jax.numpy as jnp
 
 from v41cp.config import LayerRole, ModelConfig
-from v41cp.kernels.indexer_topk import index_block_maxima, indexer_topk
 from v41cp.kernels.sparse_attention import flatten_store, sparse_attention
-from v41cp.layers.indexer import kept_candidate_entries
+from v41cp.layers.indexer import kernel_select_rows
 
-__all__ = ["entry_slots", "window_slots", "attend", "select", "candidate_blocks", "block_mask"]
+__all__ = ["entry_slots", "window_slots", "attend", "select"]
 
 
 def entry_slots(ids: jax.Array, tables: jax.Array, epb: int) -> jax.Array:
@@ -47,18 +46,6 @@ def attend(cfg: ModelConfig, q: jax.Array, swa, win_slots: jax.Array, pool, sel_
     return o.astype(q.dtype)
 
 
-def block_mask(entry_mask: jax.Array, cbs: int) -> jax.Array:
-    """Candidate entry mask ``[B, G]`` (a repeat of a block mask) → the block mask ``[B, ⌈G/cbs⌉]``."""
-    return entry_mask[:, ::cbs]
-
-
-def candidate_blocks(cfg: ModelConfig, maxima: jax.Array, visible: jax.Array, g: int) -> jax.Array:
-    """Candidate source: block maxima ``[B, nb]`` (all blocks, logical order) → the kept entry mask ``[B, G]``,
-    as the XLA path keeps it (`v41cp.layers.indexer.kept_candidate_entries`), restricted to visible entries."""
-    kept = kept_candidate_entries(maxima, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size, g)
-    return kept & (jnp.arange(g)[None, :] < visible[:, None])
-
-
 def select(cfg: ModelConfig, role: LayerRole, q: jax.Array, w: jax.Array, ikeys, tables: jax.Array,
            positions: jax.Array, candidates):
     """Index selection of one index source for one query row per batch row, on the paged index keys.
@@ -68,17 +55,6 @@ def select(cfg: ModelConfig, role: LayerRole, q: jax.Array, w: jax.Array, ikeys,
     Returns (``topk [B, min(index_topk, G)]``, candidates ``[B, G]`` or the input), as the XLA path does."""
     epb = (ikeys["q"] if isinstance(ikeys, dict) else ikeys).shape[1]
     b, mb = tables.shape
-    g = mb * epb
-    store = flatten_store(ikeys)
     page_ids = jnp.broadcast_to(jnp.arange(mb, dtype=jnp.int32), (b, mb))
-    visible = (positions + 1) // role.ratio
-    backend, cbs = cfg.indexer_backend, cfg.candidate_block_size
-    mask = None
-    if role.candidate_source:
-        maxima, _ = index_block_maxima(q, w, store, tables, page_ids, visible, epb=epb, cbs=cbs, backend=backend)
-        candidates = candidate_blocks(cfg, maxima, visible, g)
-    elif role.uses_candidates:
-        mask = block_mask(candidates, cbs)
-    topk, _ = indexer_topk(q, w, store, tables, page_ids, visible, min(cfg.index_topk, g), epb=epb,
-                           block_mask=mask, cbs=cbs, backend=backend)
-    return topk, candidates
+    return kernel_select_rows(cfg, role, q, w, flatten_store(ikeys), tables, page_ids,
+                              (positions + 1) // role.ratio, epb, mb * epb, candidates)
