@@ -10,7 +10,37 @@ from v41cp.config import ModelConfig
 from v41cp.layers.common import declare, dtype_of, ones_init, zeros_init
 from v41cp.layers.stored_weights import decode_fp8_rows
 
-__all__ = ["Engram"]
+__all__ = ["Engram", "engram_lookup", "engram_mix"]
+
+
+def engram_lookup(cfg: ModelConfig, table: dict, hash_ids: jax.Array, dtype) -> jax.Array:
+    """Table rows of ``hash_ids [..., hash_heads]`` → ``[..., hash_heads, engram_head_dim]`` in ``dtype``.
+    ``table``: ``{"embed"}`` or (``keep_quantized``) ``{"embed_fp8", "embed_scale"}`` (only gathered rows are
+    decoded). Ids must index the given table (a rank's slice under TP: offset and mask them first)."""
+    if "embed_fp8" in table:
+        return decode_fp8_rows(jnp.take(table["embed_fp8"], hash_ids, axis=0),
+                               jnp.take(table["embed_scale"], hash_ids, axis=0), dtype)
+    return jnp.take(table["embed"], hash_ids, axis=0).astype(dtype)
+
+
+def engram_mix(cfg: ModelConfig, streams: jax.Array, gathered: jax.Array, wkv: jax.Array, q_w: jax.Array,
+               k_w: jax.Array, token_mask: jax.Array | None = None) -> jax.Array:
+    """Fused key/value projection of the gathered rows ``[B,S,hash_heads,dim]`` and the signed-sqrt gate applied
+    to ``streams [B,S,hc,H]`` → updated streams (the part of `Engram` after the table lookup)."""
+    hc, h = cfg.hc_mult, cfg.hidden_size
+    emb = gathered.reshape(*gathered.shape[:2], gathered.shape[2] * cfg.engram_head_dim).astype(streams.dtype)
+    kv = jnp.einsum("bsi,io->bso", emb, wkv.astype(streams.dtype))
+    key = kv[..., :hc * h].astype(jnp.float32).reshape(*kv.shape[:2], hc, h)
+    value = kv[..., hc * h:].astype(jnp.float32)
+    x = streams.astype(jnp.float32)
+    weights = q_w.astype(jnp.float32) * k_w.astype(jnp.float32)
+    rstd = (jax.lax.rsqrt(jnp.mean(x * x, axis=-1) + cfg.rms_norm_eps)
+            * jax.lax.rsqrt(jnp.mean(key * key, axis=-1) + cfg.rms_norm_eps))
+    dot = jnp.sum(x * weights * key, axis=-1) * rstd * h ** -0.5
+    gate = jax.nn.sigmoid(jnp.copysign(jnp.sqrt(jnp.maximum(jnp.abs(dot), 1e-6)), dot))
+    if token_mask is not None:
+        gate = jnp.where(token_mask[..., None], gate, 0.0)
+    return (x + gate[..., None] * value[:, :, None, :]).astype(streams.dtype)
 
 
 class Engram(nn.Module):
@@ -32,28 +62,14 @@ class Engram(nn.Module):
         hc, h = cfg.hc_mult, cfg.hidden_size
         rows = cfg.engram_table_rows(self.slot)
         if cfg.keep_quantized:        # FP8 rows + e8m0 scales as released; only gathered rows are decoded
-            table = declare(self, "embed_fp8", (rows, cfg.engram_head_dim), ("engram_rows", None), jnp.uint8,
-                            zeros_init)
-            scale = declare(self, "embed_scale", (rows, cfg.engram_head_dim // 32), ("engram_rows", None),
-                            jnp.uint8, zeros_init)
-            gathered = decode_fp8_rows(jnp.take(table, hash_ids, axis=0), jnp.take(scale, hash_ids, axis=0), dt)
+            table = {"embed_fp8": declare(self, "embed_fp8", (rows, cfg.engram_head_dim), ("engram_rows", None),
+                                          jnp.uint8, zeros_init),
+                     "embed_scale": declare(self, "embed_scale", (rows, cfg.engram_head_dim // 32),
+                                            ("engram_rows", None), jnp.uint8, zeros_init)}
         else:
-            table = declare(self, "embed", (rows, cfg.engram_head_dim), ("engram_rows", None), dt)
-            gathered = jnp.take(table, hash_ids, axis=0)
+            table = {"embed": declare(self, "embed", (rows, cfg.engram_head_dim), ("engram_rows", None), dt)}
         wkv = declare(self, "wkv", (cfg.engram_hash_heads * cfg.engram_head_dim, (hc + 1) * h),
                       (None, "engram_out"), dt)
         q_w = declare(self, "q_weight", (hc, h), (None, None), dt, ones_init)
         k_w = declare(self, "k_weight", (hc, h), (None, None), dt, ones_init)
-        emb = gathered.reshape(*hash_ids.shape[:2], hash_ids.shape[2] * cfg.engram_head_dim).astype(streams.dtype)
-        kv = jnp.einsum("bsi,io->bso", emb, wkv.astype(streams.dtype))
-        key = kv[..., :hc * h].astype(jnp.float32).reshape(*kv.shape[:2], hc, h)
-        value = kv[..., hc * h:].astype(jnp.float32)
-        x = streams.astype(jnp.float32)
-        weights = q_w.astype(jnp.float32) * k_w.astype(jnp.float32)
-        rstd = (jax.lax.rsqrt(jnp.mean(x * x, axis=-1) + cfg.rms_norm_eps)
-                * jax.lax.rsqrt(jnp.mean(key * key, axis=-1) + cfg.rms_norm_eps))
-        dot = jnp.sum(x * weights * key, axis=-1) * rstd * h ** -0.5
-        gate = jax.nn.sigmoid(jnp.copysign(jnp.sqrt(jnp.maximum(jnp.abs(dot), 1e-6)), dot))
-        if token_mask is not None:
-            gate = jnp.where(token_mask[..., None], gate, 0.0)
-        return (x + gate[..., None] * value[:, :, None, :]).astype(streams.dtype)
+        return engram_mix(cfg, streams, engram_lookup(cfg, table, hash_ids, dt), wkv, q_w, k_w, token_mask)

@@ -17,7 +17,8 @@ from v41cp.layers.common import declare, dtype_of, zeros_init
 from v41cp.layers.stored_weights import decode_fp4
 from v41cp.sharding.rules import ShardingContext, constrain
 
-__all__ = ["MoE", "route", "swiglu_clamped"]
+__all__ = ["MoE", "route", "swiglu_clamped", "routed_output", "shared_output", "dense_route_weights",
+           "expert_weights"]
 
 
 def swiglu_clamped(gate: jax.Array, up: jax.Array, limit: float, dtype) -> jax.Array:
@@ -43,6 +44,39 @@ def route(cfg: ModelConfig, x: jax.Array, w_gate: jax.Array, bias: jax.Array, bi
     return w * cfg.routed_scaling_factor, idx
 
 
+def expert_weights(p: dict, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A MoE parameter dict's routed experts as ``w1, w3 [E', H, I]``, ``w2 [E', I, H]`` (``E'`` = the experts
+    present, e.g. a TP rank's slice): the parameters, or decoded from their stored FP4 bytes (``keep_quantized``)."""
+    if "experts_w1" in p:
+        return p["experts_w1"], p["experts_w3"], p["experts_w2"]
+    return tuple(jnp.swapaxes(decode_fp4(p[f"experts_{n}_fp4"], p[f"experts_{n}_scale"], dtype), 1, 2)
+                 for n in ("w1", "w3", "w2"))
+
+
+def dense_route_weights(cfg: ModelConfig, w: jax.Array, idx: jax.Array) -> jax.Array:
+    """Router output (weights, ids ``[T,k]``) → dense per-expert weights ``[T, E]`` FP32 (0 = not selected)."""
+    t = w.shape[0]
+    return jnp.zeros((t, cfg.n_routed_experts), jnp.float32).at[jnp.arange(t)[:, None], idx].add(w)
+
+
+def routed_output(cfg: ModelConfig, xt: jax.Array, dense_w: jax.Array, w1, w3, w2, shard=None) -> jax.Array:
+    """Σ_e dense_w[t, e] · expert_e(x_t) over the experts given (``w1, w3 [E', H, I]``, ``w2 [E', I, H]``,
+    ``dense_w [T, E']``) — every expert runs on every row (exact reference dispatch). FP32 ``[T, H]``."""
+    gate = jnp.einsum("th,ehi->tei", xt, w1.astype(xt.dtype))
+    up = jnp.einsum("th,ehi->tei", xt, w3.astype(xt.dtype))
+    act = swiglu_clamped(gate, up, cfg.swiglu_limit, xt.dtype)
+    act = constrain(act, (None, "experts", None), shard)
+    out_e = jnp.einsum("tei,eih->teh", act, w2.astype(act.dtype))
+    return jnp.einsum("teh,te->th", out_e.astype(jnp.float32), dense_w)
+
+
+def shared_output(cfg: ModelConfig, xt: jax.Array, s1, s3, s2) -> jax.Array:
+    """The shared expert on ``xt [T, H]`` (``s1, s3 [H, I']``, ``s2 [I', H]``; a TP slice of I gives a partial
+    sum) → ``[T, H]`` in ``xt.dtype``."""
+    shared = swiglu_clamped(xt @ s1.astype(xt.dtype), xt @ s3.astype(xt.dtype), cfg.swiglu_limit, xt.dtype)
+    return shared @ s2.astype(shared.dtype)
+
+
 class MoE(nn.Module):
     """Parameters: ``gate.weight [H, E]``, ``gate.bias``/``gate.bias_vl [E]`` (FP32),
     ``experts.w1/w3 [E, H, I]``, ``experts.w2 [E, I, H]`` (or their FP4 storage, see `_experts`),
@@ -61,13 +95,14 @@ class MoE(nn.Module):
             return (declare(self, "experts_w1", (e, h, i), ("experts", "embed", "moe_mlp"), dt),
                     declare(self, "experts_w3", (e, h, i), ("experts", "embed", "moe_mlp"), dt),
                     declare(self, "experts_w2", (e, i, h), ("experts", "moe_mlp", "embed"), dt))
-        out = []
+        stored = {}
         for name, (o, n), axes in (("w1", (i, h), ("experts", "moe_mlp", None)), ("w3", (i, h), ("experts", "moe_mlp", None)),
                                    ("w2", (h, i), ("experts", "embed", None))):
-            packed = declare(self, f"experts_{name}_fp4", (e, o, n // 2), axes, jnp.uint8, zeros_init)
-            scale = declare(self, f"experts_{name}_scale", (e, o, n // 32), axes, jnp.uint8, zeros_init)
-            out.append(jnp.swapaxes(decode_fp4(packed, scale, dt), 1, 2))
-        return tuple(out)
+            stored[f"experts_{name}_fp4"] = declare(self, f"experts_{name}_fp4", (e, o, n // 2), axes, jnp.uint8,
+                                                    zeros_init)
+            stored[f"experts_{name}_scale"] = declare(self, f"experts_{name}_scale", (e, o, n // 32), axes, jnp.uint8,
+                                                      zeros_init)
+        return expert_weights(stored, dt)
 
     @nn.compact
     def __call__(self, x: jax.Array, image_mask: jax.Array | None = None) -> jax.Array:
@@ -87,14 +122,7 @@ class MoE(nn.Module):
         xt = x.reshape(b * s, h)
         mask = None if image_mask is None else image_mask.reshape(b * s)
         w, idx = route(cfg, xt, w_gate, bias, bias_vl, mask)
-        dense_w = jnp.zeros((b * s, e), jnp.float32).at[jnp.arange(b * s)[:, None], idx].add(w)
-        dense_w = constrain(dense_w, (None, "experts"), self.shard)
-        gate = jnp.einsum("th,ehi->tei", xt, w1.astype(xt.dtype))
-        up = jnp.einsum("th,ehi->tei", xt, w3.astype(xt.dtype))
-        act = swiglu_clamped(gate, up, cfg.swiglu_limit, xt.dtype)
-        act = constrain(act, (None, "experts", None), self.shard)
-        out_e = jnp.einsum("tei,eih->teh", act, w2.astype(act.dtype))
-        routed = jnp.einsum("teh,te->th", out_e.astype(jnp.float32), dense_w)
-        shared = swiglu_clamped(xt @ s1.astype(xt.dtype), xt @ s3.astype(xt.dtype), cfg.swiglu_limit, xt.dtype)
-        shared = shared @ s2.astype(shared.dtype)
+        dense_w = constrain(dense_route_weights(cfg, w, idx), (None, "experts"), self.shard)
+        routed = routed_output(cfg, xt, dense_w, w1, w3, w2, self.shard)
+        shared = shared_output(cfg, xt, s1, s3, s2)
         return (routed + shared.astype(jnp.float32)).astype(x.dtype).reshape(b, s, h)

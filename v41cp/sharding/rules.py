@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AxisRules", "TP_RULES", "REPLICATED_Q_RULES", "REPLICATED_RULES", "INDEXER_QCP_RULES", "mesh_axes_size", "ShardingContext", "logical_sharding",
+__all__ = ["AxisRules", "TP_RULES", "REPLICATED_Q_RULES", "REPLICATED_RULES", "INDEXER_QCP_RULES", "QCP_RULES", "mesh_axes_size", "ShardingContext", "logical_sharding",
            "param_shardings", "constrain"]
 
 
@@ -48,6 +48,10 @@ REPLICATED_RULES = AxisRules((("batch", "dp"),))
 # Operator-local indexer QCP: every rank projects its own query rows with all index heads, so the indexer's
 # query / weight projections are replicated (everything else as in TP_RULES).
 INDEXER_QCP_RULES = AxisRules(tuple((k, None if k == "index_heads" else v) for k, v in TP_RULES.rules))
+# Model-wide QCP: a rank attends its own rows with every head, so attention and indexer query / output
+# projections are replicated; experts, MLP width, vocab and Engram rows stay split over attention TP (MoE,
+# embedding, head and Engram run as gather → local slice → reduce-scatter, `v41cp.serving.span_prefill`).
+QCP_RULES = AxisRules(tuple((k, None if k in ("heads", "o_groups", "index_heads") else v) for k, v in TP_RULES.rules))
 
 
 @dataclass(frozen=True)

@@ -123,8 +123,10 @@ class ParallelConfig:
 
     def rules(self):
         """Parameter sharding rules for this topology."""
-        from v41cp.sharding.rules import INDEXER_QCP_RULES, REPLICATED_Q_RULES, TP_RULES
+        from v41cp.sharding.rules import INDEXER_QCP_RULES, QCP_RULES, REPLICATED_Q_RULES, TP_RULES
 
+        if self.query_context_parallel_size > 1:
+            return QCP_RULES
         if self.indexer_query_parallel_size > 1:
             if self.kv_parallel_size > 1 and self.dcp_q == "replicate":
                 raise ValueError("topology: indexer_query_parallel_size > 1 with dcp_q='replicate' is not supported "

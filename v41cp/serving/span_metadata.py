@@ -1,0 +1,149 @@
+"""Host-built metadata of one span prefill (`v41cp.serving.span_prefill`): a batch of fresh prompts, their
+rows laid out per rank by the model-wide QCP row plan (`v41cp.sharding.query_shard.QueryShardPlan`).
+
+Layouts (``N`` ranks, ``C`` = `capacity` local rows per rank, ``B`` batch rows, ``S`` = `span` padded prompt
+length; rank-major: the all-gather of the local rows is ``[N·C, ·]``):
+
+* ``tokens / positions / requests [N, C]`` — each local row's token, position in its prompt and batch row
+  (−1 = padding slot); ``engram_ids [N, C, n_engram, hash_heads]`` (hashed on the host per prompt);
+* ``span_index [B, S]`` — where row ``(b, p)`` lies in the gathered ``[N·C]`` rows; ``N·C`` (one zero row
+  appended after the gather) for ``p ≥ length_b``: gathering then indexing restores span order, which is
+  what pooling, compressor pairing, SWA windows and cache writes read;
+* CED narrowing (``ced=True``): after the CED boundary only the last `ced_rows` rows of each prompt run
+  the decoder. They stay on the rank that owned them: ``dec_slots [N, Cd]`` lists each rank's retained
+  local slots in order (−1 padding) and ``dec_span_index [B, S]`` is ``span_index`` for the narrowed
+  ``[N·Cd]`` layout (``N·Cd`` = not retained). Without CED these equal the full layout;
+* ``sampled [B]`` — position of each prompt's last row in the (narrowed) gathered layout (−1 = empty row);
+* ``lengths / slots [B]``, ``block_tables [B, max_blocks]`` — where the caches are written (an empty row,
+  length 0, writes nothing).
+
+Every host builds the same metadata from the prompts alone; `n`, `capacity`, `dec_capacity`, `span` and
+`ced` are static (the compile bucket).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import numpy as np
+
+from v41cp.config import ModelConfig
+from v41cp.sharding.query_shard import QueryShardPlan
+
+__all__ = ["SpanMetadata", "build_span_metadata", "round_up"]
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-max(int(x), 1) // m) * m
+
+
+@partial(jax.tree_util.register_dataclass,
+         data_fields=["tokens", "positions", "requests", "engram_ids", "dec_slots", "span_index", "dec_span_index",
+                      "sampled", "lengths", "slots", "block_tables"],
+         meta_fields=["n", "capacity", "dec_capacity", "span", "ced"])
+@dataclasses.dataclass(frozen=True)
+class SpanMetadata:
+    """See the module docstring. The first five fields are per rank (leading axis ``N``, sharded over
+    attention TP under QCP); the rest are replicated."""
+
+    tokens: np.ndarray
+    positions: np.ndarray
+    requests: np.ndarray
+    engram_ids: np.ndarray
+    dec_slots: np.ndarray
+    span_index: np.ndarray
+    dec_span_index: np.ndarray
+    sampled: np.ndarray
+    lengths: np.ndarray
+    slots: np.ndarray
+    block_tables: np.ndarray
+    n: int
+    capacity: int
+    dec_capacity: int
+    span: int
+    ced: bool
+
+    @property
+    def batch(self) -> int:
+        return int(self.lengths.shape[0])
+
+
+def build_span_metadata(cfg: ModelConfig, prompts, n: int = 1, *, slots=None, block_tables=None, span=None,
+                        capacity=None, dec_capacity=None, ced: bool = False) -> SpanMetadata:
+    """Metadata of prefilling ``prompts`` (token-id lists; an empty list is an idle batch row) over ``n``
+    ranks. ``slots [B]`` / ``block_tables [B, MB]`` locate the caches (default: slot ``b``, no pages);
+    ``span`` / ``capacity`` / ``dec_capacity`` are the static buckets (default: the smallest that fit,
+    ``span`` a multiple of 8). Errors name the offending value."""
+    from v41cp.engram_hash import engram_hash_ids
+    from v41cp.serving.decode import ced_boundary, ced_rows
+
+    prompts = [list(map(int, p)) for p in prompts]
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    b = len(prompts)
+    if b == 0:
+        raise ValueError("span prefill: no prompts")
+    for i, p in enumerate(prompts):
+        bad = [t for t in p if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise ValueError(f"span prefill: prompt {i}: token id {bad[0]} is outside the vocabulary "
+                             f"[0, {cfg.vocab_size})")
+    s = round_up(lengths.max(), 8) if span is None else int(span)
+    if lengths.max() > s:
+        raise ValueError(f"span prefill: a prompt of {int(lengths.max())} tokens exceeds the span bucket {s}")
+    if s % 2:
+        raise ValueError(f"span prefill: span={s} must be even (compression pairs)")
+    plan = QueryShardPlan.build(lengths, n, capacity)
+    c = plan.capacity
+    req, pos = plan.request_of_slot(), plan.positions()
+    ok = req >= 0
+    tokens = np.zeros((n, c), np.int32)
+    n_eng = len(cfg.engram_layer_ids)
+    eng = np.zeros((n, c, n_eng, cfg.engram_hash_heads if n_eng else 0), np.int32)
+    hashed = [engram_hash_ids(cfg, np.asarray([p]))[0] if n_eng and p else None for p in prompts]
+    for r, k in zip(*np.nonzero(ok)):
+        tokens[r, k] = prompts[req[r, k]][pos[r, k]]
+        if n_eng:
+            eng[r, k] = hashed[req[r, k]][pos[r, k]]
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+
+    def span_map(where: np.ndarray, size: int) -> np.ndarray:
+        """``where [T]`` (gathered position of each span-order row) → ``[B, S]`` with ``size`` for absent."""
+        out = np.full((b, s), size, np.int32)
+        for i in range(b):
+            out[i, :lengths[i]] = where[offsets[i]:offsets[i + 1]]
+        return out
+
+    span_index = span_map(plan.restore, n * c)
+    boundary = ced_boundary(cfg) if ced else None
+    if boundary is None:
+        dec_slots = np.where(ok, np.arange(c)[None], -1).astype(np.int32)
+        cd, dec_span_index = c, span_index
+        sampled = plan.sampled
+    else:
+        keep = ok & (pos >= lengths[np.maximum(req, 0)] - ced_rows(cfg))
+        need = int(keep.sum(axis=1).max())
+        cd = need if dec_capacity is None else int(dec_capacity)
+        if cd < need:
+            raise ValueError(f"span prefill: a rank retains {need} CED decoder rows but dec_capacity={cd}")
+        cd = max(cd, 1)
+        dec_slots = np.full((n, cd), -1, np.int32)
+        where = np.full(n * c, n * cd, np.int32)                    # gathered full position → narrowed position
+        for r in range(n):
+            kept = np.nonzero(keep[r])[0]
+            dec_slots[r, :len(kept)] = kept
+            where[r * c + kept] = r * cd + np.arange(len(kept))
+        dec_span_index = np.where(span_index < n * c, where[np.minimum(span_index, n * c - 1)], n * cd)
+        sampled = np.where(plan.sampled >= 0, where[np.maximum(plan.sampled, 0)], -1).astype(np.int32)
+    if slots is None:
+        slots = np.arange(b, dtype=np.int32)
+    if block_tables is None:
+        block_tables = np.full((b, 1), -1, np.int32)
+    slots, block_tables = np.asarray(slots, np.int32), np.asarray(block_tables, np.int32)
+    if slots.shape != (b,) or block_tables.ndim != 2 or block_tables.shape[0] != b:
+        raise ValueError(f"span prefill: slots {slots.shape} / block_tables {block_tables.shape} do not match "
+                         f"the batch of {b} prompts")
+    return SpanMetadata(tokens, pos.astype(np.int32), req.astype(np.int32), eng, dec_slots, span_index,
+                        dec_span_index.astype(np.int32), sampled.astype(np.int32), lengths, slots, block_tables,
+                        n, c, cd, s, boundary is not None)
