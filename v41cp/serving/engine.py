@@ -23,6 +23,8 @@ from v41cp.config import ModelConfig
 from v41cp.engram_hash import engram_hash_ids
 from v41cp.serving.allocator import BlockAllocator
 from v41cp.serving.dcp import DCPPlan
+from v41cp.serving.span_metadata import build_span_metadata, round_up, row_capacities
+from v41cp.serving.span_prefill import SpanLayout, prefill_span
 from v41cp.sharding.topology import ParallelConfig
 from v41cp.serving.decode import (DecodeMetadata, ced_boundary, ced_rows, decode_step, engram_ids_for_last,
                                   init_cache, prefill_chunk)
@@ -40,6 +42,9 @@ class Capacity:
     num_blocks: int | None = None          # default: enough for max_batch full requests
     prefill_chunk: int = 32
     ced: bool = False                      # CED narrowing of prefill (exact; off by default)
+    # prefill admissions in one pass per round (`v41cp.serving.span_prefill`) instead of token-serial chunks;
+    # always on under model-wide QCP
+    span_prefill: bool = False
     max_waiting: int = 64                  # queued requests beyond this are rejected at submit
 
     def __post_init__(self):
@@ -100,7 +105,10 @@ class Engine:
     ``parallel`` (`ParallelConfig`): the topology — builds the mesh over the first ``tp · dp`` devices
     (unless ``mesh`` is given) and, with ``kv_parallel_size > 1``, splits the global cache pages over the KVP
     group and decodes with DCP (`v41cp.serving.dcp`); prefill then also runs through the owner-masked
-    cached path (token-serial chunks; every rank computes the complete span and writes what it owns)."""
+    cached path (token-serial chunks; every rank computes the complete span and writes what it owns).
+    With ``query_context_parallel_size > 1`` (model-wide QCP; KVP 1 or equal to it) or
+    ``Capacity(span_prefill=True)`` the admissions of a round are prefilled in one span-prefill pass
+    (`v41cp.serving.span_prefill`), whose caches the decode step (DCP under KVP) reads as they are."""
 
     def __init__(self, params, cfg: ModelConfig, capacity: Capacity = Capacity(), mesh=None,
                  parallel: ParallelConfig | None = None):
@@ -109,12 +117,11 @@ class Engine:
         self.plan = None
         n = 1
         if parallel is not None:
-            for name in ("query_context_parallel_size", "indexer_query_parallel_size",
-                         "attention_query_parallel_size"):
+            for name in ("indexer_query_parallel_size", "attention_query_parallel_size"):
                 if getattr(parallel, name) > 1:
-                    raise ValueError(f"topology: {name}={getattr(parallel, name)} — query context parallelism "
-                                     f"is not built into the engine yet (its prefill is token-serial; issue 6). "
-                                     f"Operator-local indexer QCP runs in the full-sequence forward: "
+                    raise ValueError(f"topology: {name}={getattr(parallel, name)} — operator-local QCP is not built "
+                                     f"into the engine (its span prefill runs model-wide QCP: "
+                                     f"query_context_parallel_size); it runs in the full-sequence forward: "
                                      f"model.forward(..., shard=parallel.sharding_context(mesh))")
         if parallel is not None and mesh is None:
             mesh = parallel.make_mesh(jax.devices()[:parallel.num_devices])
@@ -133,6 +140,10 @@ class Engine:
             cache_sharding = None
         self.mesh = mesh
         self.params = params
+        qcp = parallel is not None and parallel.query_context_parallel_size > 1
+        self.span = capacity.span_prefill or qcp
+        self.span_layout = SpanLayout.from_parallel(parallel, mesh) if parallel is not None else SpanLayout(mesh)
+        self.query_ranks = parallel.query_context_parallel_size if qcp else 1
         # KVP: every rank holds num_blocks / N pages; round the virtual block count up to whole ranks
         num_blocks = -(-capacity.blocks // n) * n if capacity.num_blocks else n * capacity.max_batch * -(
             -capacity.max_blocks // n)
@@ -191,13 +202,18 @@ class Engine:
     def step(self) -> None:
         """One prefill round (admissions) then one decode round."""
         t0 = time.perf_counter()
+        admitted = []
         for req in [r for r in self.requests.values() if r.status == "waiting"]:
             need = len(req.prompt) + req.sampling.max_new_tokens - 1      # tokens that enter the cache
             if not self.alloc.can_admit(max(need, 1)):
                 break                                                     # FIFO: wait for capacity
             self.alloc.admit(req.rid, max(need, 1))
             req.status = "running"
-            self._prefill(req)
+            admitted.append(req)
+            if not self.span:
+                self._prefill(req)
+        if self.span and admitted:
+            self._prefill_span(admitted)
         running = [r for r in self.requests.values() if r.status == "running" and r.output]
         if running:
             self._decode(running)
@@ -257,6 +273,38 @@ class Engine:
         self.stats["prefill_s"] += time.perf_counter() - t0
         self._finish_if_done(req)
 
+    def span_buckets(self, lengths: list[int]) -> dict:
+        """Static buckets of a span prefill round: prompt span (power of two ≥ 8, at most the capacity's
+        tokens rounded to 8) and per-rank rows (power of two), so few shapes compile."""
+        pow2 = lambda x: 1 << max(int(x) - 1, 0).bit_length()
+        span = min(max(8, pow2(max(lengths))), round_up(self.capacity.max_tokens, 8))
+        rows, dec_rows = row_capacities(self.cfg, lengths, self.query_ranks, self.capacity.ced)
+        return {"span": span, "capacity": pow2(rows), "dec_capacity": pow2(dec_rows)}
+
+    def _prefill_span(self, reqs: list[_Request]) -> None:
+        """Prefill ``reqs`` (fresh prompts) in one span-prefill pass; batch rows past them are idle."""
+        t0 = time.perf_counter()
+        cfg, b = self.cfg, self.capacity.max_batch
+        prompts = [r.prompt for r in reqs] + [[]] * (b - len(reqs))
+        slots = [self.alloc.slot(r.rid) for r in reqs] + [0] * (b - len(reqs))
+        tables = np.full((b, self.capacity.max_blocks), -1, np.int32)
+        for i, r in enumerate(reqs):
+            tables[i] = self._table(r.rid)
+        meta = build_span_metadata(cfg, prompts, self.query_ranks, slots=slots, block_tables=tables,
+                                   ced=self.capacity.ced, **self.span_buckets([len(p) for p in prompts]))
+        logits, self.cache = prefill_span(self.params, self.cache, meta, cfg, self.span_layout)
+        logits = np.asarray(logits)
+        for i, req in enumerate(reqs):
+            req.last_logits = logits[i]
+            req.output.append(sample_token(logits[i], req.sampling, 0))
+            n = len(req.prompt)
+            self.stats["prefill_tokens"] += n
+            if meta.ced:
+                self.stats["ced_encoder_only_rows"] += max(0, n - ced_rows(cfg))
+        self.stats["prefill_s"] += time.perf_counter() - t0
+        for req in reqs:
+            self._finish_if_done(req)
+
     def _decode(self, rows: list[_Request]) -> None:
         t0 = time.perf_counter()
         cfg, b, mb = self.cfg, self.capacity.max_batch, self.capacity.max_blocks
@@ -305,4 +353,5 @@ class Engine:
     @staticmethod
     def compile_counts() -> dict[str, int]:
         """Compilations so far of the jitted decode step and prefill chunk (one per bucket expected)."""
-        return {"decode_step": decode_step._cache_size(), "prefill_chunk": prefill_chunk._cache_size()}
+        return {"decode_step": decode_step._cache_size(), "prefill_chunk": prefill_chunk._cache_size(),
+                "prefill_span": prefill_span._cache_size()}

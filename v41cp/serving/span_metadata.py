@@ -32,7 +32,7 @@ import numpy as np
 from v41cp.config import ModelConfig
 from v41cp.sharding.query_shard import QueryShardPlan
 
-__all__ = ["SpanMetadata", "build_span_metadata", "round_up"]
+__all__ = ["SpanMetadata", "build_span_metadata", "row_capacities", "round_up"]
 
 
 def round_up(x: int, m: int) -> int:
@@ -70,6 +70,24 @@ class SpanMetadata:
         return int(self.lengths.shape[0])
 
 
+def _retained(cfg: ModelConfig, plan: QueryShardPlan, lengths: np.ndarray, ced: bool):
+    """CED decoder rows of each local slot ``[N, C]`` bool (None without a CED boundary / CED off)."""
+    from v41cp.serving.decode import ced_boundary, ced_rows
+
+    if not ced or ced_boundary(cfg) is None:
+        return None
+    req, pos = plan.request_of_slot(), plan.positions()
+    return (req >= 0) & (pos >= lengths[np.maximum(req, 0)] - ced_rows(cfg))
+
+
+def row_capacities(cfg: ModelConfig, lengths, n: int, ced: bool = False) -> tuple[int, int]:
+    """The smallest (per-rank rows, per-rank CED decoder rows) buckets that fit prompts of ``lengths``."""
+    lengths = np.asarray(lengths, np.int32)
+    plan = QueryShardPlan.build(lengths, n)
+    keep = _retained(cfg, plan, lengths, ced)
+    return plan.capacity, plan.capacity if keep is None else max(int(keep.sum(axis=1).max()), 1)
+
+
 def build_span_metadata(cfg: ModelConfig, prompts, n: int = 1, *, slots=None, block_tables=None, span=None,
                         capacity=None, dec_capacity=None, ced: bool = False) -> SpanMetadata:
     """Metadata of prefilling ``prompts`` (token-id lists; an empty list is an idle batch row) over ``n``
@@ -77,7 +95,6 @@ def build_span_metadata(cfg: ModelConfig, prompts, n: int = 1, *, slots=None, bl
     ``span`` / ``capacity`` / ``dec_capacity`` are the static buckets (default: the smallest that fit,
     ``span`` a multiple of 8). Errors name the offending value."""
     from v41cp.engram_hash import engram_hash_ids
-    from v41cp.serving.decode import ced_boundary, ced_rows
 
     prompts = [list(map(int, p)) for p in prompts]
     lengths = np.array([len(p) for p in prompts], np.int32)
@@ -116,13 +133,12 @@ def build_span_metadata(cfg: ModelConfig, prompts, n: int = 1, *, slots=None, bl
         return out
 
     span_index = span_map(plan.restore, n * c)
-    boundary = ced_boundary(cfg) if ced else None
-    if boundary is None:
+    keep = _retained(cfg, plan, lengths, ced)
+    if keep is None:
         dec_slots = np.where(ok, np.arange(c)[None], -1).astype(np.int32)
         cd, dec_span_index = c, span_index
         sampled = plan.sampled
     else:
-        keep = ok & (pos >= lengths[np.maximum(req, 0)] - ced_rows(cfg))
         need = int(keep.sum(axis=1).max())
         cd = need if dec_capacity is None else int(dec_capacity)
         if cd < need:
@@ -146,4 +162,4 @@ def build_span_metadata(cfg: ModelConfig, prompts, n: int = 1, *, slots=None, bl
                          f"the batch of {b} prompts")
     return SpanMetadata(tokens, pos.astype(np.int32), req.astype(np.int32), eng, dec_slots, span_index,
                         dec_span_index.astype(np.int32), sampled.astype(np.int32), lengths, slots, block_tables,
-                        n, c, cd, s, boundary is not None)
+                        n, c, cd, s, keep is not None)

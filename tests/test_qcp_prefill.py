@@ -1,0 +1,191 @@
+"""Span prefill and model-wide QCP (`v41cp.serving.span_prefill`).
+
+* one device: the span prefill equals the token-serial cached prefill (last logits, every cache byte) and the
+  full-sequence forward;
+* model-wide QCP over N ∈ {2, 4, 8} ranks (KVP 1 and N, CED off and on) equals the unsharded span prefill:
+  logits and every cache group ≤ 1e-5 relative (FP32 values), and QCP with KVP = N equals QCP with replicated
+  pages exactly; the batch is ragged (prompts shorter than N rows, an empty batch row; lengths on and off page
+  and compression-pair boundaries);
+* the engine with QCP (and DCP decode) generates what the single-device engine generates.
+"""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from helpers import TOKEN_MAP, perturbed, rel_err
+from v41cp import model
+from v41cp.config import preset
+from v41cp.serving.dcp import DCPPlan
+from v41cp.serving.decode import ced_rows, init_cache
+from v41cp.serving.engine import Capacity, Engine, SamplingParams
+from v41cp.serving.span_metadata import build_span_metadata
+from v41cp.serving.span_prefill import SpanLayout, prefill_span
+from v41cp.sharding.topology import ParallelConfig
+
+LENGTHS = (21, 3, 16, 8, 0)          # odd (open pair, mid page) / fewer rows than ranks / page end / = window / idle
+NUM_BLOCKS, BLOCK, MAX_BLOCKS, SPAN = 40, 4, 8, 24
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = preset("tiny-tp8", engram_token_map=TOKEN_MAP, fake_quant=False)
+    params = perturbed(model.init_params(cfg, jax.random.key(0)))
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in LENGTHS]
+    tables = np.full((len(LENGTHS), MAX_BLOCKS), -1, np.int32)
+    free = list(rng.permutation(NUM_BLOCKS))                     # scattered pages, any residue first
+    for i, n in enumerate(LENGTHS):
+        k = -(-n // BLOCK)
+        tables[i, :k] = [free.pop() for _ in range(k)]
+    slots = np.array([2, 0, 4, 1, 3])
+    return cfg, params, prompts, tables, slots
+
+
+def _virtual(cache, kvp):
+    """Cache leaves as NumPy; pools re-indexed by virtual block id (rank ``v % N`` holds ``v`` at ``v // N``)."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(cache)[0]:
+        key, a = jax.tree_util.keystr(path), np.asarray(leaf)
+        if kvp > 1 and ("'ckv'" in key or "'ikey'" in key):
+            v = np.arange(a.shape[0])
+            a = a[(v % kvp) * (a.shape[0] // kvp) + v // kvp]
+        out[key] = a
+    return out
+
+
+def _prefill(setup, n=1, kvp=1, ced=False):
+    cfg, params, prompts, tables, slots = setup
+    meta = build_span_metadata(cfg, prompts, n, slots=slots, block_tables=tables, span=SPAN, ced=ced)
+    if n == 1:
+        cache = init_cache(cfg, NUM_BLOCKS, BLOCK, len(prompts))
+        logits, cache = prefill_span(params, cache, meta, cfg)
+        return np.asarray(logits), _virtual(cache, 1), meta
+    par = ParallelConfig(tp_size=n, query_context_parallel_size=n, kv_parallel_size=kvp,
+                         decode_context_parallel_size=kvp)
+    mesh = par.make_mesh()
+    plan = DCPPlan.build(cfg, par, mesh) if kvp > 1 else None
+    cache = init_cache(cfg, NUM_BLOCKS, BLOCK, len(prompts), NamedSharding(mesh, P()), plan=plan)
+    sharded = model.shard_params(params, cfg, mesh, par.rules())
+    logits, cache = prefill_span(sharded, cache, meta, cfg, SpanLayout.from_parallel(par, mesh))
+    return np.asarray(logits), _virtual(cache, kvp), meta
+
+
+@pytest.fixture(scope="module")
+def unsharded(setup):
+    return {ced: _prefill(setup, ced=ced) for ced in (False, True)}
+
+
+def test_span_prefill_equals_token_serial_prefill_and_forward():
+    """Records (FP8 / NVFP4 / MXFP4 bytes) as the engine stores them: byte-identical to the token-serial path."""
+    cfg = preset("tiny-sparse", engram_token_map=TOKEN_MAP)
+    params = perturbed(model.init_params(cfg, jax.random.key(0)))
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (21, 5, 16)]
+    cap = Capacity(max_batch=3, max_tokens=32, block_tokens=4, prefill_chunk=8)
+    serial, span = Engine(params, cfg, cap), Engine(params, cfg, Capacity(**{**cap.__dict__, "span_prefill": True}))
+    for eng in (serial, span):
+        for i, p in enumerate(prompts):
+            eng.submit(i, p, SamplingParams(max_new_tokens=2, stop_on_eos=False))
+        eng.step()                                           # a prefill round and one decode round: done
+    for i, p in enumerate(prompts):
+        first = span.requests[i].output[0]
+        assert serial.requests[i].output == span.requests[i].output
+        assert first == int(np.argmax(np.asarray(model.forward(params, cfg, np.asarray([p])))[0, -1]))
+        want = np.asarray(model.forward(params, cfg, np.asarray([p + [first]])))[0, -1]     # decode read the cache
+        assert rel_err(span.requests[i].last_logits, want) <= 1e-5
+        assert rel_err(span.requests[i].last_logits, serial.requests[i].last_logits) <= 1e-5
+    a, b = _virtual(span.cache, 1), _virtual(serial.cache, 1)
+    for k in a:
+        if a[k].dtype == np.uint8:
+            np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+        else:
+            assert rel_err(a[k], b[k]) <= 1e-5, k
+    for eng in (serial, span):                               # then decode continues from either prefill alike
+        for i, p in enumerate(prompts):
+            eng.submit(f"g{i}", p, SamplingParams(max_new_tokens=4, stop_on_eos=False))
+        eng.run()
+    gen = lambda eng: [eng.result(f"g{i}")["output_ids"] for i in range(len(prompts))]
+    assert gen(serial) == gen(span)
+    assert span.stats["prefill_tokens"] == serial.stats["prefill_tokens"] == 2 * sum(map(len, prompts))
+    assert span.stats["prefill_s"] > 0 and Engine.compile_counts()["prefill_span"] >= 1
+
+
+def test_span_metadata_rows_and_ced_owners(setup):
+    cfg, _, prompts, tables, slots = setup
+    full = build_span_metadata(cfg, prompts, 4, slots=slots, block_tables=tables, span=SPAN)
+    ced = build_span_metadata(cfg, prompts, 4, slots=slots, block_tables=tables, span=SPAN, ced=True)
+    n, c, cd = 4, ced.capacity, ced.dec_capacity
+    # span_index ∘ gather covers every prompt row exactly once
+    real = full.span_index[full.span_index < n * c]
+    assert sorted(real.tolist()) == sorted((np.nonzero(full.requests.reshape(-1) >= 0)[0]).tolist())
+    # CED: a retained row stays on its owner rank, in the same order; exactly the last ced_rows rows are kept
+    r_keep = ced_rows(cfg)
+    for r in range(n):
+        kept = ced.dec_slots[r][ced.dec_slots[r] >= 0]
+        assert (np.diff(kept) > 0).all()
+        for k in kept:
+            b, p = ced.requests[r, k], ced.positions[r, k]
+            assert p >= LENGTHS[b] - r_keep
+            assert ced.dec_span_index[b, p] == r * cd + list(kept).index(k)
+    assert (ced.dec_span_index < n * cd).sum() == sum(min(x, r_keep) for x in LENGTHS)
+    for b, x in enumerate(LENGTHS):
+        assert ced.sampled[b] == (ced.dec_span_index[b, x - 1] if x else -1)
+    with pytest.raises(ValueError, match="exceeds the span bucket 8"):
+        build_span_metadata(cfg, prompts, 2, span=8)
+    with pytest.raises(ValueError, match="token id 999"):
+        build_span_metadata(cfg, [[5, 999]], 2)
+    with pytest.raises(ValueError, match="capacity=2"):
+        build_span_metadata(cfg, prompts, 2, capacity=2)
+
+
+def test_ced_narrowed_span_prefill_equals_full(unsharded):
+    (want, want_c, _), (got, got_c, meta) = unsharded[False], unsharded[True]
+    assert meta.ced and meta.dec_capacity < meta.capacity
+    live = np.array(LENGTHS) > 0
+    assert rel_err(got[live], want[live]) <= 1e-5
+    for k in want_c:
+        assert rel_err(got_c[k], want_c[k]) <= 1e-5, k
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_model_wide_qcp_equals_unsharded(setup, unsharded, n):
+    live = np.array(LENGTHS) > 0
+    results = {}
+    for kvp, ced in ((1, False), (n, False), (n, True)):
+        logits, cache, meta = _prefill(setup, n, kvp, ced)
+        want, want_c, _ = unsharded[ced]
+        assert meta.n == n
+        if n == 8:                   # the 3-row prompt leaves ranks with no row of it
+            assert ((meta.requests == 1).sum(axis=1) == 0).sum() == n - 3
+        assert rel_err(logits[live], want[live]) <= 1e-5, (kvp, ced)
+        np.testing.assert_array_equal(logits[live].argmax(-1), want[live].argmax(-1))
+        assert not logits[~live].any()
+        for k in want_c:
+            assert rel_err(cache[k], want_c[k]) <= 1e-5, (kvp, ced, k)
+        results[kvp, ced] = logits, cache
+    # pages split over the KVP group = replicated pages, bit for bit (only ownership differs)
+    (l1, c1), (ln, cn) = results[1, False], results[n, False]
+    np.testing.assert_array_equal(l1, ln)
+    for k in c1:
+        np.testing.assert_array_equal(c1[k], cn[k], err_msg=k)
+
+
+def test_engine_with_qcp_and_dcp_decode_equals_single_device():
+    cfg = preset("tiny-tp8", engram_token_map=TOKEN_MAP)
+    params = perturbed(model.init_params(cfg, jax.random.key(0)))
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (19, 2, 12)]
+    cap = Capacity(max_batch=3, max_tokens=32, block_tokens=4, prefill_chunk=8, ced=True)
+    outs = []
+    for par in (None, ParallelConfig(tp_size=4, query_context_parallel_size=4, kv_parallel_size=4,
+                                     decode_context_parallel_size=4)):
+        eng = Engine(params, cfg, cap, parallel=par)
+        for i, p in enumerate(prompts):
+            eng.submit(i, p, SamplingParams(max_new_tokens=3))
+        outs.append(([r["output_ids"] for r in eng.run()], [eng.requests[i].last_logits for i in range(3)], eng))
+    (want, want_l, _), (got, got_l, eng) = outs
+    assert got == want
+    assert max(rel_err(a, b) for a, b in zip(got_l, want_l)) <= 1e-5
+    assert eng.span and eng.plan is not None and eng.stats["ced_encoder_only_rows"] == max(0, 19 - ced_rows(cfg))
