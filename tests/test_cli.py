@@ -46,17 +46,8 @@ def test_forward_rejects_bad_token_id():
     assert res.returncode != 0 and "token id 999" in res.stderr
 
 
-def test_generate_json_batch_matches_engine_greedy():
-    """``generate`` with the Pallas kernels (``--attention-backend / --indexer-backend pallas``, interpret mode
-    here) prints the greedy tokens of the XLA full forward. (The topology flags run end to end in
-    `test_bench_decode_kvp_json`; DCP generation equals one device in `test_dcp_decode`.)"""
-    prompts = ("--prompt-ids", "5,17,42", "--prompt-ids", "9,8,7,6", "--max-new-tokens", "3")
-    res = _cli("generate", "--json", "--attention-backend", "pallas", "--indexer-backend", "pallas", *prompts)
-    assert res.returncode == 0, res.stderr
-    out = json.loads(res.stdout)
-    assert [r["prompt_ids"] for r in out["requests"]] == [[5, 17, 42], [9, 8, 7, 6]]
-    assert all(1 <= len(r["output_ids"]) <= 3 for r in out["requests"])
-    assert out["timings"]["compiles"] == {"decode_step": 1, "prefill_chunk": 1}
+def _assert_greedy_of_forward(out):
+    """Every generated token is the argmax of the XLA full forward over the sequence so far."""
     cfg, params = load(default_checkpoint())
     for r in out["requests"]:
         seq = list(r["prompt_ids"])
@@ -67,6 +58,31 @@ def test_generate_json_batch_matches_engine_greedy():
             seq.append(tok)
 
 
+def test_generate_json_batch_matches_engine_greedy():
+    """``generate`` with the Pallas kernels (``--attention-backend / --indexer-backend pallas``, interpret mode
+    here) prints the greedy tokens of the XLA full forward. (The topology flags run end to end in
+    `test_bench_decode_kvp_json`; DCP generation equals one device in `test_dcp_decode`.)"""
+    prompts = ("--prompt-ids", "5,17,42", "--prompt-ids", "9,8,7,6", "--max-new-tokens", "3")
+    res = _cli("generate", "--json", "--attention-backend", "pallas", "--indexer-backend", "pallas", *prompts)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert [r["prompt_ids"] for r in out["requests"]] == [[5, 17, 42], [9, 8, 7, 6]]
+    assert all(1 <= len(r["output_ids"]) <= 3 for r in out["requests"])
+    assert out["timings"]["compiles"] == {"decode_step": 1, "prefill_chunk": 1, "prefill_span": 0}
+    _assert_greedy_of_forward(out)
+
+
+def test_generate_with_model_wide_qcp_and_kvp():
+    """``generate --query-context-parallel-size 4 --kv-parallel-size 4 --ced``: span prefill under QCP 4 (CED on),
+    DCP decode over the KVP 4 pages; the greedy tokens of the full forward, one span-prefill compile."""
+    res = _cli("generate", "--json", "--devices", "4", "--query-context-parallel-size", "4", "--kv-parallel-size",
+               "4", "--ced", "--prompt-ids", "5,17,42", "--prompt-ids", "9,8,7,6", "--max-new-tokens", "3")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["timings"]["compiles"]["prefill_span"] == 1 and out["timings"]["compiles"]["prefill_chunk"] == 0
+    _assert_greedy_of_forward(out)
+
+
 def test_topology_flags_are_validated():
     res = _cli("generate", "--devices", "8", "--kv-parallel-size", "4", "--decode-context-parallel-size", "2")
     assert res.returncode == 2 and "decode_context_parallel_size=2 must equal kv_parallel_size=4" in res.stderr
@@ -75,7 +91,9 @@ def test_topology_flags_are_validated():
     res = _cli("generate", "--devices", "8", "--deepseek-v41-indexer-query-parallel-size", "4")
     assert res.returncode == 2 and "indexer_query_parallel_size=4 must be 1 or the attention tp_size=8" in res.stderr
     res = _cli("generate", "--devices", "8", "--deepseek-v41-attention-query-parallel-size", "8")
-    assert res.returncode == 2 and "not built into the engine yet" in res.stderr
+    assert res.returncode == 2 and "operator-local QCP is not built into the engine" in res.stderr
+    res = _cli("generate", "--devices", "8", "--query-context-parallel-size", "8", "--kv-parallel-size", "2")
+    assert res.returncode == 2 and "kv_parallel_size=2 must be" in res.stderr
     res = _cli("forward", "--devices", "8", "--query-context-parallel-size", "8",
                "--deepseek-v41-indexer-query-parallel-size", "8")
     assert res.returncode == 2 and "cannot be combined with model-wide" in res.stderr

@@ -215,3 +215,26 @@ def test_engine_with_qcp_and_dcp_decode_equals_single_device(serial_run):
     assert max(rel_err(a, b) for a, b in zip(q_last, last)) <= 1e-5
     assert eng.span and eng.plan is not None
     assert eng.stats["ced_encoder_only_rows"] == 2 * sum(max(0, n - ced_rows(cfg)) for n in ENGINE_PROMPTS)
+
+
+def test_qcp_per_device_flops_fall_to_one_nth():
+    """Compiled cost analysis of one long prefill (benchmarks/qcp_prefill_structure.py, 8 ranks): attention,
+    indexer and MoE FLOPs per device ≈ 1/N of the unsharded ones, and the attention layer moves exactly one
+    FP32 window-KV row per prefill token (the span-order gather; head_dim · 4 bytes)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "qcp_prefill_structure.py"
+    res = subprocess.run([sys.executable, str(script), "--devices", "8", "--rows", "512"], capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    parts = out["parts"]
+    assert abs(parts["attention"]["flops_ratio_qcp_vs_unsharded"] - 1 / 8) <= 0.005
+    assert abs(parts["indexer"]["flops_ratio_qcp_vs_unsharded"] - 1 / 8) <= 0.005
+    assert 1 / 8 <= parts["moe"]["flops_ratio_qcp_vs_unsharded"] <= 0.14       # the router runs on every row
+    assert 1 / 8 <= out["whole"]["flops_ratio_qcp_vs_unsharded"] <= 0.135
+    assert parts["attention"]["qcp"]["collective_bytes_per_token"] == preset("tiny-tp8").head_dim * 4
+    assert set(out["whole"]["qcp"]["collectives"]) <= {"all-gather", "all-reduce", "reduce-scatter"}

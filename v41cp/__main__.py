@@ -85,8 +85,8 @@ def cmd_forward(args) -> int:
     t0 = time.perf_counter()
     parallel = _parallel(args)
     if parallel is not None and (parallel.kv_parallel_size > 1 or parallel.query_context_parallel_size > 1):
-        raise ValueError("topology: forward runs the full-sequence model: KVP / DCP are decode (generate, bench) "
-                         "options and model-wide QCP is not built yet (issue 6)")
+        raise ValueError("topology: forward runs the full-sequence model: KVP / DCP are decode options and "
+                         "model-wide QCP a prefill option of the engine (generate, bench)")
     mesh = parallel.make_mesh() if parallel is not None else None
     cfg, params = open_checkpoint(args.checkpoint or default_checkpoint(), mesh=mesh,
                                   rules=parallel.rules() if parallel is not None else None,
@@ -153,6 +153,17 @@ def _backends(args) -> dict:
     return {"attention_backend": args.attention_backend, "indexer_backend": args.indexer_backend}
 
 
+def _prefill_options(args) -> dict:
+    """Engine prefill options of ``--span-prefill`` / ``--ced``."""
+    return {"span_prefill": args.span_prefill, "ced": args.ced}
+
+
+def _prefill_flags(p) -> None:
+    p.add_argument("--span-prefill", action="store_true",
+                   help="prefill each round's prompts in one pass (always on with --query-context-parallel-size > 1)")
+    p.add_argument("--ced", action="store_true", help="CED narrowing of prefill (exact)")
+
+
 def _backend_flags(p) -> None:
     for name, what in (("attention", "sparse attention"), ("indexer", "indexer scan + top-k")):
         p.add_argument(f"--{name}-backend", choices=("xla", "pallas"), default="xla",
@@ -184,7 +195,8 @@ def cmd_generate(args) -> int:
     prompts = [[int(t) for t in p.replace(",", " ").split()] for p in (args.prompt_ids or ["5,17,42,99,3"])]
     longest = max(len(p) for p in prompts) + args.max_new_tokens
     block = 16
-    cap = Capacity(max_batch=max(len(prompts), 1), max_tokens=-(-longest // block) * block, block_tokens=block)
+    cap = Capacity(max_batch=max(len(prompts), 1), max_tokens=-(-longest // block) * block, block_tokens=block,
+                   **_prefill_options(args))
     t0 = time.perf_counter()
     cfg, eng = _engine(args, cap)
     t_load = time.perf_counter() - t0
@@ -287,7 +299,7 @@ def cmd_bench(args) -> int:
     lengths = [int(x) for x in args.lengths.split(",")]
     block = 16
     cap = Capacity(max_batch=args.batch, max_tokens=-(-(max(lengths) + args.steps + 1) // block) * block,
-                   block_tokens=block, prefill_chunk=64)
+                   block_tokens=block, prefill_chunk=64, **_prefill_options(args))
     cfg, eng = _engine(args, cap)
     rows = _bench_rows(eng, cfg, lengths, args)
     out = {"bench": args.kind, "capacity": {"max_batch": cap.max_batch, "max_tokens": cap.max_tokens,
@@ -328,11 +340,12 @@ def _topology_flags(p) -> None:
                    help="DCP queries: all-gather heads per layer, or replicated query projections")
     q = p.add_argument_group("query context parallelism (prefill; 1 = off, else the attention TP size)")
     q.add_argument("--query-context-parallel-size", type=int, default=1,
-                   help="model-wide QCP (per-request zigzag rows); not built yet: rejected with an error")
+                   help="model-wide QCP of the engine's prefill (per-request zigzag rows over attention TP; "
+                        "KVP 1 or equal to it); generate / bench")
     q.add_argument("--deepseek-v41-indexer-query-parallel-size", dest="indexer_query_parallel_size", type=int,
-                   default=1, help="operator-local indexer QCP (full-sequence forward)")
+                   default=1, help="operator-local indexer QCP (full-sequence forward only)")
     q.add_argument("--deepseek-v41-attention-query-parallel-size", dest="attention_query_parallel_size", type=int,
-                   default=1, help="operator-local attention QCP (full-sequence forward)")
+                   default=1, help="operator-local attention QCP (full-sequence forward only)")
     q.add_argument("--deepseek-v41-indexer-query-min-tokens", dest="indexer_query_min_tokens", type=int,
                    default=1024, help="indexer QCP applies from this many query rows")
     q.add_argument("--deepseek-v41-attention-query-min-tokens", dest="attention_query_min_tokens", type=int,
@@ -376,6 +389,7 @@ def main(argv=None) -> int:
     g.add_argument("--seed", type=int, default=0)
     _topology_flags(g)
     _backend_flags(g)
+    _prefill_flags(g)
     g.add_argument("--no-fake-quant", action="store_true")
     g.add_argument("--json", action="store_true")
     b = sub.add_parser("bench", help="decode / prefill benchmark of the engine, or of the kernels (prints JSON)")
@@ -386,6 +400,7 @@ def main(argv=None) -> int:
     b.add_argument("--steps", type=int, default=32, help="decode steps per length")
     _topology_flags(b)
     _backend_flags(b)
+    _prefill_flags(b)
     b.add_argument("--cache-budget-mib", type=int, default=64,
                    help="per-device global-page budget for max_resident_tokens (decode)")
     b.add_argument("--no-fake-quant", action="store_true")

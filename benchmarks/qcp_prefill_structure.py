@@ -1,0 +1,144 @@
+"""Model-wide QCP prefill, exact structure from the compiled programs (prints JSON; nothing is timed).
+
+One long prompt (``--rows`` tokens) of a V4.1-like model at reduced width (tiny-tp8 widths, index top-512,
+window 128, 16 heads) on ``--devices`` simulated CPU devices, attention TP = QCP = all of them:
+
+* **parts** — the span prefill's own layer functions (`v41cp.serving.span_prefill`) compiled alone, unsharded
+  (one device, every row) and under QCP (each rank its zigzag rows): *attention* = a Reuse layer (projections,
+  window + selected-entry attention, cache writes), *indexer* = a Reindex layer minus that Reuse layer (the
+  same attention plus the index projections, scores and top-k), *moe* = the MoE FFN (rows gathered, each rank
+  its experts / shared-expert slice, reduce-scatter);
+* **whole** — the complete `prefill_span` program (every layer, caches, sampled-row head).
+
+Per program: per-device FLOPs from XLA's cost analysis, the QCP / unsharded ratio, and the result bytes per
+device of every collective (`v41cp.sharding.hlo_stats`), also per prefill token.
+``python benchmarks/qcp_prefill_structure.py --devices 8 --rows 4096``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--devices", type=int, default=8)
+    p.add_argument("--rows", type=int, default=2048)
+    p.add_argument("--skip-whole", action="store_true", help="only the per-part programs")
+    a = p.parse_args()
+    os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={a.devices}")
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from v41cp import model
+    from v41cp.config import preset
+    from v41cp.serving.decode import init_cache
+    from v41cp.serving.span_metadata import build_span_metadata
+    from v41cp.serving.span_prefill import SpanLayout, _attention, _Group, _moe, _Pages, _Rows, prefill_span
+    from v41cp.sharding.hlo_stats import collective_bytes, collectives
+    from v41cp.sharding.rules import QCP_RULES, param_shardings
+    from v41cp.sharding.topology import ParallelConfig
+
+    n, t = a.devices, a.rows
+    cfg = preset("tiny-tp8", index_topk=512, sliding_window=128, num_attention_heads=16, o_groups=8,
+                 fake_quant=False, engram_token_map=tuple(min(i, 135) for i in range(256)))
+    par = ParallelConfig(tp_size=n, query_context_parallel_size=n)
+    mesh = par.make_mesh()
+    layout = SpanLayout.from_parallel(par, mesh)
+    axes = layout.axes
+    params = model.init_params(cfg, jax.random.key(0))
+    pspec = jax.tree.map(lambda s: s.spec, param_shardings(model.abstract_params(cfg), mesh, QCP_RULES),
+                         is_leaf=lambda x: isinstance(x, NamedSharding))
+    prompt = np.random.default_rng(0).integers(3, cfg.vocab_size, t).tolist()
+    nb, bt = -(-t // 16), 16
+    table = np.arange(nb, dtype=np.int32)[None]
+
+    def stats(compiled, tokens: int) -> dict:
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        text = compiled.as_text()
+        b = collective_bytes(text)
+        return {"flops_per_device": float(cost.get("flops", 0.0)), "collective_bytes_per_device": b,
+                "collective_bytes_per_token": round(b / tokens, 2),
+                "collectives": sorted({c["op"] for c in collectives(text)})}
+
+    roles = cfg.layer_roles
+    reuse = next(r for r in roles if r.kind == "reuse")
+    reindex = next(r for r in roles if r.kind == "reindex" and r.kv_source == reuse.kv_source
+                   and not r.uses_candidates)
+    g = t // reuse.ratio
+    k = min(cfg.index_topk, g)
+    rng = np.random.default_rng(1)
+
+    def part(fn_name: str, qcp: bool):
+        ranks = n if qcp else 1
+        meta = build_span_metadata(cfg, [prompt], ranks, block_tables=table, span=t)
+        c = meta.capacity
+        x = rng.normal(size=(ranks * c, cfg.hidden_size)).astype(np.float32)
+        state = {"ckv": jnp.asarray(rng.normal(size=(1, g, cfg.head_dim)), jnp.float32),
+                 "ikey": jnp.asarray(rng.normal(size=(1, g, cfg.index_head_dim)), jnp.float32),
+                 "topk": jnp.asarray(rng.integers(0, g, (ranks * c, k)), jnp.int32)}
+        cache = init_cache(cfg, nb, bt, 1, records=False)
+        grp = _Group(axes, n) if qcp else _Group((), 1)
+
+        def body(lp, x, meta, cache, state):
+            rows = _Rows(meta.positions[0], meta.requests[0], meta.span_index, meta.span_index < grp.n * c)
+            if fn_name == "moe":
+                return _moe(cfg, grp, lp["ffn"], x)
+            role = reuse if fn_name == "reuse" else reindex
+            y, _, _ = _attention(cfg, role, lp["attn"], grp, _Pages(1, qcp), x, rows, x, rows, meta, cache, state)
+            return y
+
+        lp = params[f"layers_{reuse.index if fn_name != 'reindex' else reindex.index}"]
+        with jax.default_matmul_precision("highest"):
+            if not qcp:
+                return stats(jax.jit(body).trace(lp, x, meta, cache, state).lower().compile(), t)
+            rank = P(axes)
+            mspec = type(meta)(*(rank,) * 5, *(P(),) * 6, meta.n, meta.capacity, meta.dec_capacity, meta.span,
+                               meta.ced)
+            sspec = {"ckv": P(), "ikey": P(), "topk": rank}
+            lspec = pspec[f"layers_{reuse.index if fn_name != 'reindex' else reindex.index}"]
+            f = jax.shard_map(body, mesh=mesh, in_specs=(lspec, rank, mspec, jax.tree.map(lambda _: P(), cache),
+                                                         sspec), out_specs=rank)
+            return stats(jax.jit(f).trace(lp, x, meta, cache, state).lower().compile(), t)
+
+    out = {"devices": n, "rows": t, "entries": g, "index_topk": k, "parts": {}}
+    progs = {(name, q): part(name, q) for name in ("reuse", "reindex", "moe") for q in (False, True)}
+    ratio = lambda q, u: round(q / max(u, 1.0), 4)
+    fl = lambda name, q: progs[name, q]["flops_per_device"]
+    out["parts"]["attention"] = {"unsharded": progs["reuse", False], "qcp": progs["reuse", True],
+                                 "flops_ratio_qcp_vs_unsharded": ratio(fl("reuse", True), fl("reuse", False))}
+    out["parts"]["indexer"] = {
+        "flops_unsharded": fl("reindex", False) - fl("reuse", False),
+        "flops_qcp_per_device": fl("reindex", True) - fl("reuse", True),
+        "flops_ratio_qcp_vs_unsharded": ratio(fl("reindex", True) - fl("reuse", True),
+                                              fl("reindex", False) - fl("reuse", False)),
+        "collective_bytes_per_token": progs["reindex", True]["collective_bytes_per_token"]}
+    out["parts"]["moe"] = {"unsharded": progs["moe", False], "qcp": progs["moe", True],
+                           "flops_ratio_qcp_vs_unsharded": ratio(fl("moe", True), fl("moe", False))}
+    if not a.skip_whole:
+        whole = {}
+        for q in (False, True):
+            meta = build_span_metadata(cfg, [prompt], n if q else 1, block_tables=table, span=t)
+            if q:
+                cache = init_cache(cfg, nb, bt, 1, NamedSharding(mesh, P()), records=False)
+                prm = model.shard_params(params, cfg, mesh, par.rules())
+                whole[q] = stats(prefill_span.lower(prm, cache, meta, cfg, layout).compile(), t)
+            else:
+                cache = init_cache(cfg, nb, bt, 1, records=False)
+                whole[q] = stats(prefill_span.lower(params, cache, meta, cfg, SpanLayout()).compile(), t)
+        out["whole"] = {"unsharded": whole[False], "qcp": whole[True],
+                        "flops_ratio_qcp_vs_unsharded": ratio(whole[True]["flops_per_device"],
+                                                              whole[False]["flops_per_device"])}
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
