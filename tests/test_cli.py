@@ -90,8 +90,6 @@ def test_topology_flags_are_validated():
     assert res.returncode == 2 and "--tp-size 3 does not divide --devices 8" in res.stderr
     res = _cli("generate", "--devices", "8", "--deepseek-v41-indexer-query-parallel-size", "4")
     assert res.returncode == 2 and "indexer_query_parallel_size=4 must be 1 or the attention tp_size=8" in res.stderr
-    res = _cli("generate", "--devices", "8", "--deepseek-v41-attention-query-parallel-size", "8")
-    assert res.returncode == 2 and "operator-local QCP is not built into the engine" in res.stderr
     res = _cli("generate", "--devices", "8", "--query-context-parallel-size", "8", "--kv-parallel-size", "2")
     assert res.returncode == 2 and "kv_parallel_size=2 must be" in res.stderr
     res = _cli("forward", "--devices", "8", "--query-context-parallel-size", "8",

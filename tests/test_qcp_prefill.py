@@ -238,3 +238,15 @@ def test_qcp_per_device_flops_fall_to_one_nth():
     assert 1 / 8 <= out["whole"]["flops_ratio_qcp_vs_unsharded"] <= 0.135
     assert parts["attention"]["qcp"]["collective_bytes_per_token"] == preset("tiny-tp8").head_dim * 4
     assert set(out["whole"]["qcp"]["collectives"]) <= {"all-gather", "all-reduce", "reduce-scatter"}
+
+
+def test_engine_with_operator_local_qcp_equals_single_device(serial_run):
+    """Operator-local indexer + attention QCP (TP 4, thresholds 1 row) in the engine's span prefill, decode under
+    plain TP: the same tokens as the single-device engine, logits ≤ 1e-5."""
+    cfg, params, cap, _, _, (out, last, _, gen) = serial_run
+    par = ParallelConfig(tp_size=4, indexer_query_parallel_size=4, attention_query_parallel_size=4,
+                         indexer_query_min_tokens=1, attention_query_min_tokens=1, attention_query_swa_min_tokens=1)
+    eng, _, (q_out, q_last, _, q_gen) = _engine_run(params, cfg, cap, par)
+    assert q_out == out and q_gen == gen
+    assert max(rel_err(a, b) for a, b in zip(q_last, last)) <= 1e-5
+    assert eng.span and eng.span_layout.operator is not None and not eng.span_layout.query_parallel

@@ -6,7 +6,8 @@
 * ``generate [--prompt-ids 1,2,3 ...] [--max-new-tokens N] [--devices N] [--json]`` the serving engine.
   ``forward``, ``generate`` and ``bench decode|prefill`` take ``--attention-backend`` / ``--indexer-backend``
   (``xla`` | ``pallas``) and the topology flags; ``forward`` runs operator-local indexer / attention QCP
-  (``--deepseek-v41-{indexer,attention}-query-parallel-size``), the engine rejects QCP (not built there yet).
+  (``--deepseek-v41-{indexer,attention}-query-parallel-size``); ``generate`` / ``bench`` run them, or model-wide
+  QCP (``--query-context-parallel-size``), in the engine's span prefill (``--span-prefill``, ``--ced``).
 * ``bench decode|prefill [--lengths 64,512,2048] --json`` engine step latency, tokens/s, compile counts.
 * ``bench kernels [--shapes flash|tiny] [--contexts ...] [--batches ...] --json`` the Pallas kernels vs the XLA
   paths vs the HBM roofline (`v41cp.kernels.bench`).
@@ -343,9 +344,9 @@ def _topology_flags(p) -> None:
                    help="model-wide QCP of the engine's prefill (per-request zigzag rows over attention TP; "
                         "KVP 1 or equal to it); generate / bench")
     q.add_argument("--deepseek-v41-indexer-query-parallel-size", dest="indexer_query_parallel_size", type=int,
-                   default=1, help="operator-local indexer QCP (full-sequence forward only)")
+                   default=1, help="operator-local indexer QCP (forward; the engine's span prefill)")
     q.add_argument("--deepseek-v41-attention-query-parallel-size", dest="attention_query_parallel_size", type=int,
-                   default=1, help="operator-local attention QCP (full-sequence forward only)")
+                   default=1, help="operator-local attention QCP (forward; the engine's span prefill)")
     q.add_argument("--deepseek-v41-indexer-query-min-tokens", dest="indexer_query_min_tokens", type=int,
                    default=1024, help="indexer QCP applies from this many query rows")
     q.add_argument("--deepseek-v41-attention-query-min-tokens", dest="attention_query_min_tokens", type=int,

@@ -106,8 +106,8 @@ class Engine:
     (unless ``mesh`` is given) and, with ``kv_parallel_size > 1``, splits the global cache pages over the KVP
     group and decodes with DCP (`v41cp.serving.dcp`); prefill then also runs through the owner-masked
     cached path (token-serial chunks; every rank computes the complete span and writes what it owns).
-    With ``query_context_parallel_size > 1`` (model-wide QCP; KVP 1 or equal to it) or
-    ``Capacity(span_prefill=True)`` the admissions of a round are prefilled in one span-prefill pass
+    With ``query_context_parallel_size > 1`` (model-wide QCP; KVP 1 or equal to it), operator-local indexer /
+    attention QCP, or ``Capacity(span_prefill=True)`` the admissions of a round are prefilled in one span-prefill pass
     (`v41cp.serving.span_prefill`), whose caches the decode step (DCP under KVP) reads as they are."""
 
     def __init__(self, params, cfg: ModelConfig, capacity: Capacity = Capacity(), mesh=None,
@@ -116,13 +116,6 @@ class Engine:
         self.parallel = parallel
         self.plan = None
         n = 1
-        if parallel is not None:
-            for name in ("indexer_query_parallel_size", "attention_query_parallel_size"):
-                if getattr(parallel, name) > 1:
-                    raise ValueError(f"topology: {name}={getattr(parallel, name)} — operator-local QCP is not built "
-                                     f"into the engine (its span prefill runs model-wide QCP: "
-                                     f"query_context_parallel_size); it runs in the full-sequence forward: "
-                                     f"model.forward(..., shard=parallel.sharding_context(mesh))")
         if parallel is not None and mesh is None:
             mesh = parallel.make_mesh(jax.devices()[:parallel.num_devices])
         if mesh is not None:
@@ -141,7 +134,9 @@ class Engine:
         self.mesh = mesh
         self.params = params
         qcp = parallel is not None and parallel.query_context_parallel_size > 1
-        self.span = capacity.span_prefill or qcp
+        local_qcp = parallel is not None and max(parallel.indexer_query_parallel_size,
+                                                 parallel.attention_query_parallel_size) > 1
+        self.span = capacity.span_prefill or qcp or local_qcp
         self.span_layout = SpanLayout.from_parallel(parallel, mesh) if parallel is not None else SpanLayout(mesh)
         self.query_ranks = parallel.query_context_parallel_size if qcp else 1
         # KVP: every rank holds num_blocks / N pages; round the virtual block count up to whole ranks

@@ -44,10 +44,10 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from v41cp.config import LayerRole, ModelConfig
-from v41cp.layers.attention import sink_attention
+from v41cp.layers.attention import attention_query_parallel_applies, sink_attention
 from v41cp.layers.common import dtype_of, rms_norm
 from v41cp.layers.engram import engram_lookup, engram_mix
-from v41cp.layers.indexer import select_positions
+from v41cp.layers.indexer import query_parallel_applies, select_positions
 from v41cp.layers.mhc import HyperConnection, collapse, expand
 from v41cp.layers.moe import dense_route_weights, expert_weights, route, routed_output, shared_output
 from v41cp.layers.rope import apply_rope, rope_angles
@@ -55,6 +55,7 @@ from v41cp.quant import fp8_block32, mxfp4_block32, nvfp4_block16
 from v41cp.serving.decode import _write
 from v41cp.serving.span_metadata import SpanMetadata
 from v41cp.sharding.mesh import ATTN_TP, CP
+from v41cp.sharding.rules import ShardingContext
 
 __all__ = ["SpanLayout", "prefill_span", "span_program_text"]
 
@@ -63,12 +64,14 @@ __all__ = ["SpanLayout", "prefill_span", "span_program_text"]
 class SpanLayout:
     """Static partitioning of a span prefill. ``mesh`` None = one device; ``query_parallel``: model-wide QCP
     over the mesh's attention-TP axes; ``kv_parallel``: the KVP group size (the mesh's ``cp`` axis) when the
-    pages are split over it (`init_cache(..., plan=...)`), else 1 (replicated pages). Build from a topology
-    with `from_parallel`."""
+    pages are split over it (`init_cache(..., plan=...)`), else 1 (replicated pages); ``operator``: the
+    operator-local indexer / attention QCP settings (a `ShardingContext`; GSPMD path only). Build from a
+    topology with `from_parallel`."""
 
     mesh: Mesh | None = None
     query_parallel: bool = False
     kv_parallel: int = 1
+    operator: ShardingContext | None = None
 
     def __post_init__(self):
         if self.kv_parallel > 1 and (self.mesh is None or self.mesh.shape.get(CP, 1) != self.kv_parallel):
@@ -79,7 +82,9 @@ class SpanLayout:
         """The layout of `v41cp.sharding.topology.ParallelConfig` ``parallel`` on ``mesh``."""
         if mesh is None:
             return cls()
-        return cls(mesh, parallel.query_context_parallel_size > 1, parallel.kv_parallel_size)
+        local = parallel.indexer_query_parallel_size > 1 or parallel.attention_query_parallel_size > 1
+        return cls(mesh, parallel.query_context_parallel_size > 1, parallel.kv_parallel_size,
+                   parallel.sharding_context(mesh) if local else None)
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -192,6 +197,7 @@ class _Pages(NamedTuple):
 
     kvp: int
     in_map: bool
+    op: ShardingContext | None = None        # operator-local QCP (GSPMD path)
 
 
 def _page_rows(pages: _Pages, v: jax.Array, pool_rows: int) -> jax.Array:
@@ -254,7 +260,13 @@ def _attention(cfg: ModelConfig, role: LayerRole, p: dict, grp: _Group, pages: _
         sel = state["topk"]                                                          # [Cq,K]
         keys = jnp.concatenate([keys, state["ckv"][req[:, None], jnp.maximum(sel, 0)]], axis=1)
         valid = jnp.concatenate([valid, sel >= 0], axis=1)
-    o = sink_attention(q, keys[:, None], valid[:, None], p["attn_sink"])             # [Cq,1,nh,D]
+    if pages.op is not None and attention_query_parallel_applies(pages.op, cfg, role, xq.shape[0]):
+        # operator-local attention QCP: rows (with every head) over attention TP, then back to the head layout
+        q, keys, valid = (_rows_over_tp(pages.op, a) for a in (q, keys, valid))
+        o = sink_attention(q, keys[:, None], valid[:, None], p["attn_sink"])
+        o = jax.lax.with_sharding_constraint(o, _spec(pages.op, (None, None, _tp_axes(pages.op), None)))
+    else:
+        o = sink_attention(q, keys[:, None], valid[:, None], p["attn_sink"])         # [Cq,1,nh,D]
     o = apply_rope(o, angles, inverse=True).reshape(o.shape[0], 1, cfg.o_groups, -1)
     y = jnp.einsum("bsgi,gio->bsgo", o, p["wo_a"].astype(o.dtype))
     out = jnp.einsum("bsgo,goh->bsh", y, p["wo_b"].astype(y.dtype))[:, 0]
@@ -311,10 +323,44 @@ def _compressed(cfg, role, p, grp, pages, xq, rq, angles, qr, xkv, rkv, meta, ca
         ip = p["indexer"]
         req = jnp.maximum(rq.req, 0)
         cand = state.get("candidates")
-        topk, cand, _ = select_positions(cfg, role, ip["wq_b"], ip["weights_proj"], xq[:, None], qr[:, None], angles,
-                                         state["ikey"][req], rq.pos[:, None], None if cand is None else cand[:, None])
-        state = {**state, "topk": topk[:, 0], "candidates": None if cand is None else cand[:, 0]}
+        if pages.op is not None and query_parallel_applies(pages.op, role, xq.shape[0]):
+            topk = _interleaved_select(pages.op, cfg, role, ip, xq, qr, angles, state["ikey"], req, rq.pos)
+            state = {**state, "topk": topk}
+        else:
+            topk, cand, _ = select_positions(cfg, role, ip["wq_b"], ip["weights_proj"], xq[:, None], qr[:, None],
+                                             angles, state["ikey"][req], rq.pos[:, None],
+                                             None if cand is None else cand[:, None])
+            state = {**state, "topk": topk[:, 0], "candidates": None if cand is None else cand[:, 0]}
     return cache, state
+
+
+def _tp_axes(op: ShardingContext) -> tuple[str, ...]:
+    return tuple(a for a in ATTN_TP if op.mesh.shape.get(a, 1) > 1)
+
+
+def _spec(op: ShardingContext, axes) -> jax.sharding.NamedSharding:
+    return jax.sharding.NamedSharding(op.mesh, P(*axes))
+
+
+def _rows_over_tp(op: ShardingContext, a):
+    """Constrain ``a``'s leading (row) axis over attention TP (GSPMD moves the data)."""
+    return jax.lax.with_sharding_constraint(a, _spec(op, (_tp_axes(op),) + (None,) * (a.ndim - 1)))
+
+
+def _interleaved_select(op, cfg, role, ip, xq, qr, angles, ikeys, req, pos):
+    """Operator-local indexer QCP on the GSPMD path: query rows interleaved over attention TP (row ``i`` on rank
+    ``i mod N``), each rank projects its rows with every index head and scores them against their prompts'
+    complete keys; the top-k ids are gathered back in row order. Returns ``[Cq, K]`` (replicated)."""
+    n = int(np.prod([op.mesh.shape[a] for a in _tp_axes(op)]))
+    c = xq.shape[0]
+    per = -(-c // n)
+    perm = np.minimum(np.arange(per * n).reshape(per, n).T.reshape(-1), c - 1)    # rank-major interleave
+    inv = np.argsort(np.arange(per * n).reshape(per, n).T.reshape(-1))[:c]
+    take = lambda a: _rows_over_tp(op, a[perm])
+    topk, _, _ = select_positions(cfg, role, ip["wq_b"], ip["weights_proj"], take(xq)[:, None], take(qr)[:, None],
+                                  take(angles), take(ikeys[req]), take(pos)[:, None], None)
+    topk = jax.lax.with_sharding_constraint(topk[:, 0], _spec(op, (None, None)))
+    return topk[inv]
 
 
 def _narrow(a, slots, axis=0):
@@ -382,7 +428,7 @@ def _specs(cfg: ModelConfig, layout: SpanLayout, params, cache, meta):
 def _run(params, cache, meta: SpanMetadata, cfg: ModelConfig, layout: SpanLayout):
     with jax.default_matmul_precision("highest" if cfg.dtype == "float32" else "default"):
         if not layout.query_parallel or layout.n == 1:
-            return _body(params, cache, meta, cfg, _Group((), 1), _Pages(layout.kvp, False))
+            return _body(params, cache, meta, cfg, _Group((), 1), _Pages(layout.kvp, False, layout.operator))
         if meta.n != layout.n:
             raise ValueError(f"span prefill: the metadata plans {meta.n} ranks but query_context_parallel_size is "
                              f"{layout.n}")
