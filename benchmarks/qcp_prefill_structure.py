@@ -41,7 +41,7 @@ def main() -> None:
     from v41cp.config import preset
     from v41cp.serving.decode import init_cache
     from v41cp.serving.span_metadata import build_span_metadata
-    from v41cp.serving.span_prefill import SpanLayout, _attention, _Group, _moe, _Pages, _Rows, prefill_span
+    from v41cp.serving.span_prefill import SpanLayout, _attention, _Group, _moe, _Placement, _Rows, prefill_span
     from v41cp.sharding.hlo_stats import collective_bytes, collectives
     from v41cp.sharding.rules import QCP_RULES, param_shardings
     from v41cp.sharding.topology import ParallelConfig
@@ -93,7 +93,7 @@ def main() -> None:
             if fn_name == "moe":
                 return _moe(cfg, grp, lp["ffn"], x)
             role = reuse if fn_name == "reuse" else reindex
-            y, _, _ = _attention(cfg, role, lp["attn"], grp, _Pages(1, qcp), x, rows, x, rows, meta, cache, state)
+            y, _, _ = _attention(cfg, role, lp["attn"], grp, _Placement(1, qcp), x, rows, x, rows, meta, cache, state)
             return y
 
         lp = params[f"layers_{reuse.index if fn_name != 'reindex' else reindex.index}"]
@@ -101,8 +101,8 @@ def main() -> None:
             if not qcp:
                 return stats(jax.jit(body).trace(lp, x, meta, cache, state).lower().compile(), t)
             rank = P(axes)
-            mspec = type(meta)(*(rank,) * 5, *(P(),) * 6, meta.n, meta.capacity, meta.dec_capacity, meta.span,
-                               meta.ced)
+            mspec = type(meta)(*(rank,) * 5, *(P(),) * 7, meta.n, meta.capacity, meta.dec_capacity, meta.span,
+                               meta.ced, meta.continued)
             sspec = {"ckv": P(), "ikey": P(), "topk": rank}
             lspec = pspec[f"layers_{reuse.index if fn_name != 'reindex' else reindex.index}"]
             f = jax.shard_map(body, mesh=mesh, in_specs=(lspec, rank, mspec, jax.tree.map(lambda _: P(), cache),

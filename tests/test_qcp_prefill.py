@@ -68,21 +68,30 @@ def _same_records(got: np.ndarray, want: np.ndarray, key: str) -> None:
     assert (steps == 1).all(), (key, g, w)
 
 
-def _prefill(setup, n=1, kvp=1, ced=False):
+def _prefill(setup, n=1, kvp=1, ced=False, chunk=None):
+    """Span prefill of the setup's prompts over ``n`` ranks (KVP ``kvp``), whole or in passes of ``chunk`` rows
+    (later passes continue from the cached history). Returns (last-row logits, cache by virtual block, meta)."""
     cfg, params, prompts, tables, slots = setup
-    meta = build_span_metadata(cfg, prompts, n, slots=slots, block_tables=tables, span=SPAN, ced=ced)
+    totals = np.array([len(p) for p in prompts])
     if n == 1:
-        cache = init_cache(cfg, NUM_BLOCKS, BLOCK, len(prompts))
-        logits, cache = prefill_span(params, cache, meta, cfg)
-        return np.asarray(logits), _virtual(cache, 1), meta
-    par = ParallelConfig(tp_size=n, query_context_parallel_size=n, kv_parallel_size=kvp,
-                         decode_context_parallel_size=kvp)
-    mesh = par.make_mesh()
-    plan = DCPPlan.build(cfg, par, mesh) if kvp > 1 else None
-    cache = init_cache(cfg, NUM_BLOCKS, BLOCK, len(prompts), NamedSharding(mesh, P()), plan=plan)
-    sharded = model.shard_params(params, cfg, mesh, par.rules())
-    logits, cache = prefill_span(sharded, cache, meta, cfg, SpanLayout.from_parallel(par, mesh))
-    return np.asarray(logits), _virtual(cache, kvp), meta
+        cache, prm, layout = init_cache(cfg, NUM_BLOCKS, BLOCK, len(prompts)), params, SpanLayout()
+    else:
+        par = ParallelConfig(tp_size=n, query_context_parallel_size=n, kv_parallel_size=kvp,
+                             decode_context_parallel_size=kvp)
+        mesh = par.make_mesh()
+        plan = DCPPlan.build(cfg, par, mesh) if kvp > 1 else None
+        cache = init_cache(cfg, NUM_BLOCKS, BLOCK, len(prompts), NamedSharding(mesh, P()), plan=plan)
+        prm, layout = model.shard_params(params, cfg, mesh, par.rules()), SpanLayout.from_parallel(par, mesh)
+    chunk = chunk or int(totals.max())
+    logits = np.zeros((len(prompts), cfg.vocab_size), np.float32)
+    for start in range(0, int(totals.max()), chunk):
+        starts, ends = np.minimum(start, totals), np.minimum(start + chunk, totals)
+        meta = build_span_metadata(cfg, prompts, n, starts=starts, ends=ends, slots=slots, block_tables=tables,
+                                   span=SPAN, ced=ced)
+        got, cache = prefill_span(prm, cache, meta, cfg, layout)
+        last = (starts < ends) & (ends == totals)
+        logits[last] = np.asarray(got)[last]
+    return logits, _virtual(cache, kvp), meta
 
 
 @pytest.fixture(scope="module")
@@ -205,12 +214,28 @@ def test_model_wide_qcp_equals_unsharded(setup, unsharded, n):
         np.testing.assert_array_equal(c1[k], cn[k], err_msg=k)
 
 
+@pytest.mark.parametrize("n", [1, 4])
+def test_chunked_span_prefill_continues_from_cached_history(setup, unsharded, n):
+    """Passes of 7 rows (odd starts: a compression pair spans two passes through the cached open pair; window rows
+    from the SWA ring; compressed entries and index keys read back from the pages — under KVP 4 every rank
+    gathers the same history from the page owners) equal the one-pass prefill."""
+    want, want_c, _ = unsharded[False]
+    logits, cache, meta = _prefill(setup, n, n, chunk=7)
+    assert meta.continued
+    live = np.array(LENGTHS) > 0
+    assert rel_err(logits[live], want[live]) <= 1e-5
+    np.testing.assert_array_equal(logits[live].argmax(-1), want[live].argmax(-1))
+    for k in want_c:
+        assert rel_err(cache[k], want_c[k]) <= 1e-5, k
+
+
 def test_engine_with_qcp_and_dcp_decode_equals_single_device(serial_run):
-    """QCP 4 prefill (CED on) hands its caches to DCP decode over KVP 4 pages: the same tokens as the
-    single-device token-serial engine, logits ≤ 1e-5."""
+    """QCP 4 prefill (CED on, passes of 8 rows) hands its caches to DCP decode over KVP 4 pages: the same tokens
+    as the single-device token-serial engine, logits ≤ 1e-5."""
     cfg, params, cap, _, _, (out, last, _, gen) = serial_run
     par = ParallelConfig(tp_size=4, query_context_parallel_size=4, kv_parallel_size=4, decode_context_parallel_size=4)
-    eng, _, (q_out, q_last, _, q_gen) = _engine_run(params, cfg, Capacity(**{**cap.__dict__, "ced": True}), par)
+    eng, _, (q_out, q_last, _, q_gen) = _engine_run(params, cfg, Capacity(**{**cap.__dict__, "ced": True,
+                                                                              "span_chunk": 8}), par)
     assert q_out == out and q_gen == gen
     assert max(rel_err(a, b) for a, b in zip(q_last, last)) <= 1e-5
     assert eng.span and eng.plan is not None

@@ -45,9 +45,12 @@ class Capacity:
     # prefill admissions in one pass per round (`v41cp.serving.span_prefill`) instead of token-serial chunks;
     # always on under model-wide QCP
     span_prefill: bool = False
+    span_chunk: int | None = None          # span prefill rows per request per pass (None: the whole prompt)
     max_waiting: int = 64                  # queued requests beyond this are rejected at submit
 
     def __post_init__(self):
+        if self.span_chunk is not None and (type(self.span_chunk) is not int or self.span_chunk <= 0):
+            raise ValueError(f"capacity span_chunk must be a positive integer or None, got {self.span_chunk!r}")
         for name in ("max_batch", "max_tokens", "block_tokens", "prefill_chunk"):
             v = getattr(self, name)
             if type(v) is not int or v <= 0:
@@ -268,33 +271,42 @@ class Engine:
         self.stats["prefill_s"] += time.perf_counter() - t0
         self._finish_if_done(req)
 
-    def span_buckets(self, lengths: list[int]) -> dict:
-        """Static buckets of a span prefill round: prompt span (power of two ≥ 8, at most the capacity's
-        tokens rounded to 8) and per-rank rows (power of two), so few shapes compile."""
+    def span_buckets(self, lengths, starts=None, totals=None) -> dict:
+        """Static buckets of a span prefill pass over chunks of ``lengths`` rows: span (power of two ≥ 8, at
+        most the capacity's tokens rounded to 8) and per-rank rows (powers of two), so few shapes compile."""
         pow2 = lambda x: 1 << max(int(x) - 1, 0).bit_length()
         span = min(max(8, pow2(max(lengths))), round_up(self.capacity.max_tokens, 8))
-        rows, dec_rows = row_capacities(self.cfg, lengths, self.query_ranks, self.capacity.ced)
+        rows, dec_rows = row_capacities(self.cfg, lengths, self.query_ranks, self.capacity.ced, starts, totals)
         return {"span": span, "capacity": pow2(rows), "dec_capacity": pow2(dec_rows)}
 
     def _prefill_span(self, reqs: list[_Request]) -> None:
-        """Prefill ``reqs`` (fresh prompts) in one span-prefill pass; batch rows past them are idle."""
+        """Prefill ``reqs`` (fresh prompts) by span-prefill passes of at most ``span_chunk`` rows per request
+        (later passes continue from the cached history); batch rows past them are idle."""
         t0 = time.perf_counter()
         cfg, b = self.cfg, self.capacity.max_batch
         prompts = [r.prompt for r in reqs] + [[]] * (b - len(reqs))
+        totals = np.array([len(p) for p in prompts], np.int32)
+        chunk = self.capacity.span_chunk or int(totals.max())
         slots = [self.alloc.slot(r.rid) for r in reqs] + [0] * (b - len(reqs))
         tables = np.full((b, self.capacity.max_blocks), -1, np.int32)
         for i, r in enumerate(reqs):
             tables[i] = self._table(r.rid)
-        meta = build_span_metadata(cfg, prompts, self.query_ranks, slots=slots, block_tables=tables,
-                                   ced=self.capacity.ced, **self.span_buckets([len(p) for p in prompts]))
-        logits, self.cache = prefill_span(self.params, self.cache, meta, cfg, self.span_layout)
-        logits = np.asarray(logits)
-        for i, req in enumerate(reqs):
-            req.last_logits = logits[i]
-            req.output.append(sample_token(logits[i], req.sampling, 0))
+        for start in range(0, int(totals.max()), chunk):
+            starts = np.minimum(start, totals)
+            ends = np.minimum(start + chunk, totals)
+            meta = build_span_metadata(cfg, prompts, self.query_ranks, starts=starts, ends=ends, slots=slots,
+                                       block_tables=tables, ced=self.capacity.ced,
+                                       **self.span_buckets(ends - starts, starts, totals))
+            logits, self.cache = prefill_span(self.params, self.cache, meta, cfg, self.span_layout)
+            logits = np.asarray(logits)
+            for i, req in enumerate(reqs):
+                if starts[i] < ends[i] == totals[i]:                 # this pass holds the prompt's last row
+                    req.last_logits = logits[i]
+                    req.output.append(sample_token(logits[i], req.sampling, 0))
+        for req in reqs:
             n = len(req.prompt)
             self.stats["prefill_tokens"] += n
-            if meta.ced:
+            if self.capacity.ced and ced_boundary(cfg) is not None:
                 self.stats["ced_encoder_only_rows"] += max(0, n - ced_rows(cfg))
         self.stats["prefill_s"] += time.perf_counter() - t0
         for req in reqs:

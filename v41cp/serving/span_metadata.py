@@ -15,7 +15,10 @@ length; rank-major: the all-gather of the local rows is ``[N·C, ·]``):
   ``[N·Cd]`` layout (``N·Cd`` = not retained). Without CED these equal the full layout;
 * ``sampled [B]`` — position of each prompt's last row in the (narrowed) gathered layout (−1 = empty row);
 * ``lengths / slots [B]``, ``block_tables [B, max_blocks]`` — where the caches are written (an empty row,
-  length 0, writes nothing).
+  length 0, writes nothing);
+* ``starts [B]`` — tokens of each prompt already in the caches (a later chunk); ``positions`` are absolute
+  (``starts + row``), ``span_index`` is chunk-relative. ``continued`` (static) = some start > 0: the
+  prefill then reads the cached history (SWA rings, open ratio-2 pairs, pages).
 
 Every host builds the same metadata from the prompts alone; `n`, `capacity`, `dec_capacity`, `span` and
 `ced` are static (the compile bucket).
@@ -41,12 +44,12 @@ def round_up(x: int, m: int) -> int:
 
 @partial(jax.tree_util.register_dataclass,
          data_fields=["tokens", "positions", "requests", "engram_ids", "dec_slots", "span_index", "dec_span_index",
-                      "sampled", "lengths", "slots", "block_tables"],
-         meta_fields=["n", "capacity", "dec_capacity", "span", "ced"])
+                      "sampled", "lengths", "starts", "slots", "block_tables"],
+         meta_fields=["n", "capacity", "dec_capacity", "span", "ced", "continued"])
 @dataclasses.dataclass(frozen=True)
 class SpanMetadata:
     """See the module docstring. The first five fields are per rank (leading axis ``N``, sharded over
-    attention TP under QCP); the rest are replicated."""
+    attention TP under QCP); the next seven are replicated."""
 
     tokens: np.ndarray
     positions: np.ndarray
@@ -57,6 +60,7 @@ class SpanMetadata:
     dec_span_index: np.ndarray
     sampled: np.ndarray
     lengths: np.ndarray
+    starts: np.ndarray
     slots: np.ndarray
     block_tables: np.ndarray
     n: int
@@ -64,43 +68,61 @@ class SpanMetadata:
     dec_capacity: int
     span: int
     ced: bool
+    continued: bool
 
     @property
     def batch(self) -> int:
         return int(self.lengths.shape[0])
 
 
-def _retained(cfg: ModelConfig, plan: QueryShardPlan, lengths: np.ndarray, ced: bool):
-    """CED decoder rows of each local slot ``[N, C]`` bool (None without a CED boundary / CED off)."""
+def _retained(cfg: ModelConfig, plan: QueryShardPlan, starts: np.ndarray, totals: np.ndarray, ced: bool):
+    """CED decoder rows of each local slot ``[N, C]`` bool: the last `ced_rows` rows of each prompt of ``totals``
+    tokens (this chunk starts at ``starts``). None without a CED boundary / CED off."""
     from v41cp.serving.decode import ced_boundary, ced_rows
 
     if not ced or ced_boundary(cfg) is None:
         return None
     req, pos = plan.request_of_slot(), plan.positions()
-    return (req >= 0) & (pos >= lengths[np.maximum(req, 0)] - ced_rows(cfg))
+    r = np.maximum(req, 0)
+    return (req >= 0) & (starts[r] + pos >= totals[r] - ced_rows(cfg))
 
 
-def row_capacities(cfg: ModelConfig, lengths, n: int, ced: bool = False) -> tuple[int, int]:
-    """The smallest (per-rank rows, per-rank CED decoder rows) buckets that fit prompts of ``lengths``."""
+def row_capacities(cfg: ModelConfig, lengths, n: int, ced: bool = False, starts=None,
+                   totals=None) -> tuple[int, int]:
+    """The smallest (per-rank rows, per-rank CED decoder rows) buckets that fit chunks of ``lengths`` rows
+    (starting at ``starts`` of prompts of ``totals`` tokens; default: whole prompts)."""
     lengths = np.asarray(lengths, np.int32)
+    starts = np.zeros_like(lengths) if starts is None else np.asarray(starts, np.int32)
+    totals = starts + lengths if totals is None else np.asarray(totals, np.int32)
     plan = QueryShardPlan.build(lengths, n)
-    keep = _retained(cfg, plan, lengths, ced)
+    keep = _retained(cfg, plan, starts, totals, ced)
     return plan.capacity, plan.capacity if keep is None else max(int(keep.sum(axis=1).max()), 1)
 
 
-def build_span_metadata(cfg: ModelConfig, prompts, n: int = 1, *, slots=None, block_tables=None, span=None,
-                        capacity=None, dec_capacity=None, ced: bool = False) -> SpanMetadata:
+def build_span_metadata(cfg: ModelConfig, prompts, n: int = 1, *, starts=None, ends=None, slots=None,
+                        block_tables=None, span=None, capacity=None, dec_capacity=None,
+                        ced: bool = False) -> SpanMetadata:
     """Metadata of prefilling ``prompts`` (token-id lists; an empty list is an idle batch row) over ``n``
-    ranks. ``slots [B]`` / ``block_tables [B, MB]`` locate the caches (default: slot ``b``, no pages);
+    ranks: rows ``[starts[b], ends[b])`` of prompt ``b`` (default: all of it). ``starts > 0`` continues a
+    prefill whose first ``starts[b]`` tokens are already in the caches (a later chunk; ``continued``).
+    ``slots [B]`` / ``block_tables [B, MB]`` locate the caches (default: slot ``b``, no pages);
     ``span`` / ``capacity`` / ``dec_capacity`` are the static buckets (default: the smallest that fit,
-    ``span`` a multiple of 8). Errors name the offending value."""
+    ``span`` a multiple of 8). CED retains the last `ced_rows` rows of each whole prompt. Errors name the
+    offending value."""
     from v41cp.engram_hash import engram_hash_ids
 
     prompts = [list(map(int, p)) for p in prompts]
-    lengths = np.array([len(p) for p in prompts], np.int32)
     b = len(prompts)
     if b == 0:
         raise ValueError("span prefill: no prompts")
+    totals = np.array([len(p) for p in prompts], np.int32)
+    starts = np.zeros(b, np.int32) if starts is None else np.asarray(starts, np.int32)
+    ends = totals.copy() if ends is None else np.asarray(ends, np.int32)
+    if starts.shape != (b,) or ends.shape != (b,) or (starts < 0).any() or (ends < starts).any() \
+            or (ends > totals).any():
+        raise ValueError(f"span prefill: chunk bounds starts={starts.tolist()} ends={ends.tolist()} do not fit "
+                         f"prompts of {totals.tolist()} tokens")
+    lengths = (ends - starts).astype(np.int32)
     for i, p in enumerate(prompts):
         bad = [t for t in p if not 0 <= t < cfg.vocab_size]
         if bad:
@@ -118,11 +140,16 @@ def build_span_metadata(cfg: ModelConfig, prompts, n: int = 1, *, slots=None, bl
     tokens = np.zeros((n, c), np.int32)
     n_eng = len(cfg.engram_layer_ids)
     eng = np.zeros((n, c, n_eng, cfg.engram_hash_heads if n_eng else 0), np.int32)
-    hashed = [engram_hash_ids(cfg, np.asarray([p]))[0] if n_eng and p else None for p in prompts]
+    # hashing looks back max_ngram − 1 tokens: hash from there to the chunk's end
+    back = np.maximum(starts - max(cfg.engram_max_ngram_size - 1, 0), 0)
+    hashed = [engram_hash_ids(cfg, np.asarray([p[back[i]:ends[i]]]))[0] if n_eng and ends[i] > starts[i] else None
+              for i, p in enumerate(prompts)]
+    pos = pos + np.where(ok, starts[np.maximum(req, 0)], 0)                  # absolute positions
     for r, k in zip(*np.nonzero(ok)):
-        tokens[r, k] = prompts[req[r, k]][pos[r, k]]
+        i = req[r, k]
+        tokens[r, k] = prompts[i][pos[r, k]]
         if n_eng:
-            eng[r, k] = hashed[req[r, k]][pos[r, k]]
+            eng[r, k] = hashed[i][pos[r, k] - back[i]]
     offsets = np.concatenate([[0], np.cumsum(lengths)])
 
     def span_map(where: np.ndarray, size: int) -> np.ndarray:
@@ -133,7 +160,7 @@ def build_span_metadata(cfg: ModelConfig, prompts, n: int = 1, *, slots=None, bl
         return out
 
     span_index = span_map(plan.restore, n * c)
-    keep = _retained(cfg, plan, lengths, ced)
+    keep = _retained(cfg, plan, starts, totals, ced)
     if keep is None:
         dec_slots = np.where(ok, np.arange(c)[None], -1).astype(np.int32)
         cd, dec_span_index = c, span_index
@@ -161,5 +188,5 @@ def build_span_metadata(cfg: ModelConfig, prompts, n: int = 1, *, slots=None, bl
         raise ValueError(f"span prefill: slots {slots.shape} / block_tables {block_tables.shape} do not match "
                          f"the batch of {b} prompts")
     return SpanMetadata(tokens, pos.astype(np.int32), req.astype(np.int32), eng, dec_slots, span_index,
-                        dec_span_index.astype(np.int32), sampled.astype(np.int32), lengths, slots, block_tables,
-                        n, c, cd, s, keep is not None)
+                        dec_span_index.astype(np.int32), sampled.astype(np.int32), lengths, starts, slots,
+                        block_tables, n, c, cd, s, keep is not None, bool((starts > 0).any()))

@@ -52,7 +52,7 @@ from v41cp.layers.mhc import HyperConnection, collapse, expand
 from v41cp.layers.moe import dense_route_weights, expert_weights, route, routed_output, shared_output
 from v41cp.layers.rope import apply_rope, rope_angles
 from v41cp.quant import fp8_block32, mxfp4_block32, nvfp4_block16
-from v41cp.serving.decode import _write
+from v41cp.serving.decode import _read, _store_rows, _write
 from v41cp.serving.span_metadata import SpanMetadata
 from v41cp.sharding.mesh import ATTN_TP, CP
 from v41cp.sharding.rules import ShardingContext
@@ -191,42 +191,62 @@ def _engram(cfg: ModelConfig, grp: _Group, slot: int, p: dict, streams, ids):
     return engram_mix(cfg, streams, got[None], p["wkv"], p["q_weight"], p["k_weight"])
 
 
-class _Pages(NamedTuple):
-    """Where page writes land: ``kvp`` ranks own pages cyclically; ``in_map`` = inside the QCP shard_map
-    (the pools are the rank's local rows) else GSPMD over the global pool."""
+class _Placement(NamedTuple):
+    """Where page writes land and how operators split: ``kvp`` ranks own pages cyclically; ``in_map`` =
+    inside the QCP shard_map (the pools are the rank's local rows) else GSPMD over the global pool; ``op`` =
+    operator-local QCP settings (GSPMD path)."""
 
     kvp: int
     in_map: bool
-    op: ShardingContext | None = None        # operator-local QCP (GSPMD path)
+    op: ShardingContext | None = None
 
 
-def _page_rows(pages: _Pages, v: jax.Array, pool_rows: int) -> jax.Array:
+def _page_rows(place: _Placement, v: jax.Array, pool_rows: int) -> jax.Array:
     """Virtual block ids ``v`` (−1 = none) → pool rows to write (``pool_rows`` = out of bounds, dropped)."""
-    if pages.kvp == 1:
+    if place.kvp == 1:
         return jnp.where(v >= 0, v, pool_rows)
-    if pages.in_map:
-        own = (v >= 0) & (v % pages.kvp == jax.lax.axis_index(CP))
-        return jnp.where(own, v // pages.kvp, pool_rows)
-    return jnp.where(v >= 0, (v % pages.kvp) * (pool_rows // pages.kvp) + v // pages.kvp, pool_rows)
+    if place.in_map:
+        own = (v >= 0) & (v % place.kvp == jax.lax.axis_index(CP))
+        return jnp.where(own, v // place.kvp, pool_rows)
+    return jnp.where(v >= 0, (v % place.kvp) * (pool_rows // place.kvp) + v // place.kvp, pool_rows)
 
 
-def _store_rows(store) -> int:
-    return (store["q"] if isinstance(store, dict) else store).shape[0]
-
-
-def _write_entries(cfg, pages: _Pages, store, values, meta: SpanMetadata, ratio: int, fmt: str):
-    """Complete entries ``values [B, G, ·]`` (entry ``j`` covers positions ``[j·r, (j+1)·r)``) → their pages."""
-    b, g = values.shape[:2]
+def _write_entries(cfg, place: _Placement, store, values, j, ok, block_tables, fmt: str):
+    """Entries ``values [B, Gn, ·]`` with absolute ids ``j [B, Gn]`` (written where ``ok``) → their pages
+    (entry ``j`` in block-table position ``j // epb`` at row ``j % epb``)."""
     epb = (store["s"] if isinstance(store, dict) else store).shape[1]
-    j = jnp.arange(g)
-    mb = meta.block_tables.shape[1]
-    v = jnp.take_along_axis(meta.block_tables, jnp.minimum(j // epb, mb - 1)[None].repeat(b, 0), axis=1)
-    v = jnp.where((j[None] < (meta.lengths // ratio)[:, None]) & (j[None] // epb < mb), v, -1)
-    rows = _page_rows(pages, v, _store_rows(store))
-    return _write(cfg, store, (rows, jnp.broadcast_to(j % epb, (b, g))), values, fmt)
+    mb = block_tables.shape[1]
+    v = jnp.take_along_axis(block_tables, jnp.clip(j // epb, 0, mb - 1), axis=1)
+    v = jnp.where(ok & (j // epb < mb), v, -1)
+    rows = _page_rows(place, v, _store_rows(store))
+    return _write(cfg, store, (rows, j % epb), values, fmt)
 
 
-def _attention(cfg: ModelConfig, role: LayerRole, p: dict, grp: _Group, pages: _Pages, xq, rq: _Rows, xkv,
+def _read_pages(cfg, place: _Placement, store, block_tables, fmt: str, dtype):
+    """A request's entries from its pages ``[B, MB·epb, ·]`` decoded to ``dtype`` (zeros for −1 pages). Under
+    KVP every rank contributes the pages it owns and one all-reduce over the group gives every rank the same
+    history (records move as stored bytes: one non-zero term per page)."""
+    leaves = store if isinstance(store, dict) else {"v": store}
+    rows = _store_rows(store)
+    v = block_tables
+    if place.kvp > 1 and place.in_map:
+        own = (v >= 0) & (v % place.kvp == jax.lax.axis_index(CP))
+        idx = jnp.where(own, v // place.kvp, 0)
+        got = {k: jax.lax.psum(jnp.where(own[..., None, None], a[idx], jnp.zeros((), a.dtype)), CP)
+               for k, a in leaves.items()}
+    else:
+        idx = jnp.maximum(_page_rows(place, v, rows), 0) if place.kvp > 1 else jnp.maximum(v, 0)
+        got = {k: jnp.where((v >= 0)[..., None, None], a[jnp.minimum(idx, rows - 1)], jnp.zeros((), a.dtype))
+               for k, a in leaves.items()}
+    flat = {k: a.reshape(a.shape[0], -1, a.shape[-1]) for k, a in got.items()}
+    if isinstance(store, dict):
+        from v41cp.serving.records import decode
+
+        return decode(flat["q"], flat["s"], fmt, dtype)
+    return flat["v"].astype(dtype)
+
+
+def _attention(cfg: ModelConfig, role: LayerRole, p: dict, grp: _Group, place: _Placement, xq, rq: _Rows, xkv,
                rkv: _Rows, meta: SpanMetadata, cache: dict, state: dict):
     """One layer's attention for query rows ``xq [Cq, H]`` (layout ``rq``); window KV and compressor inputs
     from rows ``xkv`` (layout ``rkv``: the same rows, or every row at the CED boundary). Writes this layer's
@@ -243,28 +263,39 @@ def _attention(cfg: ModelConfig, role: LayerRole, p: dict, grp: _Group, pages: _
                                  cfg.rms_norm_eps)[:, None], akv)[:, 0]
     kv_raw = grp.to_span(kv_loc, rkv.index)                                          # [B,S,D] span order
     kv = fp8_block32(kv_raw) if cfg.fake_quant else kv_raw
-    # SWA ring: the last W positions of each prompt
-    last = meta.lengths[:, None] - w + jnp.arange(w)[None]                           # [B,W]
-    at = jnp.where((last >= 0) & (meta.lengths > 0)[:, None], meta.slots[:, None], cache_slots(cache))
-    ring_vals = jnp.take_along_axis(kv_raw, jnp.maximum(last, 0)[..., None], axis=1)
+    # the window rows before the chunk (positions start − W … start − 1): the SWA ring, read before it is written
+    start = meta.starts
+    hist_pos = start[:, None] - w + jnp.arange(w)[None]                             # [B,W]
+    if meta.continued:
+        slot_r = jnp.clip(meta.slots, 0, cache_slots(cache) - 1)
+        ring = _read(cache["swa"], "fp8", kv.dtype, lambda a: a[role.index][slot_r])
+        hist = jnp.take_along_axis(ring, (hist_pos % w)[..., None], axis=1)
+    else:
+        hist = jnp.zeros((b, w, kv.shape[-1]), kv.dtype)
+    kv_ext = jnp.concatenate([hist, kv], axis=1)                 # [B, W+S, D]: column c = position start − W + c
+    present_ext = jnp.concatenate([hist_pos >= 0, rkv.present], axis=1)
+    # SWA ring: the last W positions of the chunk
+    last = start[:, None] + meta.lengths[:, None] - w + jnp.arange(w)[None]          # [B,W] absolute
+    at = jnp.where((last >= start[:, None]) & (last >= 0), meta.slots[:, None], cache_slots(cache))
+    ring_vals = jnp.take_along_axis(kv_raw, jnp.clip(last - start[:, None], 0, s - 1)[..., None], axis=1)
     cache = {**cache, "swa": _write(cfg, cache["swa"], (role.index, at, jnp.maximum(last, 0) % w), ring_vals, "fp8")}
     if compressed:
-        cache, state = _compressed(cfg, role, p, grp, pages, xq, rq, angles, qr, xkv, rkv, meta, cache, state)
+        cache, state = _compressed(cfg, role, p, grp, place, xq, rq, angles, qr, xkv, rkv, meta, cache, state)
     # window keys of each query row (oldest first) + the selected compressed entries
     req = jnp.maximum(rq.req, 0)
-    widx = rq.pos[:, None] - (w - 1) + jnp.arange(w)[None]
-    wcl = jnp.clip(widx, 0, s - 1)
-    keys = kv[req[:, None], wcl]                                                     # [Cq,W,D]
-    valid = (widx >= 0) & rkv.present[req[:, None], wcl]                            # rows of the KV layout
+    cols = (rq.pos - start[req])[:, None] + 1 + jnp.arange(w)[None]                  # positions pos − W + 1 … pos
+    cols = jnp.clip(cols, 0, w + s - 1)
+    keys = kv_ext[req[:, None], cols]                                                # [Cq,W,D]
+    valid = present_ext[req[:, None], cols] & (rq.pos[:, None] - (w - 1) + jnp.arange(w)[None] >= 0)
     if compressed and state["topk"].shape[-1]:
         sel = state["topk"]                                                          # [Cq,K]
         keys = jnp.concatenate([keys, state["ckv"][req[:, None], jnp.maximum(sel, 0)]], axis=1)
         valid = jnp.concatenate([valid, sel >= 0], axis=1)
-    if pages.op is not None and attention_query_parallel_applies(pages.op, cfg, role, xq.shape[0]):
+    if place.op is not None and attention_query_parallel_applies(place.op, cfg, role, xq.shape[0]):
         # operator-local attention QCP: rows (with every head) over attention TP, then back to the head layout
-        q, keys, valid = (_rows_over_tp(pages.op, a) for a in (q, keys, valid))
+        q, keys, valid = (_rows_over_tp(place.op, a) for a in (q, keys, valid))
         o = sink_attention(q, keys[:, None], valid[:, None], p["attn_sink"])
-        o = jax.lax.with_sharding_constraint(o, _spec(pages.op, (None, None, _tp_axes(pages.op), None)))
+        o = jax.lax.with_sharding_constraint(o, _spec(place.op, (None, None, _tp_axes(place.op), None)))
     else:
         o = sink_attention(q, keys[:, None], valid[:, None], p["attn_sink"])         # [Cq,1,nh,D]
     o = apply_rope(o, angles, inverse=True).reshape(o.shape[0], 1, cfg.o_groups, -1)
@@ -279,7 +310,7 @@ def cache_slots(cache: dict) -> int:
     return swa.shape[1]
 
 
-def _compressed(cfg, role, p, grp, pages, xq, rq, angles, qr, xkv, rkv, meta, cache, state):
+def _compressed(cfg, role, p, grp, place, xq, rq, angles, qr, xkv, rkv, meta, cache, state):
     """Compressed KV / index keys from the complete span (KV sources; written to the pages) and the selection
     of the query rows (index sources)."""
     dt = dtype_of(cfg.dtype)
@@ -287,44 +318,63 @@ def _compressed(cfg, role, p, grp, pages, xq, rq, angles, qr, xkv, rkv, meta, ca
     src = str(role.kv_source)
     if role.is_kv_source:
         r, comp = role.ratio, p["compressor"]
+        start, end = meta.starts, meta.starts + meta.lengths
+        slot_r = jnp.clip(meta.slots, 0, cache_slots(cache) - 1)
         if r == 1:
             lat = rms_norm(xkv @ comp["wkv"].astype(xkv.dtype), comp["norm"]["weight"], cfg.rms_norm_eps)
-            latent = grp.to_span(lat, rkv.index)                                     # [B,S,D]
+            latent = grp.to_span(lat, rkv.index)                                     # [B,S,D] (chunk rows)
+            j = start[:, None] + jnp.arange(s)[None]                                 # entry = position
         else:
             xf = xkv.astype(jnp.float32)
             c = grp.to_span(jnp.einsum("ch,hd->cd", xf, comp["wkv"], precision=jax.lax.Precision.HIGHEST), rkv.index)
             z = grp.to_span(jnp.einsum("ch,hd->cd", xf, comp["wgate"], precision=jax.lax.Precision.HIGHEST),
                             rkv.index)
-            g = s // r
-            pooled = jnp.sum(c[:, :g * r].reshape(b, g, r, -1) * jax.nn.softmax(z[:, :g * r].reshape(b, g, r, -1),
-                                                                                axis=2), axis=2)
+            # entries j whose pair (2j, 2j+1) ends in this chunk; the pair's first row before the chunk (an odd
+            # start) is the cached open pair
+            j = start[:, None] // 2 + jnp.arange(s // 2 + meta.continued)[None]
+            row = lambda a, i: jnp.take_along_axis(a, jnp.clip(i, 0, s - 1)[..., None], axis=1)
+            p0 = 2 * j - start[:, None]
+            opened = lambda name: cache[name][src][slot_r][:, None]
+            c0 = jnp.where((p0 < 0)[..., None], opened("open_kv"), row(c, p0)) if meta.continued else row(c, p0)
+            z0 = jnp.where((p0 < 0)[..., None], opened("open_score"), row(z, p0)) if meta.continued else row(z, p0)
+            pair_c, pair_z = jnp.stack([c0, row(c, p0 + 1)], axis=2), jnp.stack([z0, row(z, p0 + 1)], axis=2)
+            pooled = jnp.sum(pair_c * jax.nn.softmax(pair_z, axis=2), axis=2)
             latent = rms_norm(pooled.astype(dt), comp["norm"]["weight"], cfg.rms_norm_eps)
-            # the open pair's first row, as the token-serial path leaves it (its last even position)
-            first = jnp.maximum(2 * ((meta.lengths - 1) // 2), 0)
-            at = jnp.where(meta.lengths > 0, meta.slots, cache_slots(cache))
-            pick = lambda a: jnp.take_along_axis(a, first[:, None, None], axis=1)[:, 0]
+            # the open pair's first row, as the token-serial path leaves it: the chunk's last even position
+            first = 2 * ((end - 1) // 2)
+            at = jnp.where((meta.lengths > 0) & (first >= start), meta.slots, cache_slots(cache))
+            pick = lambda a: row(a, (first - start)[:, None])[:, 0]
             cache = {**cache,
                      "open_kv": {**cache["open_kv"], src: cache["open_kv"][src].at[at].set(pick(c), mode="drop")},
                      "open_score": {**cache["open_score"],
                                     src: cache["open_score"][src].at[at].set(pick(z), mode="drop")}}
-        g = latent.shape[1]
-        cang = rope_angles(cfg, jnp.broadcast_to(jnp.arange(g) * r, (b, g)), True)
+        complete = (j + 1) * r <= end[:, None]                                         # [B, Gn]
+        cang = rope_angles(cfg, j * r, True)
         ckv_raw = apply_rope(latent, cang)
         ip = p["indexer"]
         ik_raw = apply_rope(rms_norm(jnp.einsum("bgd,de->bge", latent, ip["wk"].astype(latent.dtype)),
                                      ip["k_norm"]["weight"], cfg.rms_norm_eps), cang)
+        new_ckv = nvfp4_block16(ckv_raw) if cfg.fake_quant else ckv_raw
+        new_ik = mxfp4_block32(ik_raw) if cfg.fake_quant else ik_raw
+        if meta.continued:         # every rank reads the same history: the request's pages (from their owners)
+            hist_ckv = _read_pages(cfg, place, cache["ckv"][src], meta.block_tables, "nvfp4", dt)
+            hist_ik = _read_pages(cfg, place, cache["ikey"][src], meta.block_tables, "mxfp4", dt)
+            put = lambda hist, new: hist.at[jnp.arange(b)[:, None], jnp.where(complete, j, hist.shape[1])].set(
+                new.astype(hist.dtype), mode="drop")
+            state = {"ckv": put(hist_ckv, new_ckv), "ikey": put(hist_ik, new_ik)}
+        else:
+            state = {"ckv": new_ckv, "ikey": new_ik}
         cache = {**cache,
-                 "ckv": {**cache["ckv"], src: _write_entries(cfg, pages, cache["ckv"][src], ckv_raw, meta, r, "nvfp4")},
-                 "ikey": {**cache["ikey"], src: _write_entries(cfg, pages, cache["ikey"][src], ik_raw, meta, r,
-                                                               "mxfp4")}}
-        state = {"ckv": nvfp4_block16(ckv_raw) if cfg.fake_quant else ckv_raw,
-                 "ikey": mxfp4_block32(ik_raw) if cfg.fake_quant else ik_raw}
+                 "ckv": {**cache["ckv"], src: _write_entries(cfg, place, cache["ckv"][src], ckv_raw, j, complete,
+                                                             meta.block_tables, "nvfp4")},
+                 "ikey": {**cache["ikey"], src: _write_entries(cfg, place, cache["ikey"][src], ik_raw, j, complete,
+                                                               meta.block_tables, "mxfp4")}}
     if role.is_index_source:
         ip = p["indexer"]
         req = jnp.maximum(rq.req, 0)
         cand = state.get("candidates")
-        if pages.op is not None and query_parallel_applies(pages.op, role, xq.shape[0]):
-            topk = _interleaved_select(pages.op, cfg, role, ip, xq, qr, angles, state["ikey"], req, rq.pos)
+        if place.op is not None and query_parallel_applies(place.op, role, xq.shape[0]):
+            topk = _interleaved_select(place.op, cfg, role, ip, xq, qr, angles, state["ikey"], req, rq.pos)
             state = {**state, "topk": topk}
         else:
             topk, cand, _ = select_positions(cfg, role, ip["wq_b"], ip["weights_proj"], xq[:, None], qr[:, None],
@@ -367,7 +417,7 @@ def _narrow(a, slots, axis=0):
     return jnp.take(a, jnp.maximum(slots, 0), axis=axis)
 
 
-def _body(params, cache, meta: SpanMetadata, cfg: ModelConfig, grp: _Group, pages: _Pages):
+def _body(params, cache, meta: SpanMetadata, cfg: ModelConfig, grp: _Group, place: _Placement):
     local = lambda a: a[0] if grp.n > 1 or a.shape[0] == 1 else a
     tokens, pos, req, eng, dec = (local(a) for a in (meta.tokens, meta.positions, meta.requests, meta.engram_ids,
                                                       meta.dec_slots))
@@ -398,7 +448,7 @@ def _body(params, cache, meta: SpanMetadata, cfg: ModelConfig, grp: _Group, page
         x = norm(collapse(streams, pre), p["attn_norm"])[0]
         if xkv is None:
             xkv, rkv = x, rows
-        y, cache, state = _attention(cfg, role, p["attn"], grp, pages, x, rows, xkv, rkv, meta, cache, state)
+        y, cache, state = _attention(cfg, role, p["attn"], grp, place, x, rows, xkv, rkv, meta, cache, state)
         streams = expand(y[None], streams, post_a, comb_a)
         pre_f, post_f, comb_f = HyperConnection(cfg).apply({"params": p["hc_ffn"]}, streams)
         z = _moe(cfg, grp, p["ffn"], norm(collapse(streams, pre_a), p["ffn_norm"])[0])
@@ -421,19 +471,20 @@ def _specs(cfg: ModelConfig, layout: SpanLayout, params, cache, meta):
     pool = P(CP) if layout.kvp > 1 else P()
     cspec = {k: jax.tree.map(lambda _: pool if k in ("ckv", "ikey") else P(), v) for k, v in cache.items()}
     rank = P(layout.axes)
-    mspec = SpanMetadata(*(rank,) * 5, *(P(),) * 6, meta.n, meta.capacity, meta.dec_capacity, meta.span, meta.ced)
+    mspec = SpanMetadata(*(rank,) * 5, *(P(),) * 7, meta.n, meta.capacity, meta.dec_capacity, meta.span, meta.ced,
+                         meta.continued)
     return pspec, cspec, mspec, pspec["head"]
 
 
 def _run(params, cache, meta: SpanMetadata, cfg: ModelConfig, layout: SpanLayout):
     with jax.default_matmul_precision("highest" if cfg.dtype == "float32" else "default"):
         if not layout.query_parallel or layout.n == 1:
-            return _body(params, cache, meta, cfg, _Group((), 1), _Pages(layout.kvp, False, layout.operator))
+            return _body(params, cache, meta, cfg, _Group((), 1), _Placement(layout.kvp, False, layout.operator))
         if meta.n != layout.n:
             raise ValueError(f"span prefill: the metadata plans {meta.n} ranks but query_context_parallel_size is "
                              f"{layout.n}")
         pspec, cspec, mspec, hspec = _specs(cfg, layout, params, cache, meta)
-        body = partial(_body, cfg=cfg, grp=_Group(layout.axes, layout.n), pages=_Pages(layout.kvp, True))
+        body = partial(_body, cfg=cfg, grp=_Group(layout.axes, layout.n), place=_Placement(layout.kvp, True))
         return jax.shard_map(body, mesh=layout.mesh, in_specs=(pspec, cspec, mspec),
                              out_specs=(P(None, *hspec[1:]), cspec))(params, cache, meta)
 
