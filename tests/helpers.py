@@ -73,3 +73,28 @@ def candidate_block_scores(scores: np.ndarray, ratio: int, block: int) -> np.nda
     blk = np.pad(scores, [(0, 0), (0, 0), (0, pad)], constant_values=-np.inf).reshape(b, s, -1, block).max(-1)
     last = ((np.arange(s) + 1) // ratio - 1) // block
     return np.where(np.arange(blk.shape[-1])[None, None] == last[None, :, None], np.inf, blk)
+
+
+def cache_by_virtual_block(cache, kvp):
+    """Cache leaves as NumPy; pools re-indexed by virtual block id (rank ``v % N`` holds ``v`` at ``v // N``)."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(cache)[0]:
+        key, a = jax.tree_util.keystr(path), np.asarray(leaf)
+        if kvp > 1 and ("'ckv'" in key or "'ikey'" in key):
+            v = np.arange(a.shape[0])
+            a = a[(v % kvp) * (a.shape[0] // kvp) + v // kvp]
+        out[key] = a
+    return out
+
+
+def assert_same_records(got: np.ndarray, want: np.ndarray, key: str) -> None:
+    """Record bytes equal, except where the two paths' FP32 values (≤ 1e-5 apart: one is computed per token, the
+    other per span) straddle a rounding boundary of the quantizer: then the codes are adjacent (one step of a
+    byte code or of a packed FP4 nibble), and such bytes are rare (≤ 0.1 %)."""
+    diff = got != want
+    assert diff.mean() <= 1e-3, (key, int(diff.sum()))
+    g, w = got[diff].astype(int), want[diff].astype(int)
+    nibbles = [(g & 15) - (w & 15), (g >> 4) - (w >> 4)]
+    packed = ("'ckv'" in key or "'ikey'" in key) and "'q'" in key
+    steps = np.maximum(*map(np.abs, nibbles)) if packed else np.abs(g - w)
+    assert (steps == 1).all(), (key, g, w)

@@ -1,12 +1,12 @@
-"""Span prefill and model-wide QCP (`v41cp.serving.span_prefill`).
+"""Span prefill and model-wide QCP (`v41cp.serving.span_prefill`) at the prefill level (the engine: test_qcp_engine.py).
 
-* one device: the span prefill equals the token-serial cached prefill (last logits, every cache byte) and the
-  full-sequence forward;
 * model-wide QCP over N ∈ {2, 4, 8} ranks (KVP 1 and N, CED off and on) equals the unsharded span prefill:
   logits and every cache group ≤ 1e-5 relative (FP32 values), and QCP with KVP = N equals QCP with replicated
   pages exactly; the batch is ragged (prompts shorter than N rows, an empty batch row; lengths on and off page
   and compression-pair boundaries);
-* the engine with QCP (and DCP decode) generates what the single-device engine generates.
+* a prefill in passes continues from the cached history (SWA rings, open pairs, pages; under KVP gathered from
+  the owners) and equals the one-pass prefill;
+* per-device FLOPs fall to 1/N (compiled cost analysis).
 """
 
 import jax
@@ -14,12 +14,11 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from helpers import TOKEN_MAP, perturbed, rel_err
+from helpers import TOKEN_MAP, cache_by_virtual_block, perturbed, rel_err
 from v41cp import model
 from v41cp.config import preset
 from v41cp.serving.dcp import DCPPlan
 from v41cp.serving.decode import ced_rows, init_cache
-from v41cp.serving.engine import Capacity, Engine, SamplingParams
 from v41cp.serving.span_metadata import build_span_metadata
 from v41cp.serving.span_prefill import SpanLayout, prefill_span
 from v41cp.sharding.topology import ParallelConfig
@@ -41,31 +40,6 @@ def setup():
         tables[i, :k] = [free.pop() for _ in range(k)]
     slots = np.array([2, 0, 4, 1, 3])
     return cfg, params, prompts, tables, slots
-
-
-def _virtual(cache, kvp):
-    """Cache leaves as NumPy; pools re-indexed by virtual block id (rank ``v % N`` holds ``v`` at ``v // N``)."""
-    out = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(cache)[0]:
-        key, a = jax.tree_util.keystr(path), np.asarray(leaf)
-        if kvp > 1 and ("'ckv'" in key or "'ikey'" in key):
-            v = np.arange(a.shape[0])
-            a = a[(v % kvp) * (a.shape[0] // kvp) + v // kvp]
-        out[key] = a
-    return out
-
-
-def _same_records(got: np.ndarray, want: np.ndarray, key: str) -> None:
-    """Record bytes equal, except where the two paths' FP32 values (≤ 1e-5 apart: one is computed per token, the
-    other per span) straddle a rounding boundary of the quantizer: then the codes are adjacent (one step of a
-    byte code or of a packed FP4 nibble), and such bytes are rare (≤ 0.1 %)."""
-    diff = got != want
-    assert diff.mean() <= 1e-3, (key, int(diff.sum()))
-    g, w = got[diff].astype(int), want[diff].astype(int)
-    nibbles = [(g & 15) - (w & 15), (g >> 4) - (w >> 4)]
-    packed = ("'ckv'" in key or "'ikey'" in key) and "'q'" in key
-    steps = np.maximum(*map(np.abs, nibbles)) if packed else np.abs(g - w)
-    assert (steps == 1).all(), (key, g, w)
 
 
 def _prefill(setup, n=1, kvp=1, ced=False, chunk=None):
@@ -91,67 +65,12 @@ def _prefill(setup, n=1, kvp=1, ced=False, chunk=None):
         got, cache = prefill_span(prm, cache, meta, cfg, layout)
         last = (starts < ends) & (ends == totals)
         logits[last] = np.asarray(got)[last]
-    return logits, _virtual(cache, kvp), meta
+    return logits, cache_by_virtual_block(cache, kvp), meta
 
 
 @pytest.fixture(scope="module")
 def unsharded(setup):
     return {ced: _prefill(setup, ced=ced) for ced in (False, True)}
-
-
-ENGINE_PROMPTS = (21, 2, 16)
-
-
-def _engine_run(params, cfg, cap, parallel=None):
-    """Round 1: prefill + one decode round of each prompt (2 tokens, then done); round 2: the same prompts again
-    for 4 tokens. Returns the engine and (round-1 outputs, last logits, cache after round 1, round-2 outputs)."""
-    rng = np.random.default_rng(2)
-    prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in ENGINE_PROMPTS]
-    eng = Engine(params, cfg, cap, parallel=parallel)
-    for i, p in enumerate(prompts):
-        eng.submit(i, p, SamplingParams(max_new_tokens=2, stop_on_eos=False))
-    eng.step()
-    first = ([eng.requests[i].output for i in range(len(prompts))],
-             [eng.requests[i].last_logits for i in range(len(prompts))],
-             _virtual(eng.cache, parallel.kv_parallel_size if parallel else 1))
-    for i, p in enumerate(prompts):
-        eng.submit(f"g{i}", p, SamplingParams(max_new_tokens=4, stop_on_eos=False))
-    eng.run()
-    return eng, prompts, (*first, [eng.result(f"g{i}")["output_ids"] for i in range(len(prompts))])
-
-
-@pytest.fixture(scope="module")
-def serial_run():
-    cfg = preset("tiny-tp8", engram_token_map=TOKEN_MAP)
-    params = perturbed(model.init_params(cfg, jax.random.key(0)))
-    cap = Capacity(max_batch=3, max_tokens=32, block_tokens=4, prefill_chunk=8)
-    eng, prompts, res = _engine_run(params, cfg, cap)
-    return cfg, params, cap, eng, prompts, res
-
-
-def test_span_prefill_equals_token_serial_prefill_and_forward(serial_run):
-    """The engine's caches are records (FP8 / NVFP4 / MXFP4 bytes): byte-identical to the token-serial path."""
-    cfg, params, cap, serial, prompts, (out, last, cache, gen) = serial_run
-    span, _, (s_out, s_last, s_cache, s_gen) = _engine_run(params, cfg, Capacity(**{**cap.__dict__,
-                                                                                     "span_prefill": True}))
-    assert s_out == out and s_gen == gen
-    # one forward over the padded batch: the prefill's last row and the decode row (which read the caches)
-    width = max(ENGINE_PROMPTS) + 1
-    tokens = np.full((len(prompts), width), 3, np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, :len(p) + 1] = p + [out[i][0]]
-    fwd = np.asarray(model.forward(params, cfg, tokens))
-    for i, p in enumerate(prompts):
-        assert out[i][0] == int(np.argmax(fwd[i, len(p) - 1]))
-        assert rel_err(s_last[i], fwd[i, len(p)]) <= 1e-5
-        assert rel_err(s_last[i], last[i]) <= 1e-5
-    for k in cache:
-        if cache[k].dtype == np.uint8:
-            _same_records(s_cache[k], cache[k], k)
-        else:
-            assert rel_err(s_cache[k], cache[k]) <= 1e-5, k
-    assert span.stats["prefill_tokens"] == serial.stats["prefill_tokens"] == 2 * sum(ENGINE_PROMPTS)
-    assert Engine.compile_counts()["prefill_span"] >= 1
 
 
 def test_span_metadata_rows_and_ced_owners(setup):
@@ -229,19 +148,6 @@ def test_chunked_span_prefill_continues_from_cached_history(setup, unsharded, n)
         assert rel_err(cache[k], want_c[k]) <= 1e-5, k
 
 
-def test_engine_with_qcp_and_dcp_decode_equals_single_device(serial_run):
-    """QCP 4 prefill (CED on, passes of 8 rows) hands its caches to DCP decode over KVP 4 pages: the same tokens
-    as the single-device token-serial engine, logits ≤ 1e-5."""
-    cfg, params, cap, _, _, (out, last, _, gen) = serial_run
-    par = ParallelConfig(tp_size=4, query_context_parallel_size=4, kv_parallel_size=4, decode_context_parallel_size=4)
-    eng, _, (q_out, q_last, _, q_gen) = _engine_run(params, cfg, Capacity(**{**cap.__dict__, "ced": True,
-                                                                              "span_chunk": 8}), par)
-    assert q_out == out and q_gen == gen
-    assert max(rel_err(a, b) for a, b in zip(q_last, last)) <= 1e-5
-    assert eng.span and eng.plan is not None
-    assert eng.stats["ced_encoder_only_rows"] == 2 * sum(max(0, n - ced_rows(cfg)) for n in ENGINE_PROMPTS)
-
-
 def test_qcp_per_device_flops_fall_to_one_nth():
     """Compiled cost analysis of one long prefill (benchmarks/qcp_prefill_structure.py, 8 ranks): attention,
     indexer and MoE FLOPs per device ≈ 1/N of the unsharded ones, and the attention layer moves exactly one
@@ -263,15 +169,3 @@ def test_qcp_per_device_flops_fall_to_one_nth():
     assert 1 / 8 <= out["whole"]["flops_ratio_qcp_vs_unsharded"] <= 0.135
     assert parts["attention"]["qcp"]["collective_bytes_per_token"] == preset("tiny-tp8").head_dim * 4
     assert set(out["whole"]["qcp"]["collectives"]) <= {"all-gather", "all-reduce", "reduce-scatter"}
-
-
-def test_engine_with_operator_local_qcp_equals_single_device(serial_run):
-    """Operator-local indexer + attention QCP (TP 4, thresholds 1 row) in the engine's span prefill, decode under
-    plain TP: the same tokens as the single-device engine, logits ≤ 1e-5."""
-    cfg, params, cap, _, _, (out, last, _, gen) = serial_run
-    par = ParallelConfig(tp_size=4, indexer_query_parallel_size=4, attention_query_parallel_size=4,
-                         indexer_query_min_tokens=1, attention_query_min_tokens=1, attention_query_swa_min_tokens=1)
-    eng, _, (q_out, q_last, _, q_gen) = _engine_run(params, cfg, cap, par)
-    assert q_out == out and q_gen == gen
-    assert max(rel_err(a, b) for a, b in zip(q_last, last)) <= 1e-5
-    assert eng.span and eng.span_layout.operator is not None and not eng.span_layout.query_parallel

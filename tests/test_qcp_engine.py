@@ -1,0 +1,98 @@
+"""The engine's span prefill (one pass per admission round, or passes of `span_chunk` rows) and QCP in the engine:
+equal to the token-serial single-device engine (tokens, logits, cache records).
+
+* one device: span prefill = token-serial prefill (last logits, every cache byte but adjacent codes at rounding
+  boundaries) = the full-sequence forward, and decode continues alike;
+* model-wide QCP 4 with KVP 4 pages, CED, passes of 8 rows, DCP decode; operator-local indexer + attention QCP.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import TOKEN_MAP, assert_same_records, cache_by_virtual_block, perturbed, rel_err
+from v41cp import model
+from v41cp.config import preset
+from v41cp.serving.decode import ced_rows
+from v41cp.serving.engine import Capacity, Engine, SamplingParams
+from v41cp.sharding.topology import ParallelConfig
+
+
+ENGINE_PROMPTS = (21, 2, 16)
+
+
+def _engine_run(params, cfg, cap, parallel=None):
+    """Round 1: prefill + one decode round of each prompt (2 tokens, then done); round 2: the same prompts again
+    for 4 tokens. Returns the engine and (round-1 outputs, last logits, cache after round 1, round-2 outputs)."""
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in ENGINE_PROMPTS]
+    eng = Engine(params, cfg, cap, parallel=parallel)
+    for i, p in enumerate(prompts):
+        eng.submit(i, p, SamplingParams(max_new_tokens=2, stop_on_eos=False))
+    eng.step()
+    first = ([eng.requests[i].output for i in range(len(prompts))],
+             [eng.requests[i].last_logits for i in range(len(prompts))],
+             cache_by_virtual_block(eng.cache, parallel.kv_parallel_size if parallel else 1))
+    for i, p in enumerate(prompts):
+        eng.submit(f"g{i}", p, SamplingParams(max_new_tokens=4, stop_on_eos=False))
+    eng.run()
+    return eng, prompts, (*first, [eng.result(f"g{i}")["output_ids"] for i in range(len(prompts))])
+
+
+@pytest.fixture(scope="module")
+def serial_run():
+    cfg = preset("tiny-tp8", engram_token_map=TOKEN_MAP)
+    params = perturbed(model.init_params(cfg, jax.random.key(0)))
+    cap = Capacity(max_batch=3, max_tokens=32, block_tokens=4, prefill_chunk=8)
+    eng, prompts, res = _engine_run(params, cfg, cap)
+    return cfg, params, cap, eng, prompts, res
+
+
+def test_span_prefill_equals_token_serial_prefill_and_forward(serial_run):
+    """The engine's caches are records (FP8 / NVFP4 / MXFP4 bytes): byte-identical to the token-serial path."""
+    cfg, params, cap, serial, prompts, (out, last, cache, gen) = serial_run
+    span, _, (s_out, s_last, s_cache, s_gen) = _engine_run(params, cfg, Capacity(**{**cap.__dict__,
+                                                                                     "span_prefill": True}))
+    assert s_out == out and s_gen == gen
+    # one forward over the padded batch: the prefill's last row and the decode row (which read the caches)
+    width = max(ENGINE_PROMPTS) + 1
+    tokens = np.full((len(prompts), width), 3, np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, :len(p) + 1] = p + [out[i][0]]
+    fwd = np.asarray(model.forward(params, cfg, tokens))
+    for i, p in enumerate(prompts):
+        assert out[i][0] == int(np.argmax(fwd[i, len(p) - 1]))
+        assert rel_err(s_last[i], fwd[i, len(p)]) <= 1e-5
+        assert rel_err(s_last[i], last[i]) <= 1e-5
+    for k in cache:
+        if cache[k].dtype == np.uint8:
+            assert_same_records(s_cache[k], cache[k], k)
+        else:
+            assert rel_err(s_cache[k], cache[k]) <= 1e-5, k
+    assert span.stats["prefill_tokens"] == serial.stats["prefill_tokens"] == 2 * sum(ENGINE_PROMPTS)
+    assert Engine.compile_counts()["prefill_span"] >= 1
+
+
+def test_engine_with_qcp_and_dcp_decode_equals_single_device(serial_run):
+    """QCP 4 prefill (CED on, passes of 8 rows) hands its caches to DCP decode over KVP 4 pages: the same tokens
+    as the single-device token-serial engine, logits ≤ 1e-5."""
+    cfg, params, cap, _, _, (out, last, _, gen) = serial_run
+    par = ParallelConfig(tp_size=4, query_context_parallel_size=4, kv_parallel_size=4, decode_context_parallel_size=4)
+    eng, _, (q_out, q_last, _, q_gen) = _engine_run(params, cfg, Capacity(**{**cap.__dict__, "ced": True,
+                                                                              "span_chunk": 8}), par)
+    assert q_out == out and q_gen == gen
+    assert max(rel_err(a, b) for a, b in zip(q_last, last)) <= 1e-5
+    assert eng.span and eng.plan is not None
+    assert eng.stats["ced_encoder_only_rows"] == 2 * sum(max(0, n - ced_rows(cfg)) for n in ENGINE_PROMPTS)
+
+
+def test_engine_with_operator_local_qcp_equals_single_device(serial_run):
+    """Operator-local indexer + attention QCP (TP 4, thresholds 1 row) in the engine's span prefill, decode under
+    plain TP: the same tokens as the single-device engine, logits ≤ 1e-5."""
+    cfg, params, cap, _, _, (out, last, _, gen) = serial_run
+    par = ParallelConfig(tp_size=4, indexer_query_parallel_size=4, attention_query_parallel_size=4,
+                         indexer_query_min_tokens=1, attention_query_min_tokens=1, attention_query_swa_min_tokens=1)
+    eng, _, (q_out, q_last, _, q_gen) = _engine_run(params, cfg, cap, par)
+    assert q_out == out and q_gen == gen
+    assert max(rel_err(a, b) for a, b in zip(q_last, last)) <= 1e-5
+    assert eng.span and eng.span_layout.operator is not None and not eng.span_layout.query_parallel
