@@ -11,7 +11,7 @@ window 128, 16 heads) on ``--devices`` simulated CPU devices, attention TP = QCP
 * **whole** — the complete `prefill_span` program (every layer, caches, sampled-row head).
 
 Per program: per-device FLOPs from XLA's cost analysis, the QCP / unsharded ratio, and the result bytes per
-device of every collective (`v41cp.sharding.hlo_stats`), also per prefill token.
+device of the collectives (`v41cp.sharding.hlo_stats`) per prefill token, in total and by collective kind.
 ``python benchmarks/qcp_prefill_structure.py --devices 8 --rows 4096``
 """
 
@@ -65,9 +65,13 @@ def main() -> None:
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost
         text = compiled.as_text()
         b = collective_bytes(text)
+        by_op: dict[str, int] = {}
+        for c in collectives(text):
+            by_op[c["op"]] = by_op.get(c["op"], 0) + c["bytes"]
         return {"flops_per_device": float(cost.get("flops", 0.0)), "collective_bytes_per_device": b,
                 "collective_bytes_per_token": round(b / tokens, 2),
-                "collectives": sorted({c["op"] for c in collectives(text)})}
+                "collective_bytes_per_token_by_op": {k: round(v / tokens, 2) for k, v in sorted(by_op.items())},
+                "collectives": sorted(by_op)}
 
     roles = cfg.layer_roles
     reuse = next(r for r in roles if r.kind == "reuse")

@@ -73,13 +73,15 @@ def test_generate_json_batch_matches_engine_greedy():
 
 
 def test_generate_with_model_wide_qcp_and_kvp():
-    """``generate --query-context-parallel-size 4 --kv-parallel-size 4 --ced``: span prefill under QCP 4 (CED on),
-    DCP decode over the KVP 4 pages; the greedy tokens of the full forward, one span-prefill compile."""
+    """``generate --query-context-parallel-size 4 --kv-parallel-size 4 --ced --span-chunk 2``: span prefill under
+    QCP 4 (CED on) in 2-row passes, DCP decode over the KVP 4 pages; the greedy tokens of the full forward; two
+    span-prefill compiles (the first pass, the continuing passes)."""
     res = _cli("generate", "--json", "--devices", "4", "--query-context-parallel-size", "4", "--kv-parallel-size",
-               "4", "--ced", "--prompt-ids", "5,17,42", "--prompt-ids", "9,8,7,6", "--max-new-tokens", "3")
+               "4", "--ced", "--span-chunk", "2", "--prompt-ids", "5,17,42", "--prompt-ids", "9,8,7,6",
+               "--max-new-tokens", "3")
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
-    assert out["timings"]["compiles"]["prefill_span"] == 1 and out["timings"]["compiles"]["prefill_chunk"] == 0
+    assert out["timings"]["compiles"]["prefill_span"] == 2 and out["timings"]["compiles"]["prefill_chunk"] == 0
     _assert_greedy_of_forward(out)
 
 

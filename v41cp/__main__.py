@@ -155,13 +155,16 @@ def _backends(args) -> dict:
 
 
 def _prefill_options(args) -> dict:
-    """Engine prefill options of ``--span-prefill`` / ``--ced``."""
-    return {"span_prefill": args.span_prefill, "ced": args.ced}
+    """Engine prefill options of ``--span-prefill`` / ``--span-chunk`` / ``--ced``."""
+    return {"span_prefill": args.span_prefill or args.span_chunk is not None, "ced": args.ced,
+            "span_chunk": args.span_chunk}
 
 
 def _prefill_flags(p) -> None:
     p.add_argument("--span-prefill", action="store_true",
                    help="prefill each round's prompts in one pass (always on with --query-context-parallel-size > 1)")
+    p.add_argument("--span-chunk", type=int, help="span prefill in passes of this many rows per prompt "
+                   "(later passes continue from the cached history; implies --span-prefill)")
     p.add_argument("--ced", action="store_true", help="CED narrowing of prefill (exact)")
 
 

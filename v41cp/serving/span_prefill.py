@@ -25,8 +25,12 @@ writing the paged decode caches and returning the logits of each prompt's last r
 
 Caches (`v41cp.serving.decode.init_cache` layout) after the call equal those of the token-serial prefill of the
 same prompts: SWA ring rows of the last ``W`` positions, every complete compressed entry and index key of
-each KV source in the prompt's pages, and the open ratio-2 pair's projections. The history of a prompt is the
-prompt itself (fresh requests); prefill continuing from cached pages is not built here.
+each KV source in the prompt's pages, and the open ratio-2 pair's projections.
+
+A prompt may be prefilled in passes (``meta.starts``): a later pass (``meta.continued``) reads the cached
+history — its window rows from the SWA ring (before writing it), the open ratio-2 pair when the pass starts at
+an odd position, and the request's compressed entries / index keys from its pages; under KVP every rank
+contributes the pages it owns and one all-reduce over the group gives every rank the same history.
 
 Selection follows ``indexer_backend`` (`select_positions`, each query row scoring its prompt's keys); the
 attention is the XLA path (``attention_backend`` is not used here).
