@@ -93,6 +93,14 @@ def test_span_metadata_rows_and_ced_owners(setup):
     assert (ced.dec_span_index < n * cd).sum() == sum(min(x, r_keep) for x in LENGTHS)
     for b, x in enumerate(LENGTHS):
         assert ced.sampled[b] == (ced.dec_span_index[b, x - 1] if x else -1)
+    # a pass whose last row is not retained samples nothing; an all-idle batch keeps one padding slot
+    first = build_span_metadata(cfg, [list(range(3, 43))], 2, ends=[8], ced=True)
+    assert first.sampled.tolist() == [-1] and first.starts.tolist() == [0] and not first.continued
+    later = build_span_metadata(cfg, [list(range(3, 43))], 2, starts=[32], ced=True)
+    assert later.continued and later.positions.max() == 39 and later.sampled[0] >= 0
+    assert build_span_metadata(cfg, [[], []], 2).capacity == 1
+    with pytest.raises(ValueError, match="chunk bounds"):
+        build_span_metadata(cfg, [[5, 6]], 2, starts=[1], ends=[3])
     with pytest.raises(ValueError, match="exceeds the span bucket 8"):
         build_span_metadata(cfg, prompts, 2, span=8)
     with pytest.raises(ValueError, match="token id 999"):

@@ -139,7 +139,7 @@ class Engine:
         qcp = parallel is not None and parallel.query_context_parallel_size > 1
         local_qcp = parallel is not None and max(parallel.indexer_query_parallel_size,
                                                  parallel.attention_query_parallel_size) > 1
-        self.span = capacity.span_prefill or qcp or local_qcp
+        self.span = capacity.span_prefill or capacity.span_chunk is not None or qcp or local_qcp
         self.span_layout = SpanLayout.from_parallel(parallel, mesh) if parallel is not None else SpanLayout(mesh)
         self.query_ranks = parallel.query_context_parallel_size if qcp else 1
         # KVP: every rank holds num_blocks / N pages; round the virtual block count up to whole ranks
@@ -359,6 +359,7 @@ class Engine:
 
     @staticmethod
     def compile_counts() -> dict[str, int]:
-        """Compilations so far of the jitted decode step and prefill chunk (one per bucket expected)."""
+        """Compilations so far of the jitted decode step, token-serial prefill chunk and span prefill (one per
+        bucket expected; the span prefill also once more for continuing passes)."""
         return {"decode_step": decode_step._cache_size(), "prefill_chunk": prefill_chunk._cache_size(),
                 "prefill_span": prefill_span._cache_size()}

@@ -13,7 +13,8 @@ length; rank-major: the all-gather of the local rows is ``[N·C, ·]``):
   the decoder. They stay on the rank that owned them: ``dec_slots [N, Cd]`` lists each rank's retained
   local slots in order (−1 padding) and ``dec_span_index [B, S]`` is ``span_index`` for the narrowed
   ``[N·Cd]`` layout (``N·Cd`` = not retained). Without CED these equal the full layout;
-* ``sampled [B]`` — position of each prompt's last row in the (narrowed) gathered layout (−1 = empty row);
+* ``sampled [B]`` — position of each row's last row of this pass in the (narrowed) gathered layout (−1 = an
+  empty row, or, under CED, a pass whose last row is not retained);
 * ``lengths / slots [B]``, ``block_tables [B, max_blocks]`` — where the caches are written (an empty row,
   length 0, writes nothing);
 * ``starts [B]`` — tokens of each prompt already in the caches (a later chunk); ``positions`` are absolute
@@ -134,6 +135,8 @@ def build_span_metadata(cfg: ModelConfig, prompts, n: int = 1, *, starts=None, e
     if s % 2:
         raise ValueError(f"span prefill: span={s} must be even (compression pairs)")
     plan = QueryShardPlan.build(lengths, n, capacity)
+    if plan.capacity == 0:                                     # an all-idle batch still has one (padding) slot
+        plan = QueryShardPlan.build(lengths, n, 1)
     c = plan.capacity
     req, pos = plan.request_of_slot(), plan.positions()
     ok = req >= 0
@@ -178,7 +181,8 @@ def build_span_metadata(cfg: ModelConfig, prompts, n: int = 1, *, starts=None, e
             dec_slots[r, :len(kept)] = kept
             where[r * c + kept] = r * cd + np.arange(len(kept))
         dec_span_index = np.where(span_index < n * c, where[np.minimum(span_index, n * c - 1)], n * cd)
-        sampled = np.where(plan.sampled >= 0, where[np.maximum(plan.sampled, 0)], -1).astype(np.int32)
+        mapped = where[np.maximum(plan.sampled, 0)]
+        sampled = np.where((plan.sampled >= 0) & (mapped < n * cd), mapped, -1).astype(np.int32)
     if slots is None:
         slots = np.arange(b, dtype=np.int32)
     if block_tables is None:

@@ -48,6 +48,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from v41cp.config import LayerRole, ModelConfig
+from v41cp.kernels import interpret_mode
 from v41cp.layers.attention import attention_query_parallel_applies, sink_attention
 from v41cp.layers.common import dtype_of, rms_norm
 from v41cp.layers.engram import engram_lookup, engram_mix
@@ -100,10 +101,6 @@ class SpanLayout:
     def n(self) -> int:
         """Ranks the rows are split over (1 without QCP)."""
         return int(np.prod([self.mesh.shape[a] for a in self.axes])) if self.query_parallel else 1
-
-    @property
-    def kvp(self) -> int:
-        return self.kv_parallel
 
 
 class _Group:
@@ -335,7 +332,7 @@ def _compressed(cfg, role, p, grp, place, xq, rq, angles, qr, xkv, rkv, meta, ca
                             rkv.index)
             # entries j whose pair (2j, 2j+1) ends in this chunk; the pair's first row before the chunk (an odd
             # start) is the cached open pair
-            j = start[:, None] // 2 + jnp.arange(s // 2 + meta.continued)[None]
+            j = start[:, None] // 2 + jnp.arange(s // 2)[None]                      # (no pass completes more)
             row = lambda a, i: jnp.take_along_axis(a, jnp.clip(i, 0, s - 1)[..., None], axis=1)
             p0 = 2 * j - start[:, None]
             opened = lambda name: cache[name][src][slot_r][:, None]
@@ -472,7 +469,7 @@ def _specs(cfg: ModelConfig, layout: SpanLayout, params, cache, meta):
 
     shardings = param_shardings(abstract_params(cfg), layout.mesh, QCP_RULES)
     pspec = jax.tree.map(lambda s: s.spec, shardings, is_leaf=lambda x: isinstance(x, jax.sharding.NamedSharding))
-    pool = P(CP) if layout.kvp > 1 else P()
+    pool = P(CP) if layout.kv_parallel > 1 else P()
     cspec = {k: jax.tree.map(lambda _: pool if k in ("ckv", "ikey") else P(), v) for k, v in cache.items()}
     rank = P(layout.axes)
     mspec = SpanMetadata(*(rank,) * 5, *(P(),) * 7, meta.n, meta.capacity, meta.dec_capacity, meta.span, meta.ced,
@@ -482,15 +479,17 @@ def _specs(cfg: ModelConfig, layout: SpanLayout, params, cache, meta):
 
 def _run(params, cache, meta: SpanMetadata, cfg: ModelConfig, layout: SpanLayout):
     with jax.default_matmul_precision("highest" if cfg.dtype == "float32" else "default"):
-        if not layout.query_parallel or layout.n == 1:
-            return _body(params, cache, meta, cfg, _Group((), 1), _Placement(layout.kvp, False, layout.operator))
         if meta.n != layout.n:
-            raise ValueError(f"span prefill: the metadata plans {meta.n} ranks but query_context_parallel_size is "
-                             f"{layout.n}")
+            raise ValueError(f"span prefill: the metadata plans {meta.n} ranks but the layout splits rows over "
+                             f"{layout.n} (query_context_parallel_size)")
+        if not layout.query_parallel or layout.n == 1:
+            return _body(params, cache, meta, cfg, _Group((), 1), _Placement(layout.kv_parallel, False, layout.operator))
         pspec, cspec, mspec, hspec = _specs(cfg, layout, params, cache, meta)
-        body = partial(_body, cfg=cfg, grp=_Group(layout.axes, layout.n), place=_Placement(layout.kvp, True))
+        body = partial(_body, cfg=cfg, grp=_Group(layout.axes, layout.n), place=_Placement(layout.kv_parallel, True))
+        # as in the DCP islands: JAX's Pallas interpreter trips its own varying-axes check (CPU only)
+        check = not (cfg.indexer_backend == "pallas" and interpret_mode())
         return jax.shard_map(body, mesh=layout.mesh, in_specs=(pspec, cspec, mspec),
-                             out_specs=(P(None, *hspec[1:]), cspec))(params, cache, meta)
+                             out_specs=(P(None, *hspec[1:]), cspec), check_vma=check)(params, cache, meta)
 
 
 @partial(jax.jit, static_argnames=("cfg", "layout"), donate_argnames=("cache",))

@@ -96,11 +96,15 @@ class QueryShardPlan:
         offsets = np.concatenate([[0], np.cumsum(self.lengths, dtype=np.int64)])
         starts = np.repeat(offsets[:-1], self.lengths)
         pos = np.arange(self.total_rows) - starts
+        if not self.total_rows:                                # padding slots only
+            return np.zeros(self.local_rows.shape, np.int32)
         return np.where(self.local_rows >= 0, pos[np.maximum(self.local_rows, 0)], 0).astype(np.int32)
 
     def request_of_slot(self) -> np.ndarray:
         """Request index of each local slot ``[n, C]`` (−1 for padding)."""
         req = np.repeat(np.arange(len(self.lengths)), self.lengths)
+        if not self.total_rows:
+            return np.full(self.local_rows.shape, -1, np.int32)
         return np.where(self.local_rows >= 0, req[np.maximum(self.local_rows, 0)], -1).astype(np.int32)
 
     def shard(self, x: np.ndarray) -> np.ndarray:
