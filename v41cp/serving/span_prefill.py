@@ -60,6 +60,7 @@ from v41cp.quant import fp8_block32, mxfp4_block32, nvfp4_block16
 from v41cp.serving.decode import _read, _store_rows, _write
 from v41cp.serving.span_metadata import SpanMetadata
 from v41cp.sharding.mesh import ATTN_TP, CP
+from v41cp.sharding.ownership import is_owned, local_row, owner
 from v41cp.sharding.rules import ShardingContext
 
 __all__ = ["SpanLayout", "prefill_span", "span_program_text"]
@@ -204,12 +205,13 @@ class _Placement(NamedTuple):
 
 def _page_rows(place: _Placement, v: jax.Array, pool_rows: int) -> jax.Array:
     """Virtual block ids ``v`` (−1 = none) → pool rows to write (``pool_rows`` = out of bounds, dropped)."""
-    if place.kvp == 1:
+    n = place.kvp
+    if n == 1:
         return jnp.where(v >= 0, v, pool_rows)
     if place.in_map:
-        own = (v >= 0) & (v % place.kvp == jax.lax.axis_index(CP))
-        return jnp.where(own, v // place.kvp, pool_rows)
-    return jnp.where(v >= 0, (v % place.kvp) * (pool_rows // place.kvp) + v // place.kvp, pool_rows)
+        return jnp.where(is_owned(v, n, jax.lax.axis_index(CP)), local_row(v, n), pool_rows)
+    # GSPMD over the global pool: rank r's rows are [r·LB, (r+1)·LB)
+    return jnp.where(v >= 0, owner(v, n) * (pool_rows // n) + local_row(v, n), pool_rows)
 
 
 def _write_entries(cfg, place: _Placement, store, values, j, ok, block_tables, fmt: str):
@@ -231,8 +233,8 @@ def _read_pages(cfg, place: _Placement, store, block_tables, fmt: str, dtype):
     rows = _store_rows(store)
     v = block_tables
     if place.kvp > 1 and place.in_map:
-        own = (v >= 0) & (v % place.kvp == jax.lax.axis_index(CP))
-        idx = jnp.where(own, v // place.kvp, 0)
+        own = is_owned(v, place.kvp, jax.lax.axis_index(CP))
+        idx = jnp.where(own, local_row(v, place.kvp), 0)
         got = {k: jax.lax.psum(jnp.where(own[..., None, None], a[idx], jnp.zeros((), a.dtype)), CP)
                for k, a in leaves.items()}
     else:
