@@ -136,12 +136,10 @@ class Engine:
             cache_sharding = None
         self.mesh = mesh
         self.params = params
-        qcp = parallel is not None and parallel.query_context_parallel_size > 1
-        local_qcp = parallel is not None and max(parallel.indexer_query_parallel_size,
-                                                 parallel.attention_query_parallel_size) > 1
-        self.span = capacity.span_prefill or capacity.span_chunk is not None or qcp or local_qcp
         self.span_layout = SpanLayout.from_parallel(parallel, mesh) if parallel is not None else SpanLayout(mesh)
-        self.query_ranks = parallel.query_context_parallel_size if qcp else 1
+        lay = self.span_layout
+        self.span = (capacity.span_prefill or capacity.span_chunk is not None or lay.query_parallel
+                     or lay.operator is not None)
         # KVP: every rank holds num_blocks / N pages; round the virtual block count up to whole ranks
         num_blocks = -(-capacity.blocks // n) * n if capacity.num_blocks else n * capacity.max_batch * -(
             -capacity.max_blocks // n)
@@ -276,7 +274,7 @@ class Engine:
         most the capacity's tokens rounded to 8) and per-rank rows (powers of two), so few shapes compile."""
         pow2 = lambda x: 1 << max(int(x) - 1, 0).bit_length()
         span = min(max(8, pow2(max(lengths))), round_up(self.capacity.max_tokens, 8))
-        rows, dec_rows = row_capacities(self.cfg, lengths, self.query_ranks, self.capacity.ced, starts, totals)
+        rows, dec_rows = row_capacities(self.cfg, lengths, self.span_layout.n, self.capacity.ced, starts, totals)
         return {"span": span, "capacity": pow2(rows), "dec_capacity": pow2(dec_rows)}
 
     def _prefill_span(self, reqs: list[_Request]) -> None:
@@ -294,7 +292,7 @@ class Engine:
         for start in range(0, int(totals.max()), chunk):
             starts = np.minimum(start, totals)
             ends = np.minimum(start + chunk, totals)
-            meta = build_span_metadata(cfg, prompts, self.query_ranks, starts=starts, ends=ends, slots=slots,
+            meta = build_span_metadata(cfg, prompts, self.span_layout.n, starts=starts, ends=ends, slots=slots,
                                        block_tables=tables, ced=self.capacity.ced,
                                        **self.span_buckets(ends - starts, starts, totals))
             logits, self.cache = prefill_span(self.params, self.cache, meta, cfg, self.span_layout)

@@ -421,8 +421,8 @@ def _narrow(a, slots, axis=0):
 
 
 def _body(params, cache, meta: SpanMetadata, cfg: ModelConfig, grp: _Group, place: _Placement):
-    local = lambda a: a[0] if grp.n > 1 or a.shape[0] == 1 else a
-    tokens, pos, req, eng, dec = (local(a) for a in (meta.tokens, meta.positions, meta.requests, meta.engram_ids,
+    # the per-rank fields' leading axis: this rank's (inside the QCP map) or the only one
+    tokens, pos, req, eng, dec = (a[0] for a in (meta.tokens, meta.positions, meta.requests, meta.engram_ids,
                                                       meta.dec_slots))
     c = tokens.shape[0]
     n_rows = grp.n * c
