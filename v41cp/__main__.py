@@ -8,6 +8,8 @@
   (``xla`` | ``pallas``) and the topology flags; ``forward`` runs operator-local indexer / attention QCP
   (``--deepseek-v41-{indexer,attention}-query-parallel-size``); ``generate`` / ``bench`` run them, or model-wide
   QCP (``--query-context-parallel-size``), in the engine's span prefill (``--span-prefill``, ``--ced``).
+  ``generate --prompt TEXT [--chat]`` takes text (the checkpoint's tokenizer) and streams text back.
+* ``serve [--host 127.0.0.1] [--port 8000]`` the OpenAI-compatible HTTP server (`v41cp.serving.server`).
 * ``bench decode|prefill [--lengths 64,512,2048] --json`` engine step latency, tokens/s, compile counts.
 * ``bench kernels [--shapes flash|tiny] [--contexts ...] [--batches ...] --json`` the Pallas kernels vs the XLA
   paths vs the HBM roofline (`v41cp.kernels.bench`).
@@ -145,8 +147,52 @@ def _engine(args, capacity):
 
     parallel = _parallel(args)
     cfg, params = open_checkpoint(args.checkpoint or default_checkpoint(), fake_quant=not args.no_fake_quant,
-                                  **_backends(args))
+                                  progress=_progress(args), **_backends(args))
     return cfg, Engine(params, cfg, capacity, parallel=parallel)
+
+
+def _progress(args) -> bool:
+    """Progress bars on stderr: when it is a terminal and the output is not JSON."""
+    return sys.stderr.isatty() and not getattr(args, "json", False)
+
+
+def _codec(args, required: bool):
+    """The checkpoint's `TextCodec` (tokenizer + chat format); None when it has no tokenizer.json and text is
+    not required."""
+    from v41cp.checkpoint import default_checkpoint
+    from v41cp.serving.text import ChatFormatError, TextCodec
+
+    try:
+        return TextCodec.from_checkpoint(args.checkpoint or default_checkpoint())
+    except ChatFormatError:
+        if required:
+            raise
+        return None
+
+
+def _capacity(args, longest: int, **fixed):
+    """`Capacity` of the capacity flags; unset ones fit ``longest`` tokens per request and the batch."""
+    from v41cp.serving.engine import Capacity
+
+    block = args.block_tokens
+    fields = {"max_batch": args.max_batch, "max_tokens": args.max_context or -(-longest // block) * block,
+              "block_tokens": block, "num_blocks": args.num_blocks, "prefill_chunk": args.prefill_chunk,
+              "max_waiting": args.max_waiting, **_prefill_options(args)}
+    fields.update({k: v for k, v in fixed.items() if v is not None})
+    return Capacity(**{k: v for k, v in fields.items() if v is not None})
+
+
+def _capacity_flags(p, max_batch=None) -> None:
+    c = p.add_argument_group("capacity (the compiled bucket; `v41cp.serving.engine.Capacity`)")
+    c.add_argument("--max-batch", type=int, default=max_batch,
+                   help="batch rows of the decode step (requests served at once)"
+                        + ("" if max_batch else "; default: the number of prompts"))
+    c.add_argument("--max-context", type=int, help="tokens per request, prompt + output (Capacity.max_tokens); "
+                   "default: the longest request rounded up to a block")
+    c.add_argument("--block-tokens", type=int, default=16, help="tokens per cache page")
+    c.add_argument("--num-blocks", type=int, help="cache pages in all (default: max-batch full requests)")
+    c.add_argument("--prefill-chunk", type=int, default=32, help="rows per token-serial prefill chunk")
+    c.add_argument("--max-waiting", type=int, default=64, help="queued requests beyond this are rejected")
 
 
 def _backends(args) -> dict:
@@ -193,37 +239,100 @@ def _parallel(args, kv_parallel_size=None):
                           decode_context_parallel_size=dcp, dcp_merge=args.dcp_merge, dcp_q=args.dcp_q, **qcp)
 
 
-def cmd_generate(args) -> int:
-    from v41cp.serving.engine import Capacity, SamplingParams
+def _generate_prompts(args, codec):
+    """[(prompt ids, label)] of --prompt / --prompt-ids (text through the checkpoint's tokenizer; --chat through
+    its chat format)."""
+    prompts = []
+    for text in args.prompt or []:
+        if args.chat:
+            messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+                {"role": "user", "content": text}]
+            ids = codec.chat_ids(messages)
+        else:
+            ids = codec.encode(text)
+        if not ids:
+            raise ValueError(f"--prompt {text!r} encodes to no tokens")
+        prompts.append(ids)
+    for p in args.prompt_ids or []:
+        try:
+            ids = [int(t) for t in p.replace(",", " ").split()]
+        except ValueError:
+            raise ValueError(f"--prompt-ids {p!r}: token ids must be integers separated by commas")
+        if not ids:
+            raise ValueError(f"--prompt-ids {p!r} is empty")
+        prompts.append(ids)
+    return prompts or [[5, 17, 42, 99, 3]]
 
-    prompts = [[int(t) for t in p.replace(",", " ").split()] for p in (args.prompt_ids or ["5,17,42,99,3"])]
-    longest = max(len(p) for p in prompts) + args.max_new_tokens
-    block = 16
-    cap = Capacity(max_batch=max(len(prompts), 1), max_tokens=-(-longest // block) * block, block_tokens=block,
-                   **_prefill_options(args))
+
+def cmd_generate(args) -> int:
+    from v41cp.serving.engine import SamplingParams
+
+    if (args.chat or args.system) and not args.prompt:
+        raise ValueError("--chat / --system need --prompt TEXT (the user message)")
+    codec = _codec(args, required=bool(args.prompt))
+    prompts = _generate_prompts(args, codec)
+    cap = _capacity(args, max(len(p) for p in prompts) + args.max_new_tokens, max_batch=args.max_batch or len(prompts))
     t0 = time.perf_counter()
     cfg, eng = _engine(args, cap)
     t_load = time.perf_counter() - t0
     sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                        seed=args.seed)
+                        seed=args.seed, stop_on_eos=not args.ignore_eos)
     for i, p in enumerate(prompts):
         eng.submit(i, p, sp)
+    streams = {i: codec.stream() for i in range(len(prompts))} if codec is not None else {}
+    live = not args.json and codec is not None and len(prompts) == 1    # stream one request's text as it comes
     t0 = time.perf_counter()
-    results = eng.run()
+    seen = {i: 0 for i in range(len(prompts))}
+    while eng.pending:
+        eng.step()
+        for i in streams:
+            req = eng.requests[i]
+            for t in req.output[seen[i]:]:
+                delta = streams[i].push(t) if not (t == cfg.eos_token_id and sp.stop_on_eos) else ""
+                if live and delta:
+                    print(delta, end="", flush=True)
+            seen[i] = len(req.output)
     wall = time.perf_counter() - t0
+    for i in streams:
+        rest = streams[i].finish()                # what was held back (a partial character)
+        if live and rest:
+            print(rest, end="", flush=True)
+    texts = {i: streams[i].text for i in streams}
+    results = [eng.result(i) for i in range(len(prompts))]
     st = eng.stats
     timings = {"load_s": round(t_load, 3), "generate_s": round(wall, 3), "prefill_tokens": st["prefill_tokens"],
                "prefill_s": round(st["prefill_s"], 3), "decode_steps": st["decode_steps"],
                "decode_tokens": st["decode_tokens"], "decode_s": round(st["decode_s"], 3),
                "compiles": eng.compile_counts()}
     if args.json:
-        print(json.dumps({"requests": [{"prompt_ids": r["prompt_ids"], "output_ids": r["output_ids"],
-                                        "finish_reason": r["finish_reason"]} for r in results],
-                          "timings": timings}))
+        out = []
+        for i, r in enumerate(results):
+            row = {"prompt_ids": r["prompt_ids"], "output_ids": r["output_ids"], "finish_reason": r["finish_reason"]}
+            if codec is not None:
+                row["text"] = texts[i]
+            out.append(row)
+        print(json.dumps({"requests": out, "timings": timings}))
+    elif live:
+        print(f"\n[{results[0]['finish_reason']}; {len(results[0]['output_ids'])} tokens] timings: {timings}")
     else:
-        for r in results:
-            print(f"prompt {r['prompt_ids']} -> {r['output_ids']} ({r['finish_reason']})")
+        for i, r in enumerate(results):
+            shown = repr(texts[i]) if codec is not None else r["output_ids"]
+            print(f"prompt {r['prompt_ids']} -> {shown} ({r['finish_reason']})")
         print(f"timings: {timings}")
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from pathlib import Path
+
+    from v41cp.checkpoint import default_checkpoint
+    from v41cp.serving.server import run_server
+
+    codec = _codec(args, required=False)
+    cap = _capacity(args, args.max_context or 256)
+    cfg, eng = _engine(args, cap)
+    name = args.served_model_name or Path(args.checkpoint or default_checkpoint()).name
+    run_server(eng, codec, name, args.host, args.port, progress=sys.stderr.isatty(), log_level=args.log_level)
     return 0
 
 
@@ -386,16 +495,34 @@ def main(argv=None) -> int:
     c.add_argument("--json", action="store_true", help="print the summary as JSON (no progress bar)")
     g = sub.add_parser("generate", help="generate tokens with the serving engine")
     g.add_argument("--checkpoint")
+    g.add_argument("--prompt", action="append", help="prompt text (the checkpoint's tokenizer.json); repeat for a "
+                   "batch. Without --json the text streams to the terminal (one prompt) as it is generated")
     g.add_argument("--prompt-ids", action="append", help="comma-separated token ids; repeat for a batch")
+    g.add_argument("--chat", action="store_true", help="each --prompt is a user message, put into the checkpoint's "
+                   "chat format (tokenizer_config.json chat_template or chat_template.jinja)")
+    g.add_argument("--system", help="system message for --chat")
     g.add_argument("--max-new-tokens", type=int, default=8)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating after the EOS token")
+    _capacity_flags(g)
     _topology_flags(g)
     _backend_flags(g)
     _prefill_flags(g)
     g.add_argument("--no-fake-quant", action="store_true")
     g.add_argument("--json", action="store_true")
+    v = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    v.add_argument("--checkpoint")
+    v.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--served-model-name", help="the model name clients send (default: the checkpoint folder)")
+    v.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
+    _capacity_flags(v, max_batch=8)
+    _topology_flags(v)
+    _backend_flags(v)
+    _prefill_flags(v)
+    v.add_argument("--no-fake-quant", action="store_true")
     b = sub.add_parser("bench", help="decode / prefill benchmark of the engine, or of the kernels (prints JSON)")
     b.add_argument("kind", choices=("decode", "prefill", "kernels"))
     b.add_argument("--checkpoint")
@@ -433,7 +560,7 @@ def main(argv=None) -> int:
 
     try:
         return {"info": cmd_info, "forward": cmd_forward, "convert": cmd_convert, "generate": cmd_generate,
-                "bench": cmd_bench}[args.cmd](args)
+                "serve": cmd_serve, "bench": cmd_bench}[args.cmd](args)
     except (ConfigError, CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

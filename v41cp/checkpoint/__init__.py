@@ -35,34 +35,40 @@ def default_released_checkpoint() -> str:
     return str(_CHECKPOINTS / "tiny-v41-released")
 
 
-def load_released_dir(path, mesh=None, rules=None, **overrides):
+def load_released_dir(path, mesh=None, rules=None, progress: bool = False, **overrides):
     """(config, parameter tree) straight from a released-layout directory, without converting.
 
     Without ``mesh`` the leaves are NumPy arrays; with a mesh each tensor is placed with its
-    ``NamedSharding`` as soon as it is decoded (host memory: one subtree at a time).
+    ``NamedSharding`` as soon as it is decoded (host memory: one subtree at a time). ``progress``: a
+    progress bar over the subtrees on stderr.
     """
+    from tqdm import tqdm
+
     ckpt = ReleasedCheckpoint(path, **overrides)
-    if mesh is None:
+    if mesh is None and not progress:
         return ckpt.cfg, ckpt.params()
     import jax
 
     from v41cp.model import abstract_params
     from v41cp.sharding.rules import TP_RULES, param_shardings
 
-    shardings = param_shardings(abstract_params(ckpt.cfg), mesh, rules or TP_RULES)
+    shardings = param_shardings(abstract_params(ckpt.cfg), mesh, rules or TP_RULES) if mesh is not None else None
     params: dict = {}
-    for name, sub in ckpt.subtrees():
+    for name, sub in tqdm(ckpt.subtrees(), desc="load", unit="subtree", total=len(ckpt.subtree_names),
+                          disable=not progress):
+        if shardings is not None:
+            sub = jax.device_put(sub, {k: shardings[k] for k in sub} if name == "top" else shardings[name])
         if name == "top":
-            params.update(jax.device_put(sub, {k: shardings[k] for k in sub}))
+            params.update(sub)
         else:
-            params[name] = jax.device_put(sub, shardings[name])
+            params[name] = sub
     return ckpt.cfg, params
 
 
-def open_checkpoint(path, mesh=None, rules=None, **overrides):
+def open_checkpoint(path, mesh=None, rules=None, progress: bool = False, **overrides):
     """(config, params) of a converted checkpoint (has ``manifest.json``) or a released-layout directory."""
     from v41cp.sharding.rules import TP_RULES
 
     if (Path(path) / "manifest.json").exists():
-        return load(path, mesh=mesh, rules=rules or TP_RULES, **overrides)
-    return load_released_dir(path, mesh=mesh, rules=rules, **overrides)
+        return load(path, mesh=mesh, rules=rules or TP_RULES, progress=progress, **overrides)
+    return load_released_dir(path, mesh=mesh, rules=rules, progress=progress, **overrides)

@@ -3,7 +3,8 @@
 Layout of a converted checkpoint directory::
 
     config.json        the text config (released field names; dtype = the converted dtype)
-    tokenizer.json     copied from the source (Engram's compressed-token map is derived from it)
+    tokenizer.json     copied from the source (Engram's compressed-token map is derived from it), with
+                       tokenizer_config.json / chat_template.jinja (the chat format) when present
     params/<subtree>/<k>/  orbax checkpoints of subtree ``top`` (embed, head, norm), ``layers_0`` …, in
                        parts of at most `PART_BYTES` (or one parameter, if larger)
     params/dspark/     ``mtp.*`` tensors as stored in the release (only when present)
@@ -131,8 +132,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | None
             ckptr.save(tmp / "params" / "dspark", _nest(dspark))
         cfg_dict = ckpt.cfg.to_dict()
         (tmp / "config.json").write_text(json.dumps({"model_type": "deepseek_v41", "text_config": cfg_dict}, indent=1))
-        if (src / "tokenizer.json").exists():
-            shutil.copy2(src / "tokenizer.json", tmp / "tokenizer.json")
+        for extra in TEXT_FILES:              # the tokenizer and the chat format travel with the weights
+            if (src / extra).exists():
+                shutil.copy2(src / extra, tmp / extra)
         seconds = time.perf_counter() - t0
         summary = {"format_version": FORMAT_VERSION, "source": str(src), "subtrees": names, "parts": parts,
                    "dspark_tensors": len(dspark), "tensors": n_tensors, "bytes_read": ckpt.nbytes,
@@ -146,6 +148,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | None
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return summary
+
+
+TEXT_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
 def _abstract_subtrees(cfg: ModelConfig, mesh: Mesh | None, rules: AxisRules) -> dict[str, Any]:
@@ -164,14 +169,16 @@ def _abstract_subtrees(cfg: ModelConfig, mesh: Mesh | None, rules: AxisRules) ->
 
 
 def load(path: str | os.PathLike, cfg: ModelConfig | None = None, mesh: Mesh | None = None,
-         rules: AxisRules = TP_RULES, **overrides: Any) -> tuple[ModelConfig, dict]:
+         rules: AxisRules = TP_RULES, progress: bool = False, **overrides: Any) -> tuple[ModelConfig, dict]:
     """Restore a converted checkpoint: (config, parameter tree of jax.Arrays).
 
     With ``mesh`` every parameter is restored with the ``NamedSharding`` of ``rules`` (each device
     reads only its shard); without, onto the first device. ``cfg`` defaults to the checkpoint's
     ``config.json`` (``overrides`` such as ``fake_quant=False`` apply to it); a given ``cfg`` must
-    have the checkpoint's shapes and dtype.
+    have the checkpoint's shapes and dtype. ``progress``: a progress bar over the subtrees on stderr.
     """
+    from tqdm import tqdm
+
     path = Path(path)
     manifest = path / "manifest.json"
     if not manifest.exists():
@@ -190,7 +197,7 @@ def load(path: str | os.PathLike, cfg: ModelConfig | None = None, mesh: Mesh | N
                               f"({len(abstract)} subtrees expected)")
     ckptr = _checkpointer()
     params: dict = {}
-    for name, target in abstract.items():
+    for name, target in tqdm(abstract.items(), desc="restore", unit="subtree", disable=not progress):
         sub: dict = {}
         for k, leaf_paths in enumerate(info["parts"][name]):
             part_target: dict = {}

@@ -12,7 +12,7 @@ disabled) or after ``max_new_tokens``; `cancel` frees it at once.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import jax
@@ -29,7 +29,20 @@ from v41cp.sharding.topology import ParallelConfig
 from v41cp.serving.decode import (DecodeMetadata, ced_boundary, ced_rows, decode_step, engram_ids_for_last,
                                   init_cache, prefill_chunk)
 
-__all__ = ["Capacity", "SamplingParams", "Engine", "sample_token"]
+__all__ = ["Capacity", "SamplingParams", "Engine", "EngineFull", "RequestError", "sample_token"]
+
+
+class RequestError(ValueError):
+    """A request is rejected at submit; ``field`` names the offending input (``prompt``, ``max_new_tokens``,
+    ``temperature``, ``top_p``, ``request_id``). Nothing else changes."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
+class EngineFull(RequestError):
+    """The waiting queue holds ``Capacity.max_waiting`` requests already (retry later)."""
 
 
 @dataclass(frozen=True)
@@ -149,32 +162,38 @@ class Engine:
         self.alloc = BlockAllocator(num_blocks, capacity.block_tokens, capacity.max_batch, capacity.max_blocks, n)
         self.requests: "OrderedDict[object, _Request]" = OrderedDict()
         self.stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_steps": 0, "decode_tokens": 0,
-                      "decode_s": 0.0, "step_s": [], "ced_encoder_only_rows": 0}
+                      "decode_s": 0.0, "step_s": deque(maxlen=4096), "ced_encoder_only_rows": 0}
 
     # ------------------------------------------------------------------ requests
     def submit(self, rid, prompt_ids, sampling: SamplingParams = SamplingParams()) -> None:
         """Queue a request; raises ValueError (naming the value) without touching any other request."""
         if rid in self.requests and self.requests[rid].status in ("waiting", "running"):
-            raise ValueError(f"request id {rid!r} is already active")
+            raise RequestError(f"request id {rid!r} is already active", "request_id")
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
-            raise ValueError(f"request {rid!r}: the prompt is empty")
+            raise RequestError(f"request {rid!r}: the prompt is empty", "prompt")
         bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
         if bad:
-            raise ValueError(f"request {rid!r}: token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
+            raise RequestError(f"request {rid!r}: token id {bad[0]} is outside the vocabulary "
+                               f"[0, {self.cfg.vocab_size})", "prompt")
         if type(sampling.max_new_tokens) is not int or sampling.max_new_tokens <= 0:
-            raise ValueError(f"request {rid!r}: max_new_tokens must be a positive integer, got "
-                             f"{sampling.max_new_tokens!r}")
-        if not (sampling.temperature >= 0 and 0 < sampling.top_p <= 1):
-            raise ValueError(f"request {rid!r}: temperature must be >= 0 and top_p in (0, 1], got "
-                             f"{sampling.temperature!r} / {sampling.top_p!r}")
-        waiting = sum(r.status == "waiting" for r in self.requests.values())
-        if waiting >= self.capacity.max_waiting:
-            raise ValueError(f"request {rid!r} rejected: the engine is full ({waiting} requests already queued)")
+            raise RequestError(f"request {rid!r}: max_new_tokens must be a positive integer, got "
+                               f"{sampling.max_new_tokens!r}", "max_new_tokens")
+        if not sampling.temperature >= 0:
+            raise RequestError(f"request {rid!r}: temperature must be >= 0, got {sampling.temperature!r}",
+                               "temperature")
+        if not 0 < sampling.top_p <= 1:
+            raise RequestError(f"request {rid!r}: top_p must be in (0, 1], got {sampling.top_p!r}", "top_p")
         total = len(prompt) + sampling.max_new_tokens
         if total > self.capacity.max_tokens:
-            raise ValueError(f"request {rid!r}: prompt ({len(prompt)}) + max_new_tokens ({sampling.max_new_tokens}) "
-                             f"= {total} tokens is beyond the capacity of {self.capacity.max_tokens} per request")
+            field = "prompt" if len(prompt) >= self.capacity.max_tokens else "max_new_tokens"
+            raise RequestError(f"request {rid!r}: prompt ({len(prompt)}) + max_new_tokens ({sampling.max_new_tokens}) "
+                               f"= {total} tokens is beyond the capacity of {self.capacity.max_tokens} per request",
+                               field)
+        waiting = sum(r.status == "waiting" for r in self.requests.values())
+        if waiting >= self.capacity.max_waiting:
+            raise EngineFull(f"request {rid!r} rejected: the engine is full ({waiting} requests already queued)",
+                             "request_id")
         self.requests[rid] = _Request(rid, prompt, sampling)
 
     def cancel(self, rid) -> None:
@@ -184,6 +203,22 @@ class Engine:
         if req.status == "running":
             self.alloc.cancel(rid)
         req.status, req.finish_reason = "cancelled", "cancelled"
+
+    def release(self, rid) -> dict:
+        """Forget finished or cancelled request ``rid`` (a long-running server calls this); returns its result."""
+        req = self.requests.get(rid)
+        if req is None or req.status in ("waiting", "running"):
+            raise ValueError(f"cannot release unknown or active request {rid!r}")
+        out = self.result(rid)
+        del self.requests[rid]
+        return out
+
+    def load(self) -> dict:
+        """Requests waiting / running and free cache blocks (a health probe)."""
+        status = [r.status for r in self.requests.values()]
+        return {"waiting": status.count("waiting"), "running": status.count("running"),
+                "free_blocks": self.alloc.free_blocks, "total_blocks": self.num_blocks,
+                "free_slots": self.alloc.free_slots}
 
     def result(self, rid) -> dict:
         r = self.requests[rid]

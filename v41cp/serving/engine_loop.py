@@ -1,0 +1,220 @@
+"""One engine loop for many concurrent callers: the `Engine` runs in its own thread, asyncio code talks to it.
+
+`EngineLoop(engine)` owns the engine: only its thread calls `Engine.submit / step / cancel / release`, so
+requests that arrive from any number of HTTP connections are batched together by the engine's continuous
+batching (a request's tokens do not depend on the others in its batch: every row of the decode step and
+every prefill is computed on its own). Callers, from an asyncio event loop:
+
+* ``handle = await loop.submit(prompt_ids, sampling)`` — validated by the engine in its thread; raises the
+  engine's `RequestError` (or `EngineFull`) with nothing else touched, or `LoopClosed` after shutdown;
+* ``async for event in handle`` — `TokenEvent`s: the new output ids of each engine step, then one with a
+  ``finish_reason`` (``eos`` | ``length`` | ``cancelled``) or an ``error`` (the loop stopped, a step failed);
+* ``loop.cancel(rid)`` — from any thread: the request is cancelled and its pages freed before the next step;
+* ``loop.load()`` — waiting / running requests and free blocks, as of the last step;
+* ``loop.shutdown()`` — every request in flight ends with an error event (never a hang), the thread exits.
+
+Finished requests are released from the engine at once, so a long-running server keeps no history.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import queue
+import threading
+import traceback
+from dataclasses import dataclass
+
+from v41cp.serving.engine import Engine, SamplingParams
+
+__all__ = ["EngineLoop", "LoopClosed", "RequestHandle", "TokenEvent"]
+
+
+class LoopClosed(RuntimeError):
+    """The engine loop is shutting down or has stopped; no new request is taken."""
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    ids: tuple[int, ...]                 # output token ids new since the previous event
+    finish_reason: str | None = None     # eos | length | cancelled, on the request's last event
+    error: str | None = None             # set when the request ended abnormally (shutdown, failed step)
+
+    @property
+    def final(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+class RequestHandle:
+    """An accepted request: its engine id, prompt, and the asynchronous stream of its `TokenEvent`s."""
+
+    def __init__(self, rid, prompt_ids: list[int], events: "asyncio.Queue[TokenEvent]", loop: "EngineLoop"):
+        self.rid, self.prompt_ids, self._events, self._loop = rid, prompt_ids, events, loop
+        self.done = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        if self.done:
+            raise StopAsyncIteration
+        event = await self._events.get()
+        self.done = event.final
+        return event
+
+    def cancel(self) -> None:
+        """Cancel the request if it is still running (idempotent)."""
+        if not self.done:
+            self.done = True
+            self._loop.cancel(self.rid)
+
+
+class _Stream:
+    def __init__(self, aio_loop: asyncio.AbstractEventLoop, events: asyncio.Queue):
+        self.aio_loop, self.events, self.sent = aio_loop, events, 0
+
+    def emit(self, event: TokenEvent) -> None:
+        try:
+            self.aio_loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:             # the caller's event loop is closed: nobody is listening
+            pass
+
+
+class EngineLoop:
+    """See the module docstring. ``idle_wait``: seconds the thread sleeps waiting for work when idle."""
+
+    def __init__(self, engine: Engine, idle_wait: float = 0.05):
+        self.engine, self.idle_wait = engine, idle_wait
+        self._inbox: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._streams: dict[object, _Stream] = {}
+        self._ids = itertools.count()
+        self._closing = threading.Event()
+        self._load = engine.load()
+        self._thread = threading.Thread(target=self._run, name="v41cp-engine-loop", daemon=True)
+        self.steps = 0
+
+    # ------------------------------------------------------------------ caller side (any thread / asyncio)
+    def start(self) -> "EngineLoop":
+        self._thread.start()
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._closing.is_set()
+
+    def load(self) -> dict:
+        return dict(self._load, in_flight=len(self._streams), steps=self.steps)
+
+    async def submit(self, prompt_ids, sampling: SamplingParams, rid=None) -> RequestHandle:
+        if self._closing.is_set():
+            raise LoopClosed("the server is shutting down")
+        rid = f"r{next(self._ids)}" if rid is None else rid
+        aio_loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        prompt = [int(t) for t in prompt_ids]
+        self._inbox.put(("submit", rid, prompt, sampling, _Stream(aio_loop, events), fut))
+        wrapped = asyncio.wrap_future(fut)
+        while not (await asyncio.wait({wrapped}, timeout=0.5))[0]:
+            if not self._thread.is_alive():     # the thread exited after this was queued: answer it here
+                self._drain_submissions()
+        wrapped.result()
+        return RequestHandle(rid, prompt, events, self)
+
+    def cancel(self, rid) -> None:
+        self._inbox.put(("cancel", rid))
+
+    def shutdown(self, reason: str = "the server is shutting down", join: bool = False) -> None:
+        """Stop taking requests; every request in flight gets an error event; the thread exits."""
+        self._closing.set()
+        self._reason = reason
+        self._inbox.put(("wake",))
+        if join and self._thread.is_alive():
+            self._thread.join()
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        eng = self.engine
+        while True:
+            try:
+                cmd = self._inbox.get(timeout=self.idle_wait) if not eng.pending else self._inbox.get_nowait()
+            except queue.Empty:
+                cmd = None
+            while cmd is not None:
+                self._execute(cmd)
+                try:
+                    cmd = self._inbox.get_nowait()
+                except queue.Empty:
+                    cmd = None
+            if self._closing.is_set():
+                self._fail_all(getattr(self, "_reason", "the server is shutting down"))
+                self._drain_submissions()
+                return
+            if eng.pending:
+                try:
+                    eng.step()
+                    self.steps += 1
+                except Exception as e:  # a failed step ends the requests in it, the loop keeps serving
+                    traceback.print_exc()
+                    self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
+                self._publish()
+            self._load = eng.load()
+
+    def _execute(self, cmd) -> None:
+        eng = self.engine
+        if cmd[0] == "submit":
+            _, rid, prompt, sampling, stream, fut = cmd
+            if self._closing.is_set():
+                fut.set_exception(LoopClosed("the server is shutting down"))
+                return
+            try:
+                eng.submit(rid, prompt, sampling)
+            except Exception as e:   # RequestError / EngineFull: nothing was changed
+                fut.set_exception(e)
+                return
+            self._streams[rid] = stream
+            fut.set_result(rid)
+        elif cmd[0] == "cancel":
+            rid = cmd[1]
+            stream = self._streams.pop(rid, None)
+            req = eng.requests.get(rid)
+            if req is not None:
+                if req.status in ("waiting", "running"):
+                    eng.cancel(rid)
+                eng.release(rid)
+            if stream is not None:
+                stream.emit(TokenEvent((), finish_reason="cancelled"))
+
+    def _publish(self) -> None:
+        eng = self.engine
+        for rid in list(self._streams):
+            stream, req = self._streams[rid], eng.requests[rid]
+            new = tuple(req.output[stream.sent:])
+            stream.sent += len(new)
+            finished = req.status in ("done", "cancelled")
+            if new or finished:
+                stream.emit(TokenEvent(new, finish_reason=req.finish_reason if finished else None))
+            if finished:
+                del self._streams[rid]
+                eng.release(rid)
+
+    def _fail_all(self, message: str) -> None:
+        eng = self.engine
+        for rid, stream in list(self._streams.items()):
+            req = eng.requests.get(rid)
+            if req is not None:
+                if req.status in ("waiting", "running"):
+                    eng.cancel(rid)
+                eng.release(rid)
+            stream.emit(TokenEvent((), error=message))
+        self._streams.clear()
+
+    def _drain_submissions(self) -> None:
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "submit":
+                cmd[-1].set_exception(LoopClosed("the server is shutting down"))

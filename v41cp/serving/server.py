@@ -1,0 +1,67 @@
+"""``python -m v41cp serve``: the OpenAI-compatible server (FastAPI app on uvicorn) over one engine loop.
+
+`run_server(engine, codec, model_name, host, port)` warms the engine up (compiles the prefill and decode
+programs of its bucket before the first request, with a progress bar), starts the `EngineLoop` thread and
+serves `v41cp.serving.openai_api.build_app` with uvicorn. On SIGINT / SIGTERM the loop is shut down first,
+so every request still in flight gets an error response (streams: an error event, then ``[DONE]``) instead
+of holding the shutdown; then uvicorn closes the connections and exits.
+
+Why FastAPI + uvicorn: the stack vLLM and SGLang serve the same API with; pydantic validates the request
+bodies (a bad field is reported by name), Starlette streams server-sent events and tells a handler when its
+client went away, and uvicorn is a maintained ASGI server — no HTTP parsing of our own.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from v41cp.serving.engine import Engine, SamplingParams
+from v41cp.serving.engine_loop import EngineLoop
+from v41cp.serving.text import TextCodec
+
+__all__ = ["run_server", "warm_up"]
+
+
+def warm_up(engine: Engine, progress: bool = True) -> dict:
+    """Compile the engine's programs by serving one short request through every stage (prefill, decode);
+    returns its seconds. Leaves the engine as it was (the request is released)."""
+    from tqdm import tqdm
+
+    n = max(1, min(4, engine.capacity.max_tokens - 2))
+    rid = ("warm-up", time.time())
+    engine.submit(rid, [0] * n, SamplingParams(max_new_tokens=2, stop_on_eos=False))
+    t0 = time.perf_counter()
+    with tqdm(total=2, desc="warm-up compile (prefill, decode)", unit="token", disable=not progress,
+              file=sys.stderr) as bar:
+        while engine.requests[rid].status in ("waiting", "running"):
+            engine.step()
+            bar.n = len(engine.requests[rid].output)
+            bar.refresh()
+    engine.release(rid)
+    return {"warm_up_s": round(time.perf_counter() - t0, 3)}
+
+
+def run_server(engine: Engine, codec: TextCodec | None, model_name: str, host: str = "127.0.0.1", port: int = 8000,
+               progress: bool = True, log_level: str = "info") -> None:
+    import uvicorn
+
+    from v41cp.serving.openai_api import build_app
+
+    stages = warm_up(engine, progress)
+    print(f"v41cp: warm-up compile {stages['warm_up_s']} s; serving {model_name!r} on http://{host}:{port}", file=sys.stderr,
+          flush=True)
+    loop = EngineLoop(engine).start()
+    app = build_app(loop, codec, model_name)
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            loop.shutdown()               # in-flight requests end with an error now, not after they finish
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10,
+                            access_log=False)
+    try:
+        _Server(config).run()
+    finally:
+        loop.shutdown(join=True)

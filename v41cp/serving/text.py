@@ -1,0 +1,210 @@
+"""Text in, text out: a checkpoint's own tokenizer, its chat format, and streaming detokenization.
+
+* `TextCodec.from_checkpoint(dir)` reads ``tokenizer.json`` (the ``tokenizers`` package) and, when the
+  checkpoint provides one, its chat format: ``chat_template`` of ``tokenizer_config.json`` or a
+  ``chat_template.jinja`` file (the Hugging Face convention; rendered in Jinja's immutable sandbox, as
+  ``transformers`` does). Without one, `TextCodec.chat_prompt` raises `ChatFormatError` saying so.
+* `TextStream` turns a growing list of output token ids into text deltas whose concatenation is exactly
+  ``decode(ids)`` (incremental detokenization by a prefix / read offset, so each token costs a short decode,
+  and a token that ends mid-character waits for the next), and applies OpenAI-style stop strings: the text
+  ends before the first stop string and the characters that might start one are held back until decided.
+
+Everything here is host-side Python; nothing touches the engine or a device.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+__all__ = ["ChatFormatError", "TextCodec", "TextStream", "normalize_messages"]
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+class ChatFormatError(ValueError):
+    """The checkpoint has no chat format, or the messages do not fit it (names the offending value)."""
+
+
+def _token_text(value) -> str | None:
+    """``bos_token`` / ``eos_token`` of a tokenizer_config.json: a string or ``{"content": ...}``."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def normalize_messages(messages) -> list[dict]:
+    """Validate chat ``messages`` (a list of ``{"role", "content"}``; content a string or a list of
+    ``{"type": "text", "text": ...}`` parts) and return them with string contents. Errors name the message."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ChatFormatError("messages must be a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ChatFormatError(f"messages[{i}] must be an object with role and content, got {type(m).__name__}")
+        role, content = m.get("role"), m.get("content")
+        if role not in CHAT_ROLES:
+            raise ChatFormatError(f"messages[{i}].role must be one of {list(CHAT_ROLES)}, got {role!r}")
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    raise ChatFormatError(f"messages[{i}].content[{j}] must be a text part "
+                                          "({\"type\": \"text\", \"text\": ...}); only text is supported")
+                parts.append(part["text"])
+            content = "".join(parts)
+        if not isinstance(content, str):
+            raise ChatFormatError(f"messages[{i}].content must be a string, got {type(content).__name__}")
+        out.append({**m, "role": role, "content": content})
+    return out
+
+
+@dataclass
+class TextCodec:
+    """A checkpoint's tokenizer and optional chat template. ``path`` names where they came from (errors)."""
+
+    tokenizer: object                        # tokenizers.Tokenizer
+    path: str = ""
+    chat_template: str | None = None
+    bos_token: str | None = None
+    eos_token: str | None = None
+    _compiled: object = field(default=None, repr=False)
+
+    @classmethod
+    def from_checkpoint(cls, path) -> "TextCodec":
+        """Read ``tokenizer.json`` (required) and the chat format (optional) of checkpoint directory ``path``."""
+        from tokenizers import Tokenizer
+
+        path = Path(path)
+        tok_file = path / "tokenizer.json"
+        if not tok_file.exists():
+            raise ChatFormatError(f"checkpoint {str(path)!r} has no tokenizer.json: text input and output need it "
+                                  "(token ids still work)")
+        tok = Tokenizer.from_file(str(tok_file))
+        template, bos, eos = None, None, None
+        cfg_file = path / "tokenizer_config.json"
+        if cfg_file.exists():
+            tc = json.loads(cfg_file.read_text())
+            template = tc.get("chat_template")
+            if isinstance(template, list):          # named templates: [{"name": "default", "template": ...}]
+                named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+                template = named.get("default")
+            bos, eos = _token_text(tc.get("bos_token")), _token_text(tc.get("eos_token"))
+        jinja_file = path / "chat_template.jinja"
+        if template is None and jinja_file.exists():
+            template = jinja_file.read_text()
+        if template is not None and not isinstance(template, str):
+            raise ChatFormatError(f"{str(cfg_file)!r}: chat_template must be a string, got {type(template).__name__}")
+        return cls(tok, str(path), template, bos, eos)
+
+    # ------------------------------------------------------------------ tokens <-> text
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no special tokens added beyond what the text itself spells)."""
+        if not isinstance(text, str):
+            raise ValueError(f"text to encode must be a string, got {type(text).__name__}")
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def stream(self, stop: Sequence[str] = ()) -> "TextStream":
+        return TextStream(self, tuple(stop))
+
+    # ------------------------------------------------------------------ chat
+    @property
+    def has_chat_format(self) -> bool:
+        return self.chat_template is not None
+
+    def chat_prompt(self, messages, add_generation_prompt: bool = True) -> str:
+        """The prompt text of chat ``messages`` in the checkpoint's own chat format."""
+        messages = normalize_messages(messages)
+        if self.chat_template is None:
+            raise ChatFormatError(f"checkpoint {self.path!r} provides no chat format (no chat_template in "
+                                  "tokenizer_config.json, no chat_template.jinja): send a plain prompt instead")
+        if self._compiled is None:
+            from jinja2 import TemplateError
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            def raise_exception(message):
+                raise ChatFormatError(f"chat template: {message}")
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = raise_exception
+            try:
+                self._compiled = env.from_string(self.chat_template)
+            except TemplateError as e:
+                raise ChatFormatError(f"checkpoint {self.path!r}: the chat template does not parse: {e}") from e
+        from jinja2 import TemplateError
+
+        try:
+            return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except TemplateError as e:
+            raise ChatFormatError(f"chat template failed on these messages: {e}") from e
+
+    def chat_ids(self, messages, add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.chat_prompt(messages, add_generation_prompt))
+
+
+class TextStream:
+    """Incremental detokenization of one request's output, with stop strings.
+
+    `push(token_id)` returns the newly final text (possibly ""), `finish()` the rest; their concatenation is
+    ``decode(ids)`` cut before the first stop string. After a stop string appears, ``stopped`` is True and
+    later pushes return "". ``text`` is everything returned so far; ``ids`` every token pushed."""
+
+    def __init__(self, codec: TextCodec, stop: tuple[str, ...] = ()):
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError(f"stop strings must be non-empty strings, got {list(stop)!r}")
+        self.codec, self.stop = codec, stop
+        self.ids: list[int] = []
+        self._prefix = self._read = 0            # decode window: ids[prefix:read] was already turned into text
+        self._raw = ""                           # every detokenized character so far
+        self._sent = 0                           # characters of _raw handed out
+        self.stopped = False
+        self._hold = max((len(s) for s in stop), default=1) - 1
+
+    @property
+    def text(self) -> str:
+        return self._raw[: self._sent]
+
+    def push(self, token_id: int) -> str:
+        if self.stopped:
+            return ""
+        self.ids.append(int(token_id))
+        before = self.codec.decode(self.ids[self._prefix:self._read])
+        after = self.codec.decode(self.ids[self._prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd") and after.startswith(before):
+            self._raw += after[len(before):]
+            self._prefix, self._read = self._read, len(self.ids)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """The text still held back (a partial character, or characters that could have begun a stop string)."""
+        if not self.stopped:
+            full = self.codec.decode(self.ids)
+            if full.startswith(self._raw):
+                self._raw = full
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        if self.stopped:
+            return ""
+        if self.stop:
+            # released characters were already known not to begin a stop string
+            hits = [i for i in (self._raw.find(s, self._sent) for s in self.stop) if i >= 0]
+            if hits:
+                end = min(hits)
+                out = self._raw[self._sent:end]
+                self._raw, self._sent, self.stopped = self._raw[:end], end, True
+                return out
+        end = len(self._raw) if final else max(self._sent, len(self._raw) - self._hold)
+        out = self._raw[self._sent:end]
+        self._sent = end
+        return out
