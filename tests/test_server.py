@@ -1,0 +1,213 @@
+"""The OpenAI-compatible server (`python -m v41cp serve`) through real HTTP clients (openai, httpx), one device.
+
+One server subprocess on 127.0.0.1 serves every test here (one compile of its bucket); each test leaves it
+idle (every page free), which the next test checks."""
+
+import asyncio
+import json
+import signal
+
+import httpx
+import openai
+import pytest
+
+from server_harness import ServerProcess
+from v41cp.checkpoint import default_checkpoint
+from v41cp.serving.text import TextCodec
+
+MODEL = "tiny-v41"
+CAPACITY = 128
+# after its graceful shutdown uvicorn re-raises the signal it caught, so the exit status reports SIGTERM
+CLEAN_EXIT = (0, -signal.SIGTERM)
+PROMPTS = ["w1 w2 w3", "W4 w9 w30 W31 w2", "w7", "x200 w5 W5 w6 w6 w100", "w3 w3 w3 w3 w3 w3 w3",
+           "W60 w61", "w8 W8 w9 W9 w10", "x255 x254"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess("--max-batch", "8", "--max-context", str(CAPACITY), "--max-waiting", "8")
+    yield srv
+    assert srv.stop() in CLEAN_EXIT, srv.output()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def codec():
+    return TextCodec.from_checkpoint(default_checkpoint())
+
+
+def _streamed_text(stream) -> tuple[str, str]:
+    parts, reason = [], None
+    for chunk in stream:
+        for c in chunk.choices:
+            parts.append(c.text if hasattr(c, "text") else (c.delta.content or ""))
+            reason = c.finish_reason or reason
+    return "".join(parts), reason
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    h = server.wait_idle()
+    assert h["status"] == "ok" and h["total_blocks"] > 0 and h["free_slots"] == 8
+
+
+def test_completion_text_ids_and_stream(server, client, codec):
+    args = dict(model=MODEL, max_tokens=9, temperature=0)
+    text = client.completions.create(prompt=PROMPTS[1], extra_body={"return_token_ids": True}, **args)
+    choice = text.choices[0]
+    ids = choice.model_extra["token_ids"]
+    assert len(ids) == 9 and choice.finish_reason == "length"
+    assert choice.text == codec.decode(ids)
+    assert text.usage.prompt_tokens == len(codec.encode(PROMPTS[1])) and text.usage.completion_tokens == 9
+    # the same prompt as token ids gives the same completion
+    by_ids = client.completions.create(prompt=codec.encode(PROMPTS[1]), **args)
+    assert by_ids.choices[0].text == choice.text
+    # streamed text = plain text, with the usage chunk at the end
+    streamed, reason = _streamed_text(client.completions.create(prompt=PROMPTS[1], stream=True, **args))
+    assert (streamed, reason) == (choice.text, "length")
+    # a stop string cuts the text before it (and frees the request)
+    words = choice.text.split(" ")
+    stop = " " + words[3]
+    cut = client.completions.create(prompt=PROMPTS[1], stop=[stop], **args).choices[0]
+    assert cut.text == choice.text[: choice.text.index(stop)] and cut.finish_reason == "stop"
+    streamed_cut, reason = _streamed_text(client.completions.create(prompt=PROMPTS[1], stop=stop, stream=True, **args))
+    assert (streamed_cut, reason) == (cut.text, "stop")
+    server.wait_idle()
+
+
+def test_chat_plain_and_streamed(server, client, codec):
+    messages = [{"role": "system", "content": "w9"}, {"role": "user", "content": "w1 w2 W3"}]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
+    msg = plain.choices[0].message
+    assert msg.role == "assistant" and msg.content
+    assert plain.usage.prompt_tokens == len(codec.chat_ids(messages))
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens and not chunks[-1].choices
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == msg.content
+    server.wait_idle()
+
+
+def test_concurrent_streams_equal_each_request_alone(server, client):
+    """8 streaming clients at once (continuous batching in one engine loop) = each request served alone;
+    greedy and seeded sampling."""
+    def args(i):
+        return dict(model=MODEL, prompt=PROMPTS[i], max_tokens=12 + i, temperature=0 if i % 2 else 0.8, seed=i,
+                    top_p=0.9)
+
+    alone = [client.completions.create(**args(i)).choices[0].text for i in range(8)]
+
+    async def together():
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+        async def one(i):
+            parts = []
+            async for chunk in await aclient.completions.create(stream=True, **args(i)):
+                parts.extend(c.text for c in chunk.choices)
+            return "".join(parts)
+
+        try:
+            return await asyncio.gather(*(one(i) for i in range(8)))
+        finally:
+            await aclient.close()
+
+    assert asyncio.run(together()) == alone
+    assert server.health()["steps"] > 0
+    server.wait_idle()
+
+
+def test_disconnect_cancels_and_frees_pages(server):
+    body = {"model": MODEL, "prompt": "w1 w2", "max_tokens": 120, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", server.url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert json.loads(first[6:])["choices"][0]["text"]
+            assert server.health()["in_flight"] == 1
+        # the connection is closed here, after one chunk of 120 tokens
+    h = server.wait_idle(timeout=20)
+    assert h["free_blocks"] == h["total_blocks"]
+    # a non-streaming request whose client gives up is cancelled too
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json={**body, "stream": False}, timeout=0.3)
+    server.wait_idle(timeout=20)
+
+
+def test_full_queue_answers_429(server):
+    """20 long requests at once: at most 8 run and 8 wait, so the rest are rejected with 429; nothing leaks."""
+    body = {"model": MODEL, "prompt": "w1", "max_tokens": 120, "temperature": 0, "ignore_eos": True}
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=120) as http:
+            return await asyncio.gather(*(http.post(server.url + "/v1/completions", json=body) for _ in range(20)))
+
+    codes = [r.status_code for r in asyncio.run(burst())]
+    rejected = [r for r in codes if r == 429]
+    assert set(codes) <= {200, 429} and len(rejected) >= 4 and codes.count(200) >= 8, codes
+    server.wait_idle(timeout=60)
+
+
+@pytest.mark.parametrize("path, body, param, words", [
+    ("/v1/completions", {"prompt": "w1", "max_tokens": -1}, "max_tokens", "greater than 0"),
+    ("/v1/completions", {"prompt": "w1", "max_tokens": "many"}, "max_tokens", "integer"),
+    ("/v1/completions", {"prompt": "w1", "model": "gpt-4"}, "model", "unknown model 'gpt-4'"),
+    ("/v1/completions", {"prompt": " ".join(["w1"] * CAPACITY)}, "prompt", f"capacity is {CAPACITY}"),
+    ("/v1/completions", {"prompt": "w1", "max_tokens": CAPACITY}, "max_tokens", "beyond the capacity"),
+    ("/v1/completions", {"prompt": [5, 256, 7]}, "prompt", "token id 256 is outside the vocabulary"),
+    ("/v1/completions", {"prompt": "w1", "temperature": -0.5}, "temperature", "greater than or equal to 0"),
+    ("/v1/completions", {"prompt": "w1", "top_p": 1.5}, "top_p", "less than or equal to 1"),
+    ("/v1/completions", {"prompt": "w1", "stop": ["a", "b", "c", "d", "e"]}, "stop", "up to 4"),
+    ("/v1/completions", {"prompt": "w1", "n": 2}, "n", "only n = 1"),
+    ("/v1/completions", {"prompt": [[5], [7]]}, "prompt", "one prompt per request"),
+    ("/v1/completions", {}, "prompt", "Field required"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "w1"}]}, "messages", "messages[0].role"),
+    ("/v1/chat/completions", {"messages": []}, "messages", "non-empty"),
+])
+def test_bad_fields_answer_400_naming_the_field(server, path, body, param, words):
+    before = server.wait_idle()
+    r = httpx.post(server.url + path, json={"model": MODEL, **body}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and words in err["message"], err
+    after = server.wait_idle()
+    assert after["free_blocks"] == before["free_blocks"] and after["steps"] == before["steps"]
+
+
+def test_kvp_dcp8_server_equals_one_device_and_shutdown_ends_requests_in_flight(server, client):
+    """A KVP = DCP = 8 server on 8 simulated devices answers what the one-device server answers; on SIGTERM a
+    request in flight gets an error event and [DONE] (no hang) and the server exits cleanly."""
+    dcp = ServerProcess("--max-batch", "8", "--max-context", str(CAPACITY), "--devices", "8",
+                        "--kv-parallel-size", "8", "--decode-context-parallel-size", "8")
+    try:
+        dclient = openai.OpenAI(base_url=dcp.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        for i in (0, 3, 4):
+            args = dict(model=MODEL, prompt=PROMPTS[i], max_tokens=40, temperature=0, ignore_eos=True)
+            one = client.completions.create(extra_body={"return_token_ids": True, "ignore_eos": True},
+                                            **{k: v for k, v in args.items() if k != "ignore_eos"})
+            eight = dclient.completions.create(extra_body={"return_token_ids": True, "ignore_eos": True},
+                                               **{k: v for k, v in args.items() if k != "ignore_eos"})
+            assert eight.choices[0].model_extra["token_ids"] == one.choices[0].model_extra["token_ids"]
+            assert eight.choices[0].text == one.choices[0].text
+        body = {"model": MODEL, "prompt": "w1", "max_tokens": 120, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        events = []
+        with httpx.Client(timeout=60) as http, http.stream("POST", dcp.url + "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if len(events) == 2:
+                    dcp.proc.terminate()
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["message"] == "the server is shutting down"
+        assert dcp.proc.wait(30) in CLEAN_EXIT, dcp.output()[-3000:]
+    finally:
+        dcp.stop()
