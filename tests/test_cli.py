@@ -3,11 +3,13 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 
 from v41cp import model
 from v41cp.checkpoint import default_checkpoint, load
+from v41cp.serving.text import TextCodec
 
 
 def _cli(*args):
@@ -62,14 +64,37 @@ def test_generate_json_batch_matches_engine_greedy():
     """``generate`` with the Pallas kernels (``--attention-backend / --indexer-backend pallas``, interpret mode
     here) prints the greedy tokens of the XLA full forward. (The topology flags run end to end in
     `test_bench_decode_kvp_json`; DCP generation equals one device in `test_dcp_decode`.)"""
-    prompts = ("--prompt-ids", "5,17,42", "--prompt-ids", "9,8,7,6", "--max-new-tokens", "3")
+    prompts = ("--prompt", "w1 w2 W3", "--prompt-ids", "5,17,42", "--prompt-ids", "9,8,7,6", "--max-new-tokens", "3")
     res = _cli("generate", "--json", "--attention-backend", "pallas", "--indexer-backend", "pallas", *prompts)
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
-    assert [r["prompt_ids"] for r in out["requests"]] == [[5, 17, 42], [9, 8, 7, 6]]
+    assert [r["prompt_ids"] for r in out["requests"]] == [[5, 7, 10], [5, 17, 42], [9, 8, 7, 6]]
+    codec = TextCodec.from_checkpoint(default_checkpoint())
+    for r in out["requests"]:
+        eos = r["finish_reason"] == "eos"
+        assert r["text"] == codec.decode(r["output_ids"][:-1] if eos else r["output_ids"])
     assert all(1 <= len(r["output_ids"]) <= 3 for r in out["requests"])
     assert out["timings"]["compiles"] == {"decode_step": 1, "prefill_chunk": 1, "prefill_span": 0}
     _assert_greedy_of_forward(out)
+
+
+def test_generate_streams_chat_text(capsys, tmp_path):
+    """``generate --prompt TEXT --chat`` puts the message into the checkpoint's chat format and streams the
+    reply's text to the terminal; the text is the greedy continuation of the full forward. A checkpoint
+    without a chat format says so."""
+    from v41cp.__main__ import main
+
+    assert main(["generate", "--prompt", "w1 w2", "--chat", "--system", "w9", "--max-new-tokens", "3"]) == 0
+    text, summary = capsys.readouterr().out.split("\n")[:2]
+    codec = TextCodec.from_checkpoint(default_checkpoint())
+    prompt = codec.chat_ids([{"role": "system", "content": "w9"}, {"role": "user", "content": "w1 w2"}])
+    assert prompt == codec.encode("W0 w9 W1 w1 w2 W2") and summary.startswith("[")
+    out_ids = codec.encode(text)
+    assert text and len(out_ids) <= 3
+    _assert_greedy_of_forward({"requests": [{"prompt_ids": prompt, "output_ids": out_ids}]})
+    (tmp_path / "tokenizer.json").write_bytes((Path(default_checkpoint()) / "tokenizer.json").read_bytes())
+    res = _cli("generate", "--checkpoint", str(tmp_path), "--prompt", "w1", "--chat")
+    assert res.returncode == 2 and "provides no chat format" in res.stderr, res.stderr
 
 
 def test_generate_with_model_wide_qcp_and_kvp():

@@ -130,13 +130,17 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | None
         dspark = ckpt.dspark_tensors()
         if dspark:
             ckptr.save(tmp / "params" / "dspark", _nest(dspark))
+        # orbax's commit markers spell the temporary folder's absolute path (wrong once renamed, and a path of
+        # this machine); a local restore does not read them
+        for marker in (tmp / "params").rglob("commit_success.txt"):
+            marker.unlink()
         cfg_dict = ckpt.cfg.to_dict()
         (tmp / "config.json").write_text(json.dumps({"model_type": "deepseek_v41", "text_config": cfg_dict}, indent=1))
         for extra in TEXT_FILES:              # the tokenizer and the chat format travel with the weights
             if (src / extra).exists():
                 shutil.copy2(src / extra, tmp / extra)
         seconds = time.perf_counter() - t0
-        summary = {"format_version": FORMAT_VERSION, "source": str(src), "subtrees": names, "parts": parts,
+        summary = {"format_version": FORMAT_VERSION, "source": src.name, "subtrees": names, "parts": parts,
                    "dspark_tensors": len(dspark), "tensors": n_tensors, "bytes_read": ckpt.nbytes,
                    "bytes_written": n_bytes, "dtype": ckpt.cfg.dtype, "keep_quantized": keep_quantized,
                    "seconds": round(seconds, 3)}

@@ -1,0 +1,89 @@
+"""Text in / out: the checkpoint's tokenizer, its chat format, streaming detokenization and stop strings."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from v41cp.checkpoint import default_checkpoint, default_released_checkpoint
+from v41cp.serving.text import ChatFormatError, TextCodec, TextStream
+
+
+@pytest.fixture(scope="module")
+def codec():
+    return TextCodec.from_checkpoint(default_checkpoint())
+
+
+def _byte_level_codec() -> TextCodec:
+    """A small byte-level BPE (GPT-2 / DeepSeek style: multi-byte characters span several tokens)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["héllo wörld — ünïcödé 日本語 テキスト", "tokens stream one at a time", "émoji 🙂 and ✓ marks"] * 20
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return TextCodec(tok, "byte-level test tokenizer")
+
+
+def test_text_round_trip_through_the_checkpoint_tokenizer(codec):
+    text = "w1 W2 w3 W98 x255"
+    ids = codec.encode(text)
+    assert ids == [5, 8, 9, 200, 255] and codec.decode(ids) == text
+    assert codec.encode("unknownword") == [2]                  # the word-level vocabulary's unknown token
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        ids = rng.integers(3, codec.vocab_size, rng.integers(1, 20)).tolist()   # words (not <bos> / <eos> / <pad>)
+        assert codec.encode(codec.decode(ids)) == ids          # a word-level vocabulary round-trips ids too
+    # the released-layout checkpoint carries the same tokenizer and chat format
+    other = TextCodec.from_checkpoint(default_released_checkpoint())
+    assert other.encode(text) == codec.encode(text) and other.chat_template == codec.chat_template
+
+
+@pytest.mark.parametrize("make", ["word", "byte"])
+def test_stream_deltas_concatenate_to_the_decoded_text(codec, make):
+    c = codec if make == "word" else _byte_level_codec()
+    texts = ["w1 w2 W3 x255", "héllo wörld 日本語 🙂 ✓ stream"] if make == "byte" else ["w1 w2 W3 x255 w5"]
+    for text in texts:
+        ids = c.encode(text)
+        s = c.stream()
+        deltas = [s.push(t) for t in ids]
+        rest = s.finish()
+        assert "".join(deltas) + rest == c.decode(ids) == s.text
+        assert all("\ufffd" not in d for d in deltas)          # never half a character
+
+
+def test_stop_strings_cut_and_hold_back(codec):
+    ids = codec.encode("w1 w2 W3 w4 w5")
+    s = TextStream(codec, (" W3", "w9"))
+    out = [s.push(t) for t in ids]
+    assert "".join(out) + s.finish() == "w1 w2" and s.stopped
+    # a stop string that never completes is released at the end; nothing after a stop is returned
+    s = TextStream(codec, ("w2 W3 w7",))
+    got = "".join(s.push(t) for t in ids) + s.finish()
+    assert got == "w1 w2 W3 w4 w5" and not s.stopped
+    s = TextStream(codec, ("w1",))
+    assert s.push(ids[0]) == "" and s.stopped and s.push(ids[1]) == "" and s.finish() == ""
+    with pytest.raises(ValueError, match="non-empty strings"):
+        TextStream(codec, ("",))
+
+
+def test_chat_format_of_the_checkpoint_and_its_absence(codec, tmp_path):
+    messages = [{"role": "system", "content": "w9"}, {"role": "user", "content": [{"type": "text", "text": "w1 w2"}]}]
+    assert codec.chat_prompt(messages) == "W0 w9 W1 w1 w2 W2"
+    assert codec.chat_prompt(messages, add_generation_prompt=False) == "W0 w9 W1 w1 w2 "
+    with pytest.raises(ChatFormatError, match=r"messages\[1\].role must be one of"):
+        codec.chat_prompt([messages[0], {"role": "robot", "content": "w1"}])
+    with pytest.raises(ChatFormatError, match=r"messages\[0\].content must be a string"):
+        codec.chat_prompt([{"role": "user", "content": 5}])
+    shutil.copy(f"{default_checkpoint()}/tokenizer.json", tmp_path / "tokenizer.json")
+    bare = TextCodec.from_checkpoint(tmp_path)
+    with pytest.raises(ChatFormatError, match="provides no chat format"):
+        bare.chat_prompt(messages)
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }} {% endfor %}")
+    assert TextCodec.from_checkpoint(tmp_path).chat_prompt(messages) == "w9 w1 w2 "
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% if %}"}))
+    with pytest.raises(ChatFormatError, match="does not parse"):
+        TextCodec.from_checkpoint(tmp_path).chat_prompt(messages)
+    with pytest.raises(ChatFormatError, match="no tokenizer.json"):
+        TextCodec.from_checkpoint(tmp_path / "missing")
