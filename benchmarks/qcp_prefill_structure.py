@@ -31,7 +31,12 @@ def main() -> None:
     a = p.parse_args()
     os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={a.devices}")
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    print(json.dumps(measure(a.devices, a.rows, whole=not a.skip_whole), indent=1))
 
+
+def measure(devices: int, rows: int, parts=("reuse", "reindex", "moe"), whole: bool = True) -> dict:
+    """The structure numbers above for one ``rows``-token prompt over ``devices`` ranks (jax must already see
+    that many devices). ``parts``: which layer programs to compile ("reindex" needs "reuse")."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -46,7 +51,7 @@ def main() -> None:
     from v41cp.sharding.rules import QCP_RULES, param_shardings
     from v41cp.sharding.topology import ParallelConfig
 
-    n, t = a.devices, a.rows
+    n, t = devices, rows
     cfg = preset("tiny-tp8", index_topk=512, sliding_window=128, num_attention_heads=16, o_groups=8,
                  fake_quant=False, engram_token_map=tuple(min(i, 135) for i in range(256)))
     par = ParallelConfig(tp_size=n, query_context_parallel_size=n)
@@ -114,34 +119,37 @@ def main() -> None:
             return stats(jax.jit(f).trace(lp, x, meta, cache, state).lower().compile(), t)
 
     out = {"devices": n, "rows": t, "entries": g, "index_topk": k, "parts": {}}
-    progs = {(name, q): part(name, q) for name in ("reuse", "reindex", "moe") for q in (False, True)}
+    progs = {(name, q): part(name, q) for name in parts for q in (False, True)}
     ratio = lambda q, u: round(q / max(u, 1.0), 4)
     fl = lambda name, q: progs[name, q]["flops_per_device"]
-    out["parts"]["attention"] = {"unsharded": progs["reuse", False], "qcp": progs["reuse", True],
-                                 "flops_ratio_qcp_vs_unsharded": ratio(fl("reuse", True), fl("reuse", False))}
-    out["parts"]["indexer"] = {
-        "flops_unsharded": fl("reindex", False) - fl("reuse", False),
-        "flops_qcp_per_device": fl("reindex", True) - fl("reuse", True),
-        "flops_ratio_qcp_vs_unsharded": ratio(fl("reindex", True) - fl("reuse", True),
-                                              fl("reindex", False) - fl("reuse", False)),
-        "collective_bytes_per_token": progs["reindex", True]["collective_bytes_per_token"]}
-    out["parts"]["moe"] = {"unsharded": progs["moe", False], "qcp": progs["moe", True],
-                           "flops_ratio_qcp_vs_unsharded": ratio(fl("moe", True), fl("moe", False))}
-    if not a.skip_whole:
-        whole = {}
+    if "reuse" in parts:
+        out["parts"]["attention"] = {"unsharded": progs["reuse", False], "qcp": progs["reuse", True],
+                                     "flops_ratio_qcp_vs_unsharded": ratio(fl("reuse", True), fl("reuse", False))}
+    if "reindex" in parts:
+        out["parts"]["indexer"] = {
+            "flops_unsharded": fl("reindex", False) - fl("reuse", False),
+            "flops_qcp_per_device": fl("reindex", True) - fl("reuse", True),
+            "flops_ratio_qcp_vs_unsharded": ratio(fl("reindex", True) - fl("reuse", True),
+                                                  fl("reindex", False) - fl("reuse", False)),
+            "collective_bytes_per_token": progs["reindex", True]["collective_bytes_per_token"]}
+    if "moe" in parts:
+        out["parts"]["moe"] = {"unsharded": progs["moe", False], "qcp": progs["moe", True],
+                               "flops_ratio_qcp_vs_unsharded": ratio(fl("moe", True), fl("moe", False))}
+    if whole:
+        done = {}
         for q in (False, True):
             meta = build_span_metadata(cfg, [prompt], n if q else 1, block_tables=table, span=t)
             if q:
                 cache = init_cache(cfg, nb, bt, 1, NamedSharding(mesh, P()), records=False)
                 prm = model.shard_params(params, cfg, mesh, par.rules())
-                whole[q] = stats(prefill_span.lower(prm, cache, meta, cfg, layout).compile(), t)
+                done[q] = stats(prefill_span.lower(prm, cache, meta, cfg, layout).compile(), t)
             else:
                 cache = init_cache(cfg, nb, bt, 1, records=False)
-                whole[q] = stats(prefill_span.lower(params, cache, meta, cfg, SpanLayout()).compile(), t)
-        out["whole"] = {"unsharded": whole[False], "qcp": whole[True],
-                        "flops_ratio_qcp_vs_unsharded": ratio(whole[True]["flops_per_device"],
-                                                              whole[False]["flops_per_device"])}
-    print(json.dumps(out, indent=1))
+                done[q] = stats(prefill_span.lower(params, cache, meta, cfg, SpanLayout()).compile(), t)
+        out["whole"] = {"unsharded": done[False], "qcp": done[True],
+                        "flops_ratio_qcp_vs_unsharded": ratio(done[True]["flops_per_device"],
+                                                              done[False]["flops_per_device"])}
+    return out
 
 
 if __name__ == "__main__":

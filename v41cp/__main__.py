@@ -404,7 +404,7 @@ def cmd_bench(args) -> int:
 
         ints = lambda text: tuple(int(x) for x in text.split(","))
         out = run(args.shapes, ints(args.contexts), ints(args.batches), tuple(args.kernels.split(",")), args.reps,
-                  not args.no_xla, args.sweep)
+                  not args.no_xla, args.sweep, progress=sys.stderr.isatty())
         print(json.dumps(out) if args.json else json.dumps(out, indent=1))
         return 0
     from v41cp.serving.engine import Capacity

@@ -197,20 +197,26 @@ SWEEP = {
 
 
 def run(shapes: str = "flash", contexts=(8192, 131072, 1048576), batches=(1, 16, 64), kernels=("indexer", "attention"),
-        reps: int = 10, with_xla: bool = True, sweep: bool = False) -> dict:
+        reps: int = 10, with_xla: bool = True, sweep: bool = False, progress: bool = False) -> dict:
     """Every (kernel, context, batch) case → a JSON-ready dict. ``sweep``: also time the `SWEEP` kernel
-    parameters of each case (Pallas path only), for choosing the defaults on a GPU."""
+    parameters of each case (Pallas path only), for choosing the defaults on a GPU. ``progress``: a progress
+    bar over the cases on stderr."""
+    import sys
+
+    from tqdm import tqdm
+
     shape = SHAPES[shapes]
     dev = jax.devices()[0]
     out = {"bench": "kernels", "shapes": shapes, "shape": shape, "device": getattr(dev, "device_kind", str(dev)),
            "platform": jax.default_backend(), "jax": jax.__version__, "interpret": jax.default_backend() != "gpu",
            "hbm_bytes_per_s": HBM_BYTES_PER_S, "cases": []}
-    for context in contexts:
-        for batch in batches:
-            if "indexer" in kernels:
-                out["cases"].append(bench_indexer(shape, context, batch, reps, with_xla,
-                                                  sweep_configs=SWEEP["indexer"] if sweep else None))
-            if "attention" in kernels:
-                out["cases"].append(bench_sparse_attention(shape, context, batch, reps, with_xla,
-                                                           sweep_configs=SWEEP["attention"] if sweep else None))
+    cases = [(c, b, k) for c in contexts for b in batches for k in ("indexer", "attention") if k in kernels]
+    for context, batch, kernel in tqdm(cases, desc="bench kernels" + (" (sweep)" if sweep else ""), unit="case",
+                                       disable=not progress, file=sys.stderr):
+        if kernel == "indexer":
+            out["cases"].append(bench_indexer(shape, context, batch, reps, with_xla,
+                                              sweep_configs=SWEEP["indexer"] if sweep else None))
+        else:
+            out["cases"].append(bench_sparse_attention(shape, context, batch, reps, with_xla,
+                                                       sweep_configs=SWEEP["attention"] if sweep else None))
     return out

@@ -1,9 +1,13 @@
-"""Serving: paged V4.1 caches, chunked prefill and the static-capacity jitted decode step.
+"""Serving: paged V4.1 caches, prefill, the static-capacity jitted decode step, the engine and the HTTP API.
 
-Built so far (issue 4, in progress): `CacheSpec` (the decode-state layout and its exact byte
-accounting, with the LCM logical block shared by every global cache group) and `BlockAllocator`
-(per-request block tables and batch slots, admission control, release on finish / cancel).
-The cached prefill / decode step, the engine and the ``generate`` / ``bench`` CLI are not built yet.
+* `cache_spec` / `allocator` / `records` — the decode-state layout (exact byte accounting), block tables and
+  batch slots, the release's cache byte records;
+* `decode` (token-serial prefill chunks and the decode step), `dcp` (KVP pages, DCP decode), `span_metadata` /
+  `span_prefill` (one-pass prefill, model-wide / operator-local QCP), `kernel_ops`;
+* `engine` — `Engine`, `Capacity`, `SamplingParams`: continuous batching over the compiled buckets;
+* `text` — the checkpoint's tokenizer and chat format, streaming detokenization with stop strings;
+* `engine_loop` — one engine thread serving many asyncio callers; `openai_api` / `server` — the
+  OpenAI-compatible HTTP server (``python -m v41cp serve``).
 """
 
 from v41cp.serving.allocator import AllocationError, BlockAllocator

@@ -1,0 +1,85 @@
+"""Load test of the OpenAI-compatible server: throughput and time to first token vs concurrent clients.
+
+Starts ``python -m v41cp serve`` on 127.0.0.1 (or uses ``--url``), then for each concurrency level runs that many
+streaming clients at once, each sending ``--requests`` completions one after another (``--max-tokens`` tokens,
+greedy, EOS ignored), and prints JSON: per level the output tokens per second over the level's wall time, the
+time to first token (p50 / p90 over requests) and the per-request decode rate. Requests are bounded in number
+and time; the server is stopped at the end. ``python benchmarks/server_load.py --concurrency 1,16``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+
+
+async def _one(client, model: str, prompt: str, max_tokens: int) -> dict:
+    t0 = time.perf_counter()
+    first, tokens = None, 0
+    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                             stream=True, extra_body={"ignore_eos": True})
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            tokens += 1
+            if first is None:
+                first = time.perf_counter() - t0
+    return {"ttft_s": first, "tokens": tokens, "seconds": time.perf_counter() - t0}
+
+
+async def _level(url: str, model: str, clients: int, requests: int, max_tokens: int) -> dict:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    prompts = [" ".join(f"w{(7 * c + j) % 100}" for j in range(8)) for c in range(clients)]
+
+    async def worker(c):
+        return [await _one(client, model, prompts[c], max_tokens) for _ in range(requests)]
+
+    t0 = time.perf_counter()
+    rows = [r for rs in await asyncio.gather(*(worker(c) for c in range(clients))) for r in rs]
+    wall = time.perf_counter() - t0
+    await client.close()
+    ttft = sorted(r["ttft_s"] for r in rows)
+    return {"clients": clients, "requests": len(rows), "output_tokens": sum(r["tokens"] for r in rows),
+            "wall_s": round(wall, 3), "output_tokens_per_s": round(sum(r["tokens"] for r in rows) / wall, 1),
+            "ttft_ms_p50": round(1e3 * statistics.median(ttft), 1),
+            "ttft_ms_p90": round(1e3 * ttft[int(0.9 * (len(ttft) - 1))], 1),
+            "per_request_tokens_per_s": round(statistics.median(r["tokens"] / r["seconds"] for r in rows), 1)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--url", help="an already running server (default: start one)")
+    p.add_argument("--model", default="tiny-v41")
+    p.add_argument("--concurrency", default="1,16")
+    p.add_argument("--requests", type=int, default=3, help="requests per client")
+    p.add_argument("--max-tokens", type=int, default=32)
+    a = p.parse_args()
+    levels = [int(x) for x in a.concurrency.split(",")]
+    server = None
+    url = a.url
+    if url is None:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+        from server_harness import ServerProcess
+
+        server = ServerProcess("--max-batch", str(max(levels)), "--max-context", "64", "--max-waiting", "256")
+        url = server.url
+    try:
+        out = {"url": url, "max_tokens": a.max_tokens, "levels": [asyncio.run(_level(url, a.model, c, a.requests,
+                                                                                      a.max_tokens)) for c in levels]}
+    finally:
+        if server is not None:
+            server.stop()
+    base = out["levels"][0]["output_tokens_per_s"]
+    for lv in out["levels"]:
+        lv["throughput_vs_first_level"] = round(lv["output_tokens_per_s"] / base, 2)
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
