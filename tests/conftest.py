@@ -15,8 +15,10 @@ HARNESS = REPO / "tests" / "oracle" / "nemo_oracle.py"
 
 
 def oracle_python() -> str | None:
-    """The oracle venv's interpreter: $V41CP_ORACLE_PYTHON, else <repo>/.oracle-venv/bin/python."""
-    p = os.environ.get("V41CP_ORACLE_PYTHON") or str(REPO / ".oracle-venv" / "bin" / "python")
+    """The oracle venv's interpreter: $V41CP_ORACLE_PYTHON, else the venv tests/oracle/setup_venv.sh builds
+    ($V41CP_ORACLE_VENV, default <repo>/.oracle-venv)."""
+    venv = os.environ.get("V41CP_ORACLE_VENV") or str(REPO / ".oracle-venv")
+    p = os.environ.get("V41CP_ORACLE_PYTHON") or str(Path(venv) / "bin" / "python")
     return p if os.path.exists(p) else None
 
 
