@@ -169,3 +169,29 @@ def test_engine_rejects_when_the_queue_is_full(tiny):
     with pytest.raises(ValueError, match="request 3 rejected: the engine is full"):
         eng.submit(3, [5, 6], SamplingParams(max_new_tokens=2))
     assert [r["status"] for r in eng.run()] == ["done", "done"]
+
+
+def test_submit_names_the_field_and_rejects_what_can_never_run(tiny):
+    """Errors carry the offending field; a request larger than the whole cache is rejected at submit rather than
+    left waiting forever (blocking the queue); a negative seed is rejected before it can fail a step."""
+    import dataclasses
+
+    from v41cp.serving.engine import EngineFull, RequestError
+
+    cfg, params = tiny
+    eng = Engine(params, cfg, dataclasses.replace(CAP, num_blocks=2, max_waiting=1))
+    cases = [([5, 256], SamplingParams(), "prompt"), ([5], SamplingParams(max_new_tokens=0), "max_new_tokens"),
+             ([5], SamplingParams(temperature=-1.0), "temperature"), ([5], SamplingParams(top_p=0.0), "top_p"),
+             ([5], SamplingParams(seed=-1, temperature=1.0), "seed"),
+             (list(range(3, 13)), SamplingParams(max_new_tokens=30), "max_new_tokens")]
+    for prompt, sp, field in cases:
+        with pytest.raises(RequestError) as err:
+            eng.submit("x", prompt, sp)
+        assert err.value.field == field, (field, str(err.value))
+    assert "more than the engine's 2 blocks" in str(err.value)
+    eng.submit("fits", [5, 6], SamplingParams(max_new_tokens=2))
+    with pytest.raises(EngineFull):
+        eng.submit("later", [5, 6], SamplingParams(max_new_tokens=2))
+    eng.cancel("fits")                                  # (nothing runs here: this cache shape is not compiled)
+    assert eng.release("fits")["status"] == "cancelled"
+    assert not eng.requests and eng.load()["free_blocks"] == eng.num_blocks

@@ -66,6 +66,7 @@ def test_completion_text_ids_and_stream(server, client, codec):
     # the same prompt as token ids gives the same completion
     by_ids = client.completions.create(prompt=codec.encode(PROMPTS[1]), **args)
     assert by_ids.choices[0].text == choice.text
+    assert client.completions.create(prompt=[PROMPTS[1]], **args).choices[0].text == choice.text   # a batch of one
     # streamed text = plain text, with the usage chunk at the end
     streamed, reason = _streamed_text(client.completions.create(prompt=PROMPTS[1], stream=True, **args))
     assert (streamed, reason) == (choice.text, "length")
@@ -125,6 +126,7 @@ def test_concurrent_streams_equal_each_request_alone(server, client):
 def test_disconnect_cancels_and_frees_pages(server):
     body = {"model": MODEL, "prompt": "w1 w2", "max_tokens": 120, "temperature": 0, "ignore_eos": True,
             "stream": True}
+    steps = server.wait_idle()["steps"]
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", server.url + "/v1/completions", json=body) as r:
             assert r.status_code == 200
@@ -135,10 +137,13 @@ def test_disconnect_cancels_and_frees_pages(server):
         # the connection is closed here, after one chunk of 120 tokens
     h = server.wait_idle(timeout=20)
     assert h["free_blocks"] == h["total_blocks"]
+    # cancelled, not finished: far fewer engine steps than the 120 the request would have taken
+    assert h["steps"] - steps < 60, (steps, h)
     # a non-streaming request whose client gives up is cancelled too
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", json={**body, "stream": False}, timeout=0.3)
-    server.wait_idle(timeout=20)
+        httpx.post(server.url + "/v1/completions", json={**body, "stream": False}, timeout=0.1)
+    h2 = server.wait_idle(timeout=20)
+    assert h2["steps"] - h["steps"] < 110, (h, h2)
 
 
 def test_full_queue_answers_429(server):
@@ -155,6 +160,12 @@ def test_full_queue_answers_429(server):
     server.wait_idle(timeout=60)
 
 
+def test_invalid_json_answers_400(server):
+    r = httpx.post(server.url + "/v1/completions", content=b'{"model": "tiny-v41", "prompt": ', timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"], r.text
+
+
 @pytest.mark.parametrize("path, body, param, words", [
     ("/v1/completions", {"prompt": "w1", "max_tokens": -1}, "max_tokens", "greater than 0"),
     ("/v1/completions", {"prompt": "w1", "max_tokens": "many"}, "max_tokens", "integer"),
@@ -168,6 +179,9 @@ def test_full_queue_answers_429(server):
     ("/v1/completions", {"prompt": "w1", "n": 2}, "n", "only n = 1"),
     ("/v1/completions", {"prompt": [[5], [7]]}, "prompt", "one prompt per request"),
     ("/v1/completions", {}, "prompt", "Field required"),
+    ("/v1/completions", {"prompt": 5}, "prompt", "valid string"),
+    ("/v1/completions", {"prompt": "w1", "seed": -1}, "seed", "greater than or equal to 0"),
+    ("/v1/completions", {"prompt": "w1", "tools": [{"type": "function"}]}, "tools", "not supported"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "w1"}]}, "messages", "messages[0].role"),
     ("/v1/chat/completions", {"messages": []}, "messages", "non-empty"),
 ])

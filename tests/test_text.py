@@ -82,6 +82,11 @@ def test_chat_format_of_the_checkpoint_and_its_absence(codec, tmp_path):
         bare.chat_prompt(messages)
     (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }} {% endfor %}")
     assert TextCodec.from_checkpoint(tmp_path).chat_prompt(messages) == "w9 w1 w2 "
+    # the transformers template environment: loop controls, tojson without ASCII escapes
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m | tojson }}{% endfor %}")
+    assert TextCodec.from_checkpoint(tmp_path).chat_prompt([{"role": "user", "content": "é"}, messages[0]]) == \
+        '{"role": "user", "content": "é"}'
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% if %}"}))
     with pytest.raises(ChatFormatError, match="does not parse"):
         TextCodec.from_checkpoint(tmp_path).chat_prompt(messages)

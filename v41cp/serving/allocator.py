@@ -102,6 +102,12 @@ class BlockAllocator:
     def blocks_needed(self, tokens: int) -> int:
         return -(-tokens // self.block_tokens)
 
+    def fits_when_empty(self, tokens: int) -> bool:
+        """Whether a request of ``tokens`` could ever be admitted (every block and slot free): a request that
+        cannot must be rejected at submit, not left waiting forever."""
+        count = self.blocks_needed(tokens)
+        return 0 < tokens <= self.capacity_tokens and -(-count // self.n) <= self.num_blocks // self.n
+
     def can_admit(self, tokens: int) -> bool:
         return (0 < tokens <= self.capacity_tokens and self.free_slots > 0
                 and self._residue_for(self.blocks_needed(tokens)) is not None)

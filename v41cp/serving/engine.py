@@ -34,7 +34,7 @@ __all__ = ["Capacity", "SamplingParams", "Engine", "EngineFull", "RequestError",
 
 class RequestError(ValueError):
     """A request is rejected at submit; ``field`` names the offending input (``prompt``, ``max_new_tokens``,
-    ``temperature``, ``top_p``, ``request_id``). Nothing else changes."""
+    ``temperature``, ``top_p``, ``seed``, ``request_id``). Nothing else changes."""
 
     def __init__(self, message: str, field: str):
         super().__init__(message)
@@ -107,6 +107,8 @@ def sample_token(logits: np.ndarray, sp: SamplingParams, index: int) -> int:
     if sp.temperature <= 0:
         return int(np.argmax(logits))
     z = logits.astype(np.float64) / sp.temperature
+    if not np.isfinite(z).all():            # a temperature so small that logits / T overflows: the greedy limit
+        return int(np.argmax(logits))
     p = np.exp(z - z.max())
     p /= p.sum()
     order = np.argsort(-p, kind="stable")
@@ -184,12 +186,20 @@ class Engine:
                                "temperature")
         if not 0 < sampling.top_p <= 1:
             raise RequestError(f"request {rid!r}: top_p must be in (0, 1], got {sampling.top_p!r}", "top_p")
+        if type(sampling.seed) is not int or not 0 <= sampling.seed < 2**63:
+            raise RequestError(f"request {rid!r}: seed must be an integer in [0, 2**63), got {sampling.seed!r}", "seed")
         total = len(prompt) + sampling.max_new_tokens
         if total > self.capacity.max_tokens:
             field = "prompt" if len(prompt) >= self.capacity.max_tokens else "max_new_tokens"
             raise RequestError(f"request {rid!r}: prompt ({len(prompt)}) + max_new_tokens ({sampling.max_new_tokens}) "
                                f"= {total} tokens is beyond the capacity of {self.capacity.max_tokens} per request",
                                field)
+        need = max(total - 1, 1)                                          # tokens that enter the cache
+        if not self.alloc.fits_when_empty(need):
+            raise RequestError(f"request {rid!r}: {need} cached tokens need {self.alloc.blocks_needed(need)} blocks of "
+                               f"{self.capacity.block_tokens}, more than the engine's {self.num_blocks} blocks"
+                               + (f" ({self.num_blocks // self.alloc.n} per KVP rank)" if self.alloc.n > 1 else ""),
+                               "max_new_tokens")
         waiting = sum(r.status == "waiting" for r in self.requests.values())
         if waiting >= self.capacity.max_waiting:
             raise EngineFull(f"request {rid!r} rejected: the engine is full ({waiting} requests already queued)",

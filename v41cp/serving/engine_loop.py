@@ -135,6 +135,16 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:       # never leave a caller waiting on a dead thread
+            traceback.print_exc()
+            self._closing.set()
+            self._fail_all(f"the engine loop stopped: {type(e).__name__}: {e}")
+            self._drain_submissions()
+            raise
+
+    def _serve(self) -> None:
         eng = self.engine
         while True:
             try:
@@ -155,6 +165,8 @@ class EngineLoop:
                 try:
                     eng.step()
                     self.steps += 1
+                    if not any(r.status == "running" for r in eng.requests.values()):
+                        self._closing.wait(self.idle_wait)     # only waiting requests: no step can progress
                 except Exception as e:  # a failed step ends the requests in it, the loop keeps serving
                     traceback.print_exc()
                     self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
@@ -165,6 +177,8 @@ class EngineLoop:
         eng = self.engine
         if cmd[0] == "submit":
             _, rid, prompt, sampling, stream, fut = cmd
+            if not fut.set_running_or_notify_cancel():         # the caller gave up before we got here
+                return
             if self._closing.is_set():
                 fut.set_exception(LoopClosed("the server is shutting down"))
                 return
@@ -216,5 +230,5 @@ class EngineLoop:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if cmd[0] == "submit":
+            if cmd[0] == "submit" and cmd[-1].set_running_or_notify_cancel():
                 cmd[-1].set_exception(LoopClosed("the server is shutting down"))

@@ -19,7 +19,7 @@ import json
 import random
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Any, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -47,14 +47,20 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# OpenAI fields this server does not implement: a request that sets one is answered 400 rather than served
+# as if it had not been sent
+UNSUPPORTED_FIELDS = ("tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias",
+                      "suffix", "best_of", "parallel_tool_calls", "audio", "modalities", "prediction")
+
+
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str
     max_tokens: Optional[int] = Field(default=None, gt=0)
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(default=None, ge=0, lt=2**63)
     stop: Union[str, list[str], None] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
@@ -85,6 +91,9 @@ class ChatCompletionRequest(_Common):
 
 
 def _unsupported(req: _Common) -> None:
+    for name in UNSUPPORTED_FIELDS:
+        if (req.model_extra or {}).get(name) not in (None, [], {}, ""):
+            raise ApiError(400, f"{name}: not supported by this server", name)
     if req.n != 1:
         raise ApiError(400, f"n: only n = 1 is supported, got {req.n}", "n")
     if req.logprobs not in (None, False):
@@ -125,8 +134,11 @@ def build_app(loop: EngineLoop, codec: TextCodec | None, model_name: str) -> Fas
     async def _validation_error(_request, exc: RequestValidationError):
         errs = exc.errors()
         first = errs[0] if errs else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
+        if first.get("type") == "json_invalid":
+            reason = (first.get("ctx") or {}).get("error", "invalid JSON")
+            return ApiError(400, f"the request body is not valid JSON: {reason}", None).response()
+        loc = [x for x in first.get("loc", ()) if x != "body"]
+        param = str(loc[0]) if loc else None          # the top-level field (not pydantic's union-member tags)
         got = first.get("input")
         shown = "" if isinstance(got, dict) or got is None else f" (got {json.dumps(got)[:80]})"
         return ApiError(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}{shown}", param).response()
@@ -137,6 +149,8 @@ def build_app(loop: EngineLoop, codec: TextCodec | None, model_name: str) -> Fas
             raise ApiError(400, f"model: unknown model {name!r}; this server serves {model_name!r}", "model")
 
     def prompt_ids(prompt, param: str) -> list[int]:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]                   # a batch of one prompt
         if isinstance(prompt, str):
             if codec is None:
                 raise ApiError(400, f"{param}: this checkpoint has no tokenizer.json; send token ids", param)
@@ -168,14 +182,18 @@ def build_app(loop: EngineLoop, codec: TextCodec | None, model_name: str) -> Fas
         return SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=seed,
                               stop_on_eos=not req.ignore_eos)
 
+    def check_text_fields(req: _Common) -> None:
+        if codec is None and req.stop:
+            raise ApiError(400, "stop: stop strings need the checkpoint's tokenizer.json, which it lacks", "stop")
+
     async def start(ids: list[int], sp: SamplingParams, prompt_param: str) -> RequestHandle:
         try:
             return await loop.submit(ids, sp)
         except EngineFull as e:
             raise ApiError(429, f"the request queue is full, retry later ({e})", None, "rate_limit_error")
         except RequestError as e:
-            param = {"max_new_tokens": "max_tokens", "prompt": prompt_param}.get(e.field, e.field)
-            raise ApiError(400, f"{param}: {e}", param)
+            param = {"max_new_tokens": "max_tokens", "prompt": prompt_param, "request_id": None}.get(e.field, e.field)
+            raise ApiError(400, f"{param}: {e}" if param else str(e), param)
         except LoopClosed as e:
             raise ApiError(503, str(e), None, "server_error")
 
@@ -286,6 +304,7 @@ def build_app(loop: EngineLoop, codec: TextCodec | None, model_name: str) -> Fas
         _unsupported(req)
         if req.echo:
             raise ApiError(400, "echo: echoing the prompt is not supported", "echo")
+        check_text_fields(req)
         ids = prompt_ids(req.prompt, "prompt")
         sp = sampling(req, len(ids), req.max_tokens if req.max_tokens is not None else 16, "prompt")
         run = _Run(await start(ids, sp, "prompt"), req)

@@ -21,7 +21,7 @@ from typing import Sequence
 
 __all__ = ["ChatFormatError", "TextCodec", "TextStream", "normalize_messages"]
 
-CHAT_ROLES = ("system", "user", "assistant", "tool")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class ChatFormatError(ValueError):
@@ -55,6 +55,8 @@ def normalize_messages(messages) -> list[dict]:
                                           "({\"type\": \"text\", \"text\": ...}); only text is supported")
                 parts.append(part["text"])
             content = "".join(parts)
+        if content is None and role == "assistant":       # an assistant turn that only called tools
+            content = ""
         if not isinstance(content, str):
             raise ChatFormatError(f"messages[{i}].content must be a string, got {type(content).__name__}")
         out.append({**m, "role": role, "content": content})
@@ -104,14 +106,16 @@ class TextCodec:
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size()
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (no special tokens added beyond what the text itself spells)."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens``: what the tokenizer's post-processor adds to a plain
+        prompt (a BOS, for DeepSeek's). Chat prompts are encoded without: their template spells them."""
         if not isinstance(text, str):
             raise ValueError(f"text to encode must be a string, got {type(text).__name__}")
-        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+        """Text of output ids; special tokens (EOS, chat markers) are left out, as the OpenAI API does."""
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
 
     def stream(self, stop: Sequence[str] = ()) -> "TextStream":
         return TextStream(self, tuple(stop))
@@ -134,8 +138,18 @@ class TextCodec:
             def raise_exception(message):
                 raise ChatFormatError(f"chat template: {message}")
 
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            def strftime_now(fmt):
+                import datetime
+
+                return datetime.datetime.now().strftime(fmt)
+
+            # the environment transformers renders chat templates in: loop controls, a non-ASCII-escaping
+            # tojson, raise_exception and strftime_now
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
+            env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
             env.globals["raise_exception"] = raise_exception
+            env.globals["strftime_now"] = strftime_now
             try:
                 self._compiled = env.from_string(self.chat_template)
             except TemplateError as e:
@@ -149,7 +163,7 @@ class TextCodec:
             raise ChatFormatError(f"chat template failed on these messages: {e}") from e
 
     def chat_ids(self, messages, add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.chat_prompt(messages, add_generation_prompt))
+        return self.encode(self.chat_prompt(messages, add_generation_prompt), add_special_tokens=False)
 
 
 class TextStream:
@@ -180,9 +194,15 @@ class TextStream:
         self.ids.append(int(token_id))
         before = self.codec.decode(self.ids[self._prefix:self._read])
         after = self.codec.decode(self.ids[self._prefix:])
-        if len(after) > len(before) and not after.endswith("\ufffd") and after.startswith(before):
-            self._raw += after[len(before):]
-            self._prefix, self._read = self._read, len(self.ids)
+        if after.startswith(before):
+            if len(after) > len(before) and not after.endswith("\ufffd"):
+                self._raw += after[len(before):]
+                self._prefix, self._read = self._read, len(self.ids)
+        else:                                # a decoder that rewrites earlier text: resync on the full decode
+            full = self.codec.decode(self.ids)
+            if full.startswith(self._raw) and not full.endswith("\ufffd"):
+                self._raw = full
+                self._prefix, self._read = max(0, len(self.ids) - 1), len(self.ids)
         return self._release(final=False)
 
     def finish(self) -> str:
