@@ -182,13 +182,14 @@ def _capacity(args, longest: int, **fixed):
     return Capacity(**{k: v for k, v in fields.items() if v is not None})
 
 
-def _capacity_flags(p, max_batch=None) -> None:
+def _capacity_flags(p, max_batch=None, max_context=None) -> None:
     c = p.add_argument_group("capacity (the compiled bucket; `v41cp.serving.engine.Capacity`)")
     c.add_argument("--max-batch", type=int, default=max_batch,
                    help="batch rows of the decode step (requests served at once)"
-                        + ("" if max_batch else "; default: the number of prompts"))
-    c.add_argument("--max-context", type=int, help="tokens per request, prompt + output (Capacity.max_tokens); "
-                   "default: the longest request rounded up to a block")
+                        + (f"; default {max_batch}" if max_batch else "; default: the number of prompts"))
+    c.add_argument("--max-context", type=int, default=max_context,
+                   help="tokens per request, prompt + output (Capacity.max_tokens); default "
+                        + (str(max_context) if max_context else "the longest request rounded up to a block"))
     c.add_argument("--block-tokens", type=int, default=16, help="tokens per cache page")
     c.add_argument("--num-blocks", type=int, help="cache pages in all (default: max-batch full requests)")
     c.add_argument("--prefill-chunk", type=int, default=32, help="rows per token-serial prefill chunk")
@@ -329,7 +330,7 @@ def cmd_serve(args) -> int:
     from v41cp.serving.server import run_server
 
     codec = _codec(args, required=False)
-    cap = _capacity(args, args.max_context or 256)
+    cap = _capacity(args, args.max_context)
     cfg, eng = _engine(args, cap)
     name = args.served_model_name or Path(args.checkpoint or default_checkpoint()).name
     run_server(eng, codec, name, args.host, args.port, progress=sys.stderr.isatty(), log_level=args.log_level)
@@ -518,7 +519,7 @@ def main(argv=None) -> int:
     v.add_argument("--port", type=int, default=8000)
     v.add_argument("--served-model-name", help="the model name clients send (default: the checkpoint folder)")
     v.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
-    _capacity_flags(v, max_batch=8)
+    _capacity_flags(v, max_batch=8, max_context=256)
     _topology_flags(v)
     _backend_flags(v)
     _prefill_flags(v)
