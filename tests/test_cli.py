@@ -62,14 +62,18 @@ def _assert_greedy_of_forward(out):
 
 def test_generate_json_batch_matches_engine_greedy():
     """``generate`` with the Pallas kernels (``--attention-backend / --indexer-backend pallas``, interpret mode
-    here) prints the greedy tokens of the XLA full forward. (The topology flags run end to end in
+    here) prints the greedy tokens of the XLA full forward, for a chat prompt (``--prompt --chat``, text out)
+    and token-id prompts. (The topology flags run end to end in
     `test_bench_decode_kvp_json`; DCP generation equals one device in `test_dcp_decode`.)"""
-    prompts = ("--prompt", "w1 w2 W3", "--prompt-ids", "5,17,42", "--prompt-ids", "9,8,7,6", "--max-new-tokens", "3")
+    prompts = ("--prompt", "w1 w2", "--chat", "--system", "w9", "--prompt-ids", "5,17,42", "--prompt-ids", "9,8,7,6",
+               "--max-new-tokens", "3")
     res = _cli("generate", "--json", "--attention-backend", "pallas", "--indexer-backend", "pallas", *prompts)
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
-    assert [r["prompt_ids"] for r in out["requests"]] == [[5, 7, 10], [5, 17, 42], [9, 8, 7, 6]]
     codec = TextCodec.from_checkpoint(default_checkpoint())
+    chat = codec.chat_ids([{"role": "system", "content": "w9"}, {"role": "user", "content": "w1 w2"}])
+    assert chat == codec.encode("W0 w9 W1 w1 w2 W2")               # the checkpoint's (synthetic) chat format
+    assert [r["prompt_ids"] for r in out["requests"]] == [chat, [5, 17, 42], [9, 8, 7, 6]]
     for r in out["requests"]:
         eos = r["finish_reason"] == "eos"
         assert r["text"] == codec.decode(r["output_ids"][:-1] if eos else r["output_ids"])
@@ -78,20 +82,7 @@ def test_generate_json_batch_matches_engine_greedy():
     _assert_greedy_of_forward(out)
 
 
-def test_generate_streams_chat_text(capsys, tmp_path):
-    """``generate --prompt TEXT --chat`` puts the message into the checkpoint's chat format and streams the
-    reply's text to the terminal; the text is the greedy continuation of the full forward. A checkpoint
-    without a chat format says so."""
-    from v41cp.__main__ import main
-
-    assert main(["generate", "--prompt", "w1 w2", "--chat", "--system", "w9", "--max-new-tokens", "3"]) == 0
-    text, summary = capsys.readouterr().out.split("\n")[:2]
-    codec = TextCodec.from_checkpoint(default_checkpoint())
-    prompt = codec.chat_ids([{"role": "system", "content": "w9"}, {"role": "user", "content": "w1 w2"}])
-    assert prompt == codec.encode("W0 w9 W1 w1 w2 W2") and summary.startswith("[")
-    out_ids = codec.encode(text)
-    assert text and len(out_ids) <= 3
-    _assert_greedy_of_forward({"requests": [{"prompt_ids": prompt, "output_ids": out_ids}]})
+def test_generate_without_a_chat_format_says_so(tmp_path):
     (tmp_path / "tokenizer.json").write_bytes((Path(default_checkpoint()) / "tokenizer.json").read_bytes())
     res = _cli("generate", "--checkpoint", str(tmp_path), "--prompt", "w1", "--chat")
     assert res.returncode == 2 and "provides no chat format" in res.stderr, res.stderr
