@@ -64,6 +64,8 @@ def test_stop_strings_cut_and_hold_back(codec):
     assert got == "w1 w2 W3 w4 w5" and not s.stopped
     s = TextStream(codec, ("w1",))
     assert s.push(ids[0]) == "" and s.stopped and s.push(ids[1]) == "" and s.finish() == ""
+    s = TextStream(codec, (), hidden=(1,))                    # the EOS that ended a request is not text
+    assert "".join(s.push(t) for t in ids + [1]) + s.finish() == codec.decode(ids) and s.ids == ids
     with pytest.raises(ValueError, match="non-empty strings"):
         TextStream(codec, ("",))
 

@@ -241,8 +241,8 @@ def _parallel(args, kv_parallel_size=None):
 
 
 def _generate_prompts(args, codec):
-    """[(prompt ids, label)] of --prompt / --prompt-ids (text through the checkpoint's tokenizer; --chat through
-    its chat format)."""
+    """The prompts (token-id lists) of --prompt (through the checkpoint's tokenizer; with --chat, through its chat
+    format) then --prompt-ids; a default prompt when neither is given."""
     prompts = []
     for text in args.prompt or []:
         if args.chat:
@@ -280,7 +280,8 @@ def cmd_generate(args) -> int:
                         seed=args.seed, stop_on_eos=not args.ignore_eos)
     for i, p in enumerate(prompts):
         eng.submit(i, p, sp)
-    streams = {i: codec.stream() for i in range(len(prompts))} if codec is not None else {}
+    hidden = (cfg.eos_token_id,) if sp.stop_on_eos else ()
+    streams = {i: codec.stream(hidden=hidden) for i in range(len(prompts))} if codec is not None else {}
     live = not args.json and codec is not None and len(prompts) == 1    # stream one request's text as it comes
     t0 = time.perf_counter()
     seen = {i: 0 for i in range(len(prompts))}
@@ -289,7 +290,7 @@ def cmd_generate(args) -> int:
         for i in streams:
             req = eng.requests[i]
             for t in req.output[seen[i]:]:
-                delta = streams[i].push(t) if not (t == cfg.eos_token_id and sp.stop_on_eos) else ""
+                delta = streams[i].push(t)
                 if live and delta:
                     print(delta, end="", flush=True)
             seen[i] = len(req.output)

@@ -198,11 +198,11 @@ def build_app(loop: EngineLoop, codec: TextCodec | None, model_name: str) -> Fas
             raise ApiError(503, str(e), None, "server_error")
 
     class _Run:
-        """Text of one request as its events arrive (stop strings, EOS kept out of the text)."""
+        """Text of one request as its events arrive (stop strings; the EOS is hidden from the text)."""
 
         def __init__(self, handle: RequestHandle, req: _Common):
             self.handle, self.req = handle, req
-            self.stream = codec.stream(_stops(req)) if codec is not None else None
+            self.stream = codec.stream(_stops(req), hidden=() if req.ignore_eos else (eos,)) if codec else None
             self.ids: list[int] = []
             self.reason: str | None = None
             self.error: str | None = None
@@ -217,8 +217,6 @@ def build_app(loop: EngineLoop, codec: TextCodec | None, model_name: str) -> Fas
                     if self.stream is not None and self.stream.stopped:
                         break
                     self.ids.append(t)
-                    if t == eos and not self.req.ignore_eos:
-                        continue
                     yield self.stream.push(t) if self.stream is not None else ""
                 if self.stream is not None and self.stream.stopped:
                     self.reason = "stop"

@@ -117,8 +117,8 @@ class TextCodec:
         """Text of output ids; special tokens (EOS, chat markers) are left out, as the OpenAI API does."""
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
 
-    def stream(self, stop: Sequence[str] = ()) -> "TextStream":
-        return TextStream(self, tuple(stop))
+    def stream(self, stop: Sequence[str] = (), hidden: Sequence[int] = ()) -> "TextStream":
+        return TextStream(self, tuple(stop), tuple(hidden))
 
     # ------------------------------------------------------------------ chat
     @property
@@ -171,12 +171,13 @@ class TextStream:
 
     `push(token_id)` returns the newly final text (possibly ""), `finish()` the rest; their concatenation is
     ``decode(ids)`` cut before the first stop string. After a stop string appears, ``stopped`` is True and
-    later pushes return "". ``text`` is everything returned so far; ``ids`` every token pushed."""
+    later pushes return "". ``hidden`` ids (the EOS that ended the request) are never part of the text.
+    ``text`` is everything returned so far; ``ids`` every token that makes up the text."""
 
-    def __init__(self, codec: TextCodec, stop: tuple[str, ...] = ()):
+    def __init__(self, codec: TextCodec, stop: tuple[str, ...] = (), hidden: tuple[int, ...] = ()):
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop strings must be non-empty strings, got {list(stop)!r}")
-        self.codec, self.stop = codec, stop
+        self.codec, self.stop, self.hidden = codec, stop, frozenset(int(t) for t in hidden)
         self.ids: list[int] = []
         self._prefix = self._read = 0            # decode window: ids[prefix:read] was already turned into text
         self._raw = ""                           # every detokenized character so far
@@ -189,7 +190,7 @@ class TextStream:
         return self._raw[: self._sent]
 
     def push(self, token_id: int) -> str:
-        if self.stopped:
+        if self.stopped or int(token_id) in self.hidden:
             return ""
         self.ids.append(int(token_id))
         before = self.codec.decode(self.ids[self._prefix:self._read])
