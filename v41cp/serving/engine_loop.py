@@ -165,12 +165,12 @@ class EngineLoop:
                 try:
                     eng.step()
                     self.steps += 1
-                    if not any(r.status == "running" for r in eng.requests.values()):
-                        self._closing.wait(self.idle_wait)     # only waiting requests: no step can progress
                 except Exception as e:  # a failed step ends the requests in it, the loop keeps serving
                     traceback.print_exc()
                     self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
                 self._publish()
+                if eng.pending and not any(r.status == "running" for r in eng.requests.values()):
+                    self._closing.wait(self.idle_wait)         # only waiting requests: no step can progress
             self._load = eng.load()
 
     def _execute(self, cmd) -> None:
@@ -192,11 +192,7 @@ class EngineLoop:
         elif cmd[0] == "cancel":
             rid = cmd[1]
             stream = self._streams.pop(rid, None)
-            req = eng.requests.get(rid)
-            if req is not None:
-                if req.status in ("waiting", "running"):
-                    eng.cancel(rid)
-                eng.release(rid)
+            self._drop(rid)
             if stream is not None:
                 stream.emit(TokenEvent((), finish_reason="cancelled"))
 
@@ -213,14 +209,17 @@ class EngineLoop:
                 del self._streams[rid]
                 eng.release(rid)
 
+    def _drop(self, rid) -> None:
+        """Cancel request ``rid`` if it is still active and forget it (its pages and slot are free)."""
+        req = self.engine.requests.get(rid)
+        if req is not None:
+            if req.status in ("waiting", "running"):
+                self.engine.cancel(rid)
+            self.engine.release(rid)
+
     def _fail_all(self, message: str) -> None:
-        eng = self.engine
         for rid, stream in list(self._streams.items()):
-            req = eng.requests.get(rid)
-            if req is not None:
-                if req.status in ("waiting", "running"):
-                    eng.cancel(rid)
-                eng.release(rid)
+            self._drop(rid)
             stream.emit(TokenEvent((), error=message))
         self._streams.clear()
 
