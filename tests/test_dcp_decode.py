@@ -179,3 +179,115 @@ def test_kvp_engine_with_ced_and_chunked_prefill_equals_single_device():
         assert other[0] == out[0][0]
         for rid in out[0][1]:
             assert rel_err(other[1][rid], out[0][1][rid]) <= 1e-5
+
+
+# ------------------------------------------------------------------------------------------- verification
+K = 5                                       # verification rows per request (static); each request uses k ≤ K
+# rid: (prompt length, rounds): per round k rows are verified and a ≤ k accepted (cycled per request)
+VERIFY_ROWS = {"a": 6, "b": 1, "c": 3}      # b: one token of history, so most ranks own none of its pages
+VERIFY_K = {"a": (5, 2, 1, 5, 2), "b": (1, 5, 2, 2, 5), "c": (2, 1, 5, 5, 1)}
+# accepted rows per round: full acceptance (every row's logits compared) and partial (the commit primitive)
+VERIFY_A = {"a": (5, 1, 0, 3, 2), "b": (1, 2, 2, 1, 5), "c": (1, 1, 5, 2, 0)}
+ROUNDS = 9
+
+
+def _step_rows(cfg, alloc, rows):
+    """rows: list of (rid, history, fed tokens) → `StepRows` of K rows per request."""
+    from v41cp.serving.decode import StepRows
+
+    n_eng = len(cfg.engram_layer_ids)
+    tok, starts, lengths = np.zeros((B, K), np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
+    slots, tables = np.arange(B, dtype=np.int32), np.full((B, MB), -1, np.int32)
+    eng = np.zeros((B, K, n_eng, cfg.engram_hash_heads), np.int32)
+    for i, (rid, hist, fed) in enumerate(rows):
+        tok[i, :len(fed)], starts[i], lengths[i], slots[i] = fed, len(hist), len(fed), alloc.slot(rid)
+        blocks = alloc.blocks(rid)
+        tables[i, :len(blocks)] = blocks
+        for j in range(len(fed)):
+            eng[i, j] = engram_ids_for_last(cfg, hist + fed[:j + 1])
+    return StepRows(*(jnp.asarray(a) for a in (tok, starts, lengths, slots, tables, eng)), B, MB, K)
+
+
+def _compare_caches(got, want, kvp, tag):
+    from helpers import assert_same_records, cache_by_virtual_block
+
+    g, w = cache_by_virtual_block(got, kvp), cache_by_virtual_block(want, kvp)
+    for key in w:
+        if g[key].dtype == np.uint8:
+            assert_same_records(g[key], w[key], f"{tag} {key}")
+        else:
+            assert rel_err(g[key], w[key]) <= 1e-5, (tag, key)
+
+
+@pytest.mark.parametrize("n", [1, 2, 8])
+def test_verification_rows_equal_feeding_one_token_at_a_time(n):
+    """k ∈ {1, 2, 5} rows per request in one verification step (ragged across requests, one idle batch row),
+    round after round across window (8), pair (2), page (4 tokens) and candidate-block boundaries, then a commit
+    of the first a ≤ k rows: every verified row's logits equal decoding the same tokens one at a time, and the
+    committed cache equals the cache of feeding only the a accepted tokens — one device and KVP = DCP ∈ {2, 8}."""
+    from v41cp.serving.decode import commit_rows, verify_step
+
+    cfg, params = _model(False)
+    plan, sharding = None, None
+    if n > 1:
+        par = ParallelConfig(tp_size=8, kv_parallel_size=n, decode_context_parallel_size=n,
+                             dcp_q="replicate" if n == 8 else "gather")
+        mesh = par.make_mesh()
+        plan = DCPPlan.build(cfg, par, mesh)
+        params = model.shard_params(params, cfg, mesh, par.rules())
+    rng = np.random.default_rng(SEED)
+    hist = {rid: list(map(int, rng.integers(3, cfg.vocab_size, p))) for rid, p in VERIFY_ROWS.items()}
+    alloc = BlockAllocator(B * MB, BT, B, MB, n)
+    for rid, h in hist.items():
+        alloc.admit(rid, len(h))
+    ref = init_cache(cfg, B * MB, BT, B, plan=plan)
+    ver = init_cache(cfg, B * MB, BT, B, plan=plan)
+    # the prompts: one token at a time into both caches
+    for t in range(max(map(len, hist.values()))):
+        rows = [(rid, h[:t + 1]) for rid, h in hist.items() if t < len(h)]
+        meta = _meta(cfg, alloc, rows)
+        _, ref = decode_step(params, ref, meta, cfg, plan)
+        _, ver = decode_step(params, ver, meta, cfg, plan)
+    worst, compared = 0.0, 0
+    for rnd in range(ROUNDS):
+        fed = {}
+        for rid in hist:
+            k = VERIFY_K[rid][rnd % 5]
+            fed[rid] = list(map(int, rng.integers(3, cfg.vocab_size, k)))
+            alloc.extend(rid, max(alloc.tokens(rid), len(hist[rid]) + k))
+        order = list(hist)
+        logits, ver, undo = verify_step(params, ver, _step_rows(cfg, alloc, [(r, hist[r], fed[r]) for r in order]),
+                                        cfg, plan)
+        logits = np.asarray(logits)
+        accepted = np.zeros(B, np.int32)
+        for i, rid in enumerate(order):
+            accepted[i] = min(VERIFY_A[rid][rnd % 5], len(fed[rid]))
+        ver = commit_rows(ver, undo, jnp.asarray(accepted), cfg, plan)
+        # the reference: the accepted tokens (all of them on full-acceptance rounds), one at a time
+        for j in range(max(accepted)):
+            rows = [(rid, hist[rid] + fed[rid][:j + 1]) for i, rid in enumerate(order) if j < accepted[i]]
+            meta = _meta(cfg, alloc, rows)
+            want, ref = decode_step(params, ref, meta, cfg, plan)
+            want = np.asarray(want)
+            for r, (rid, _) in enumerate(rows):
+                worst = max(worst, rel_err(logits[order.index(rid), j], want[r]))
+                compared += 1
+        for i, rid in enumerate(order):
+            hist[rid] += fed[rid][:accepted[i]]
+        _compare_caches(ver, ref, n, f"round {rnd}")
+    print(f"\n[verification] KVP=DCP={n}: {compared} verified rows, max logits rel err {worst:.2e}; committed caches "
+          f"equal the one-at-a-time caches over {ROUNDS} rounds (lengths {[len(h) for h in hist.values()]})")
+    assert worst <= 1e-5
+    assert compared > 40
+
+
+def test_verification_needs_rows_within_the_window():
+    from v41cp.serving.decode import StepRows, verify_step
+
+    cfg, params = _model(False)
+    w = cfg.sliding_window
+    z = jnp.zeros((B, w + 1), jnp.int32)
+    rows = StepRows(z, z[:, 0], z[:, 0], z[:, 0], jnp.full((B, MB), -1, jnp.int32),
+                    jnp.zeros((B, w + 1, len(cfg.engram_layer_ids), cfg.engram_hash_heads), jnp.int32), B, MB, w + 1)
+    with pytest.raises(ValueError, match=f"rows={w + 1} exceeds sliding_window={w}"):
+        verify_step(params, init_cache(cfg, B * MB, BT, B), rows, cfg)

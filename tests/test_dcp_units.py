@@ -170,7 +170,8 @@ def test_merge_edge_cases():
 def test_gather_history_copies_packed_pages_from_owners(n):
     """A request's pages come back in table order, byte for byte, from a cp-split pool (ranks that own none
     of its pages included); padding positions are zeros."""
-    from v41cp.serving.dcp import DCPPlan, gather_history, pool_sharding
+    from v41cp.serving.dcp import DCPPlan, gather_history
+    from v41cp.serving.paged_cache import pool_sharding
 
     mesh = make_mesh(tp=8, cp=n)
     plan = DCPPlan(mesh)

@@ -39,42 +39,56 @@ __all__ = ["Transformer", "forward", "forward_with_hidden", "forward_debug", "in
 
 
 class Block(nn.Module):
-    """One V4.1 layer with the single-pass mHC hand-off."""
+    """One V4.1 layer with the single-pass mHC hand-off (every mode; ``rows`` / ``cache`` as `Attention`)."""
 
     cfg: ModelConfig
     layer: int
     shard: ShardingContext | None = None
 
     @nn.compact
-    def __call__(self, streams, pre_prev, state: CSAState, engram_ids):
+    def __call__(self, streams, pre_prev, state: CSAState, engram_ids, rows=None, cache=None,
+                 cache_only: bool = False):
+        """``streams [B,S,hc,H]`` → ``(streams, pre, state, cache)``; ``cache_only`` (the CED boundary's prepass):
+        only this layer's cache writes, returning ``(None, None, state, cache)``."""
         cfg = self.cfg
         role = cfg.layer_roles[self.layer]
         dt = dtype_of(cfg.dtype)
         if role.engram_slot >= 0:
             streams = Engram(cfg, role.engram_slot, name="engram")(streams, engram_ids[:, :, role.engram_slot])
+        attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="attn_norm")
+        attention = Attention(cfg, role, self.shard, name="attn")
+        if cache_only:
+            _, state, cache = attention(attn_norm(collapse(streams, pre_prev)), state, rows, cache, cache_only=True)
+            return None, None, state, cache
         pre_a, post_a, comb_a = HyperConnection(cfg, name="hc_attn")(streams)
-        x = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="attn_norm")(collapse(streams, pre_prev))
-        y, state = Attention(cfg, role, self.shard, name="attn")(x, state)
+        y, state, cache = attention(attn_norm(collapse(streams, pre_prev)), state, rows, cache)
         streams = expand(y, streams, post_a, comb_a)
         pre_f, post_f, comb_f = HyperConnection(cfg, name="hc_ffn")(streams)
         z = MoE(cfg, self.shard, name="ffn")(
             RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="ffn_norm")(collapse(streams, pre_a)))
         streams = expand(z, streams, post_f, comb_f)
-        return streams, pre_f, state
+        return streams, pre_f, state, cache
 
 
 class Transformer(nn.Module):
-    """Embedding, ``num_hidden_layers`` blocks, final norm and LM head.
+    """Embedding, ``num_hidden_layers`` blocks, final norm and LM head — the one model of every forward mode.
 
     Call with ``tokens [B,S]`` int32 and ``engram_ids [B,S,n_engram_layers,hash_heads]`` int32
-    (`engram_inputs`); returns FP32 logits ``[B,S,vocab]`` and the list of block inputs.
+    (`engram_inputs`); returns ``(logits [B,S,vocab] FP32, block inputs, cache)``.
+
+    * full sequence (``rows`` None): rows are positions ``0 … S−1`` of each sequence; no cache (None returned);
+    * cached rows (``rows`` a `v41cp.serving.paged_rows.PagedRows`, ``cache`` its paged cache): row ``i`` of
+      request ``b`` is at position ``starts[b] + i`` and attends the request's cached history; the updated
+      cache is returned. ``encoder_only`` (CED narrowing): the layers before the CED boundary and the
+      boundary layer's cache-only prepass; logits are zeros.
     """
 
     cfg: ModelConfig
     shard: ShardingContext | None = None
 
     @nn.compact
-    def __call__(self, tokens: jax.Array, engram_ids: jax.Array):
+    def __call__(self, tokens: jax.Array, engram_ids: jax.Array, rows=None, cache: dict | None = None,
+                 encoder_only: bool = False):
         cfg = self.cfg
         dt = dtype_of(cfg.dtype)
         embed = declare(self, "embed", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dt)
@@ -85,13 +99,23 @@ class Transformer(nn.Module):
         pre = jnp.zeros((b, s, cfg.hc_mult), jnp.float32).at[..., 0].set(1.0)
         state = CSAState()
         hidden = []
-        for i in range(cfg.num_hidden_layers):
+        last = cfg.num_hidden_layers
+        if encoder_only:
+            from v41cp.ced import ced_boundary
+
+            last = ced_boundary(cfg)
+        for i in range(last):
             hidden.append(streams)
-            streams, pre, state = Block(cfg, i, self.shard, name=f"layers_{i}")(streams, pre, state, engram_ids)
+            streams, pre, state, cache = Block(cfg, i, self.shard, name=f"layers_{i}")(
+                streams, pre, state, engram_ids, rows, cache)
+        if encoder_only:
+            _, _, _, cache = Block(cfg, last, self.shard, name=f"layers_{last}")(
+                streams, pre, state, engram_ids, rows, cache, cache_only=True)
+            return jnp.zeros((b, s, cfg.vocab_size), jnp.float32), hidden, cache
         h = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="norm")(collapse(streams, pre))
         logits = jnp.einsum("bsh,hv->bsv", h.astype(jnp.float32), head, precision=jax.lax.Precision.HIGHEST)
         logits = constrain(logits, ("batch", None, "vocab"), self.shard)
-        return logits, hidden
+        return logits, hidden, cache
 
 
 def engram_inputs(cfg: ModelConfig, tokens) -> np.ndarray:
@@ -122,9 +146,9 @@ def _apply(params, tokens, engram_ids, cfg: ModelConfig, shard: ShardingContext 
 def _apply_traced(params, tokens, engram_ids, cfg, shard, mode):
     model = Transformer(cfg, shard)
     if mode == "debug":
-        (logits, hidden), inter = model.apply({"params": params}, tokens, engram_ids, mutable=["intermediates"])
+        (logits, hidden, _), inter = model.apply({"params": params}, tokens, engram_ids, mutable=["intermediates"])
         return logits, jnp.stack(hidden), inter["intermediates"]
-    logits, hidden = model.apply({"params": params}, tokens, engram_ids)
+    logits, hidden, _ = model.apply({"params": params}, tokens, engram_ids)
     if mode == "hidden":
         return logits, jnp.stack(hidden)
     return logits

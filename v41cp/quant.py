@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["pow2ceil", "e2m1_magnitude_code", "fake_quant", "fp8_block32", "nvfp4_block16", "mxfp4_block32", "E2M1_LEVELS", "FP4_TABLE"]
+__all__ = ["pow2ceil", "e2m1_magnitude_code", "fake_quant", "fp8_block32", "nvfp4_block16", "mxfp4_block32", "FAKE_QUANT",
+           "E2M1_LEVELS", "FP4_TABLE"]
 
 E2M1_LEVELS = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 # e2m1 code (4 bits, sign in bit 3) → value, as the release's checkpoint decoder: code 8 is +0
@@ -90,3 +91,7 @@ def nvfp4_block16(x: jax.Array) -> jax.Array:
 def mxfp4_block32(x: jax.Array) -> jax.Array:
     """Indexer Q/K format: e2m1 with a ue8m0 scale per 32 channels."""
     return fake_quant(x, "mxfp4", 32)
+
+
+# cache format name → its fake-quant (the window ring, compressed KV, index keys)
+FAKE_QUANT = {"fp8": fp8_block32, "nvfp4": nvfp4_block16, "mxfp4": mxfp4_block32}

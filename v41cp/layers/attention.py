@@ -21,7 +21,7 @@ import numpy as np
 from v41cp.config import LayerRole, ModelConfig
 from v41cp.kernels.sparse_attention import sparse_attention
 from v41cp.layers.common import RMSNorm, declare, dtype_of, zeros_init
-from v41cp.layers.compressor import Compressor
+from v41cp.layers.compressor import Compressor, pool_group
 from v41cp.layers.indexer import Indexer
 from v41cp.layers.rope import apply_rope, rope_angles
 from v41cp.quant import fp8_block32, nvfp4_block16
@@ -147,17 +147,26 @@ def kernel_sink_attention(q: jax.Array, kv: jax.Array, widx: jax.Array, wvalid: 
 
 
 class Attention(nn.Module):
-    """One layer's attention. Parameters: ``wq_a [H, q_lora]``, ``q_norm``, ``wq_b [q_lora, heads, D]``,
-    ``wkv [H, D]``, ``kv_norm``, ``wo_a [o_groups, heads/o_groups·D, o_lora]``,
-    ``wo_b [o_groups, o_lora, H]``, ``attn_sink [heads]`` (FP32), plus ``compressor`` / ``indexer``."""
+    """One layer's attention, for every forward mode. Parameters: ``wq_a [H, q_lora]``, ``q_norm``,
+    ``wq_b [q_lora, heads, D]``, ``wkv [H, D]``, ``kv_norm``, ``wo_a [o_groups, heads/o_groups·D, o_lora]``,
+    ``wo_b [o_groups, o_lora, H]``, ``attn_sink [heads]`` (FP32), plus ``compressor`` / ``indexer``.
+
+    Modes differ only in where keys are read from: *full* (``rows`` None) — the rows are a whole sequence
+    ``x [B,S,H]`` from position 0 and every key comes from them; *cached* (``rows`` a
+    `v41cp.serving.paged_rows.PagedRows`, ``x [B,R,H]`` rows continuing each request's history) — window
+    keys, compressed entries and index keys come from the paged ``cache`` through that backend, which the layer
+    updates and returns. The projections, the compressor, the index keys and queries and the output are this
+    module's, in both modes."""
 
     cfg: ModelConfig
     role: LayerRole
     shard: ShardingContext | None = None
 
     @nn.compact
-    def __call__(self, x: jax.Array, state: CSAState) -> tuple[jax.Array, CSAState]:
-        """``x [B,S,H]`` (attention-normed) → ``([B,S,H], new state)``."""
+    def __call__(self, x: jax.Array, state: CSAState, rows=None, cache: dict | None = None,
+                 cache_only: bool = False):
+        """``x [B,S,H]`` (attention-normed) → ``([B,S,H], new state, cache)``. ``cache_only`` (cached mode, the
+        CED prepass): write this layer's caches and return ``(None, state, cache)``."""
         cfg, role = self.cfg, self.role
         dt = dtype_of(cfg.dtype)
         nh, d = cfg.num_attention_heads, cfg.head_dim
@@ -172,19 +181,43 @@ class Attention(nn.Module):
         sink = declare(self, "attn_sink", (nh,), ("heads",), jnp.float32, zeros_init)
 
         compressed = role.ratio > 0
-        angles = rope_angles(cfg, jnp.broadcast_to(jnp.arange(s), (b, s)), compressed)
+        positions = jnp.broadcast_to(jnp.arange(s), (b, s)) if rows is None else rows.pos
+        angles = rope_angles(cfg, positions, compressed)
         qr = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dt, name="q_norm")(
             jnp.einsum("bsh,hr->bsr", x, wq_a.astype(x.dtype)))
         q = apply_rope(jnp.einsum("bsr,rnd->bsnd", qr, wq_b.astype(qr.dtype)), angles)
         q = constrain(q, ("batch", None, "heads", None), self.shard)
         kv = apply_rope(RMSNorm(d, cfg.rms_norm_eps, dt, name="kv_norm")(
             jnp.einsum("bsh,hd->bsd", x, wkv.astype(x.dtype))), angles)
+        compressor = Compressor(cfg, role.ratio, name="compressor") if role.is_kv_source else None
+        indexer = Indexer(cfg, role, self.shard, name="indexer") if role.is_index_source else None
+
+        if rows is None:
+            o, state = self._full(q, kv, x, qr, angles, state, compressor, indexer, sink)
+        else:
+            cache, keys, valid = rows.window(cache, role.index, kv)
+            if compressed:
+                cache, state = self._cached_update(x, qr, angles, rows, cache, state, compressor, indexer,
+                                                   cache_only)
+            if cache_only:
+                return None, state, cache
+            o = rows.attend(cache, role, q, keys, valid, state, sink)
+        o = apply_rope(o, angles, inverse=True)
+        o = o.reshape(b, s, cfg.o_groups, g_in)
+        y = jnp.einsum("bsgi,gio->bsgo", o, wo_a.astype(o.dtype))
+        out = jnp.einsum("bsgo,goh->bsh", y, wo_b.astype(y.dtype))
+        return out.astype(dt), state, cache
+
+    # ---------------------------------------------------------------------------------------- full mode
+    def _full(self, q, kv, x, qr, angles, state, compressor, indexer, sink):
+        cfg, role = self.cfg, self.role
+        b, s, _ = x.shape
+        compressed = role.ratio > 0
         if cfg.fake_quant:
             kv = fp8_block32(kv)
-
         widx, wvalid = window_indices(s, cfg.sliding_window)
         if compressed:
-            state = self._update_state(x, qr, angles, state)
+            state = self._update_state(x, qr, angles, state, compressor, indexer)
         sel = state.topk if compressed and state.ckv.shape[1] else None
         if cfg.attention_backend == "pallas":
             o = kernel_sink_attention(q, kv, widx, wvalid, state if compressed else None, sink)
@@ -193,18 +226,14 @@ class Attention(nn.Module):
                                          sel, sink)
         else:
             o = rows_sink_attention(q, kv, widx, wvalid, state.ckv if sel is not None else None, sel, sink)
-        o = apply_rope(o, angles, inverse=True)
-        o = o.reshape(b, s, cfg.o_groups, g_in)
-        y = jnp.einsum("bsgi,gio->bsgo", o, wo_a.astype(o.dtype))
-        out = jnp.einsum("bsgo,goh->bsh", y, wo_b.astype(y.dtype))
-        return out, state
+        return o, state
 
-    def _update_state(self, x, qr, angles, state: CSAState) -> CSAState:
+    def _update_state(self, x, qr, angles, state: CSAState, compressor, indexer) -> CSAState:
         cfg, role = self.cfg, self.role
         b, s, _ = x.shape
         latent = compressed_angles = None
         if role.is_kv_source:
-            latent = Compressor(cfg, role.ratio, name="compressor")(x)        # [B,G,D]
+            latent = compressor(x)                                            # [B,G,D]
             g = latent.shape[1]
             compressed_angles = rope_angles(cfg, jnp.broadcast_to(jnp.arange(g) * role.ratio, (b, g)), True)
             ckv = apply_rope(latent, compressed_angles)
@@ -220,8 +249,8 @@ class Attention(nn.Module):
                 state = state._replace(ikeys=keys, topk=jnp.zeros((b, s, 0), jnp.int32), candidates=cand)
                 self.sow("intermediates", "topk", state.topk)
                 return state
-            keys, topk, cand, scores = Indexer(cfg, role, self.shard, name="indexer")(
-                x, qr, angles, latent, compressed_angles, state.ikeys, state.candidates)
+            keys, topk, cand, scores = indexer(x, qr, angles, latent, compressed_angles, state.ikeys,
+                                               state.candidates)
             if scores is not None:                      # the kernel path never materializes scores
                 self.sow("intermediates", "index_scores", scores)
             if role.candidate_source:
@@ -231,3 +260,33 @@ class Attention(nn.Module):
             raise ValueError(f"layer {role.index}: a reuse layer needs a selection from an index source before it")
         self.sow("intermediates", "topk", state.topk)
         return state
+
+    # -------------------------------------------------------------------------------------- cached mode
+    def _cached_update(self, x, qr, angles, rows, cache, state: CSAState, compressor, indexer, cache_only):
+        """KV sources: this step's compressed entries and index keys (each row's group pooled with its partner
+        from the cache or the step) written to the pages, then the source's history; index sources: every
+        row's selection."""
+        cfg, role = self.cfg, self.role
+        if role.is_kv_source:
+            r = role.ratio
+            if r == 1:
+                latent = compressor.unpooled(x)
+                emits = rows.valid
+            else:
+                c, z = compressor.project(x)
+                cache, c0, z0 = rows.group_first(cache, str(role.kv_source), c, z)
+                latent = compressor.finish(pool_group(jnp.stack([c0, c], -2), jnp.stack([z0, z], -2)), x.dtype)
+                emits = rows.valid & (rows.pos % r == r - 1)
+            j = rows.pos // r                                                   # each row's entry
+            cang = rope_angles(cfg, j * r, True)
+            ckv = apply_rope(latent, cang)
+            ik = indexer.index_keys(latent, cang, quantize=False)
+            cache = rows.write_entries(cache, role, ckv, ik, j, emits)
+            if cache_only:
+                return cache, state
+            state = rows.history(cache, role)
+        if role.is_index_source:
+            qi, wi = indexer.query(x, qr, angles)
+            topk, cand = rows.select(cache, role, qi, wi, state)
+            state = state._replace(topk=topk, candidates=cand)
+        return cache, state

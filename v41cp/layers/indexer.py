@@ -20,8 +20,7 @@ from v41cp.layers.rope import apply_rope
 from v41cp.quant import mxfp4_block32
 
 __all__ = ["Indexer", "index_query", "index_scores", "kept_candidate_entries", "kernel_select_rows",
-           "select_candidate_blocks",
-           "select_positions", "topk_select"]
+           "select_candidate_blocks", "select_positions", "select_scored", "topk_select"]
 
 
 def select_candidate_blocks(scores: jax.Array, visible_len: jax.Array, topk_blocks: int,
@@ -70,20 +69,16 @@ def index_query(cfg: ModelConfig, wq_b, w_proj, x, qr, angles) -> tuple[jax.Arra
     return q, weights
 
 
-def index_scores(q: jax.Array, weights: jax.Array, keys: jax.Array, stable: bool = False) -> jax.Array:
-    """Unmasked scores ``[B,S,G]`` = Σ_heads ReLU(q · k) · weight (FP32), for keys ``[B,G,index_head_dim]``.
+def index_scores(q: jax.Array, weights: jax.Array, keys: jax.Array) -> jax.Array:
+    """Unmasked scores ``[B,S,G]`` = Σ_heads ReLU(q · k) · weight (FP32), for queries ``[B,S,index_heads,Di]``,
+    weights ``[B,S,index_heads]`` and keys ``[B,G,Di]``. The one selection numerics of every path.
 
-    ``stable``: both sums run as sequential loops of elementwise FP32 operations, so an entry's score depends
-    only on its own key and the query — bit-identical whatever the number of entries scored at once or their
-    layout. The cached decode path and the distributed top-k (each rank scoring its own entries) use it to
-    select exactly what the single-device decode selects, ties and near-ties included; the full-sequence
-    path keeps the (faster) contraction. Exact zeros are returned as +0 (a ReLU-zero times a negative weight
-    would be −0, which `lax.top_k` ranks below +0 and a max may or may not keep)."""
-    if not stable:
-        raw = jnp.einsum("bshe,bge->bshg", q.astype(jnp.float32), keys.astype(jnp.float32),
-                         precision=jax.lax.Precision.HIGHEST)
-        scores = jnp.sum(jax.nn.relu(raw) * weights.astype(jnp.float32)[..., None], axis=2)
-        return jnp.where(scores == 0, 0.0, scores)
+    Both sums run as sequential loops of elementwise FP32 operations, so an entry's score depends only on its
+    own key and the query — bit-identical whatever the number of entries or rows scored at once or their
+    layout (the full sequence, a cached step, a rank's owned pages in the distributed top-k): every path
+    selects exactly the same entries, ties and near-ties included. Exact zeros are returned as +0 (a
+    ReLU-zero times a negative weight would be −0, which `lax.top_k` ranks below +0 and a max may or may not
+    keep)."""
     qf = jnp.moveaxis(q.astype(jnp.float32), -1, 0)                                  # [E,B,S,H]
     kf = jnp.moveaxis(keys.astype(jnp.float32), -1, 0)                               # [E,B,G]
     term = lambda qe, ke: qe[..., None] * ke[:, None, None, :]                      # [B,S,H,G]
@@ -94,27 +89,31 @@ def index_scores(q: jax.Array, weights: jax.Array, keys: jax.Array, stable: bool
     return jnp.where(scores == 0, 0.0, scores)
 
 
-def select_positions(cfg: ModelConfig, role: LayerRole, wq_b, w_proj, x, qr, angles, keys, positions, candidates,
-                     stable: bool = False):
-    """Score queries against index keys and select (shared by the full-sequence and the cached path).
+def select_positions(cfg: ModelConfig, role: LayerRole, wq_b, w_proj, x, qr, angles, keys, positions, candidates):
+    """`index_query` of rows ``x [B,S,H]`` / ``qr [B,S,q_lora]`` / ``angles [B,S,P]`` with the layer's weights
+    ``wq_b [q_lora, index_heads, Di]``, ``w_proj [H, index_heads]``, then `select_scored`."""
+    q, weights = index_query(cfg, wq_b, w_proj, x, qr, angles)
+    return select_scored(cfg, role, q, weights, keys, positions, candidates)
+
+
+def select_scored(cfg: ModelConfig, role: LayerRole, q, weights, keys, positions, candidates):
+    """Score query rows against index keys and select (every mode's XLA / kernel selection of rows whose keys
+    are a per-request array).
 
     Args:
-      wq_b ``[q_lora, index_heads, index_head_dim]``, w_proj ``[H, index_heads]``: the layer's weights.
-      x ``[B,S,H]``, qr ``[B,S,q_lora]``, angles ``[B,S,P]``: query rows; positions ``[B|1, S]`` their positions.
-      keys ``[B,G,index_head_dim]``: index keys in entry order (entries past a row's history are masked).
-      candidates ``[B,S,G]`` bool or None: the candidate source's mask.
-      stable: bit-stable scores (`index_scores`), for the cached path.
-    Returns: ``(topk [B,S,min(index_topk, G)] int32, candidates, scores [B,S,G])``.
+      q ``[B,S,index_heads,Di]`` / weights ``[B,S,index_heads]``: `index_query` of the rows.
+      keys ``[B,G,Di]``: index keys in entry order (entries past a row's history are masked).
+      positions ``[B|1, S]``: the rows' positions; candidates ``[B,S,G]`` bool or None: the candidate source's mask.
+    Returns: ``(topk [B,S,min(index_topk, G)] int32, candidates, scores [B,S,G] or None on the kernel path)``.
     """
-    b, s, _ = x.shape
+    b, s = q.shape[:2]
     g = keys.shape[1]
-    q, weights = index_query(cfg, wq_b, w_proj, x, qr, angles)
     if cfg.indexer_backend == "pallas":
         topk, candidates = _kernel_select(cfg, role, q, weights, keys, positions, candidates)
         return topk, candidates, None
     visible_len = jnp.broadcast_to(((positions + 1) // role.ratio)[..., None], (b, s, 1))
     allowed = jnp.arange(g)[None, None, :] < visible_len                            # [B,S,G]
-    scores = jnp.where(allowed, index_scores(q, weights, keys, stable), -jnp.inf)
+    scores = jnp.where(allowed, index_scores(q, weights, keys), -jnp.inf)
     if role.candidate_source:
         candidates = select_candidate_blocks(scores, visible_len, cfg.candidate_topk_blocks,
                                              cfg.candidate_block_size) & allowed
@@ -208,19 +207,31 @@ class Indexer(nn.Module):
     role: LayerRole
     shard: object = None            # ShardingContext (operator-local indexer QCP)
 
-    def index_keys(self, latent: jax.Array, compressed_angles: jax.Array) -> jax.Array:
-        """Index keys ``[B,G,index_head_dim]`` from the pre-RoPE compressor latent ``[B,G,head_dim]``."""
+    def setup(self):
         cfg = self.cfg
         dt = dtype_of(cfg.dtype)
-        wk = declare(self, "wk", (cfg.head_dim, cfg.index_head_dim), (None, None), dt)
-        k = RMSNorm(cfg.index_head_dim, cfg.rms_norm_eps, dt, name="k_norm")(
-            jnp.einsum("bgd,de->bge", latent, wk.astype(latent.dtype)))
-        k = apply_rope(k, compressed_angles)
-        return mxfp4_block32(k) if cfg.fake_quant else k
+        if self.role.is_kv_source:
+            self.wk = declare(self, "wk", (cfg.head_dim, cfg.index_head_dim), (None, None), dt)
+            self.k_norm = RMSNorm(cfg.index_head_dim, cfg.rms_norm_eps, dt)
+        self.wq_b = declare(self, "wq_b", (cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim),
+                            ("q_lora", "index_heads", None), dt)
+        self.weights_proj = declare(self, "weights_proj", (cfg.hidden_size, cfg.index_n_heads),
+                                    ("embed", "index_heads"), dt)
 
-    @nn.compact
+    def index_keys(self, latent: jax.Array, compressed_angles: jax.Array, quantize: bool = True) -> jax.Array:
+        """Index keys ``[..., index_head_dim]`` (rotated) from pre-RoPE compressor latents ``[..., head_dim]`` at
+        their entries' angles; MXFP4 fake-quant under ``cfg.fake_quant`` unless ``quantize=False`` (a cache
+        write encodes the raw keys itself)."""
+        k = self.k_norm(jnp.einsum("...d,de->...e", latent, self.wk.astype(latent.dtype)))
+        k = apply_rope(k, compressed_angles)
+        return mxfp4_block32(k) if self.cfg.fake_quant and quantize else k
+
+    def query(self, x: jax.Array, qr: jax.Array, angles: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """`index_query` of rows ``x [B,S,H]``, ``qr [B,S,q_lora]`` at ``angles [B,S,P]``."""
+        return index_query(self.cfg, self.wq_b, self.weights_proj, x, qr, angles)
+
     def __call__(self, x, qr, angles, latent, compressed_angles, keys, candidates):
-        """Select compressed positions for every query row.
+        """Select compressed positions for every query row of a full sequence.
 
         Args:
           x: attention input ``[B,S,H]``; qr: normalised q-LoRA latent ``[B,S,q_lora]``.
@@ -233,16 +244,13 @@ class Indexer(nn.Module):
           ``(keys, topk [B,S,K] int32, candidates, scores [B,S,G])``.
         """
         cfg, role = self.cfg, self.role
-        dt = dtype_of(cfg.dtype)
         if role.is_kv_source:
             keys = self.index_keys(latent, compressed_angles)
-        wq_b = declare(self, "wq_b", (cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim),
-                       ("q_lora", "index_heads", None), dt)
-        w_proj = declare(self, "weights_proj", (cfg.hidden_size, cfg.index_n_heads), ("embed", "index_heads"), dt)
         positions = jnp.arange(x.shape[1])[None]
         if query_parallel_applies(self.shard, role, x.shape[0] * x.shape[1]):
-            topk = query_parallel_select(self.shard, cfg, role, wq_b, w_proj, x, qr, angles, keys, positions)
+            topk = query_parallel_select(self.shard, cfg, role, self.wq_b, self.weights_proj, x, qr, angles, keys,
+                                         positions)
             return keys, topk, candidates, None
-        topk, candidates, scores = select_positions(cfg, role, wq_b, w_proj, x, qr, angles, keys, positions,
-                                                    candidates)
+        q, weights = self.query(x, qr, angles)
+        topk, candidates, scores = select_scored(cfg, role, q, weights, keys, positions, candidates)
         return keys, topk, candidates, scores

@@ -1,9 +1,11 @@
 """Serving: paged V4.1 caches, prefill, the static-capacity jitted decode step, the engine and the HTTP API.
 
-* `cache_spec` / `allocator` / `records` — the decode-state layout (exact byte accounting), block tables and
-  batch slots, the release's cache byte records;
-* `decode` (token-serial prefill chunks and the decode step), `dcp` (KVP pages, DCP decode), `span_metadata` /
-  `span_prefill` (one-pass prefill, model-wide / operator-local QCP), `kernel_ops`;
+* `cache_spec` / `allocator` / `records` / `paged_cache` — the decode-state layout (exact byte accounting), block
+  tables and batch slots, the release's cache byte records, the cache's reads and writes;
+* `paged_rows` — the cached-rows backend the one model (`v41cp.model.Transformer`) reads its keys through;
+  `decode` (the decode step, multi-row verification + commit, token-serial prefill chunks), `dcp` (KVP pages,
+  DCP selection and attention), `kernel_ops`; `span_metadata` / `span_prefill` (one-pass prefill, model-wide /
+  operator-local QCP);
 * `engine` — `Engine`, `Capacity`, `SamplingParams`: continuous batching over the compiled buckets;
 * `text` — the checkpoint's tokenizer and chat format, streaming detokenization with stop strings;
 * `engine_loop` — one engine thread serving many asyncio callers; `openai_api` / `server` — the

@@ -3,11 +3,11 @@
 The global cache pools (``ckv[g]``, ``ikey[g]``: ``[num_blocks, epb, ·]``) are split over the ``cp`` axis
 on their block dimension: rank ``r`` holds rows ``[r·LB, (r+1)·LB)`` of the global array, which are the
 virtual blocks ``l·N + r`` (`v41cp.sharding.ownership`). Everything else of the decode state (SWA rings,
-compressor tails) is replicated. Three operations run per compressed layer, each a shard_map island in
+compressor tails) is replicated. Three operations run per compressed layer and row, each a shard_map island in
 the otherwise GSPMD-partitioned step:
 
-* `write_owned` — the new compressed entry / index key is computed by every rank (replicated) and
-  written only by the owner of its page, at the local row (non-owners write out of bounds: dropped);
+* writes (`v41cp.serving.paged_cache.write_owned`) — the new compressed entry / index key is computed by
+  every rank (replicated) and written only by the owner of its page, at the local row;
 * `select` — index sources score their owned index keys and run the exact distributed top-k
   (`v41cp.sharding.dist_topk`); the candidate source also the distributed block selection. The result
   (logical entry ids, −1 padding) is identical on every rank;
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 from v41cp.config import LayerRole, ModelConfig
 from v41cp.kernels import interpret_mode
@@ -41,7 +41,7 @@ from v41cp.sharding.mesh import ATTN_TP, CP
 from v41cp.sharding.ownership import owned_positions
 from v41cp.sharding.topology import ParallelConfig
 
-__all__ = ["DCPPlan", "write_owned", "select", "attend", "pool_sharding", "gather_history", "collective_plan"]
+__all__ = ["DCPPlan", "select", "attend", "gather_history", "collective_plan"]
 
 
 @dataclass(frozen=True)
@@ -98,28 +98,8 @@ class DCPPlan:
         return jax.shard_map(f, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check)
 
 
-def pool_sharding(mesh: Mesh) -> NamedSharding:
-    """Sharding of a global cache pool: block dimension over ``cp``."""
-    return NamedSharding(mesh, P(CP))
-
-
 def _local(pool):
     return pool["q"] if isinstance(pool, dict) else pool
-
-
-def write_owned(plan: DCPPlan, write, pool, blk: jax.Array, row: jax.Array, values: jax.Array, emits: jax.Array):
-    """Owner-masked write of ``values [B, C]`` to virtual block ``blk [B]`` row ``row [B]`` where ``emits``.
-    ``write(pool, (local_block, row), values)`` is the cache's (record-encoding) scatter."""
-    n = plan.n
-
-    def body(pool, blk, row, values, emits):
-        r = jax.lax.axis_index(CP)
-        lb = _local(pool).shape[0]
-        own = emits & (blk >= 0) & (blk % n == r)
-        return write(pool, (jnp.where(own, blk // n, lb), row), values)
-
-    spec = jax.tree.map(lambda _: P(CP), pool)
-    return plan.shard_map(body, (spec, P(), P(), P(), P()), spec)(pool, blk, row, values, emits)
 
 
 def _owned_pages(plan: DCPPlan, tables: jax.Array):
@@ -178,7 +158,7 @@ def select(plan: DCPPlan, cfg: ModelConfig, role: LayerRole, read, ikey_pool, q:
         keys = read(pool, lambda a: a[rows]).reshape(b, ids.shape[1], -1)            # [B, LT·epb, Di]
         visible = (positions + 1) // role.ratio
         ids = jnp.where(ids < visible[:, None], ids, -1)
-        scores = index_scores(q[:, None], weights[:, None], keys, stable=True)[:, 0]
+        scores = index_scores(q[:, None], weights[:, None], keys)[:, 0]
         scores = jnp.where(ids >= 0, scores, -jnp.inf)
         out_cand = cand
         if role.candidate_source:

@@ -1,8 +1,8 @@
-"""The decode step's attention and index selection through `v41cp.kernels` (``attention_backend`` /
-``indexer_backend`` = ``"pallas"``), reading the paged caches in place.
+"""Cached rows' attention and index selection through `v41cp.kernels` (``attention_backend`` /
+``indexer_backend`` = ``"pallas"``), reading the paged caches in place (`v41cp.serving.paged_rows`).
 
-The XLA path of `v41cp.serving.decode` gathers a request's whole compressed history (``[B, G, ·]``) and
-its index keys before scoring and attending. These helpers hand the kernels the pools as stored instead
+The XLA path gathers a request's whole compressed history (``[B, G, ·]``) and its index keys before scoring
+and attending. These helpers hand the kernels the pools as stored instead
 (records decoded in-kernel) with slot lists built from the block tables, so a step reads only the
 window rows, the selected entries and — in the indexer scan — each index key once.
 """
@@ -48,7 +48,7 @@ def attend(cfg: ModelConfig, q: jax.Array, swa, win_slots: jax.Array, pool, sel_
 
 def select(cfg: ModelConfig, role: LayerRole, q: jax.Array, w: jax.Array, ikeys, tables: jax.Array,
            positions: jax.Array, candidates):
-    """Index selection of one index source for one query row per batch row, on the paged index keys.
+    """Index selection of one index source for query rows with their own block tables, on the paged index keys.
 
     q ``[B, Hi, Di]`` / w ``[B, Hi]``; ikeys the group's pool ``[NB, epb, ·]`` (values or MXFP4 records);
     tables ``[B, MB]``; positions ``[B]``; candidates ``[B, G]`` entry mask (uses_candidates) or None.

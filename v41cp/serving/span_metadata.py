@@ -79,7 +79,7 @@ class SpanMetadata:
 def _retained(cfg: ModelConfig, plan: QueryShardPlan, starts: np.ndarray, totals: np.ndarray, ced: bool):
     """CED decoder rows of each local slot ``[N, C]`` bool: the last `ced_rows` rows of each prompt of ``totals``
     tokens (this chunk starts at ``starts``). None without a CED boundary / CED off."""
-    from v41cp.serving.decode import ced_boundary, ced_rows
+    from v41cp.ced import ced_boundary, ced_rows
 
     if not ced or ced_boundary(cfg) is None:
         return None

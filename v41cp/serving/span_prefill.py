@@ -57,13 +57,13 @@ from v41cp.layers.mhc import HyperConnection, collapse, expand
 from v41cp.layers.moe import dense_route_weights, expert_weights, route, routed_output, shared_output
 from v41cp.layers.rope import apply_rope, rope_angles
 from v41cp.quant import fp8_block32, mxfp4_block32, nvfp4_block16
-from v41cp.serving.decode import _read, _store_rows, _write
+from v41cp.serving import paged_cache as pc
+from v41cp.serving.paged_cache import cache_slots
 from v41cp.serving.span_metadata import SpanMetadata
 from v41cp.sharding.mesh import ATTN_TP, CP
-from v41cp.sharding.ownership import is_owned, local_row, owner
 from v41cp.sharding.rules import ShardingContext
 
-__all__ = ["SpanLayout", "prefill_span", "span_program_text"]
+__all__ = ["SpanLayout", "prefill_span"]
 
 
 @dataclass(frozen=True)
@@ -203,50 +203,12 @@ class _Placement(NamedTuple):
     op: ShardingContext | None = None
 
 
-def _page_rows(place: _Placement, v: jax.Array, pool_rows: int) -> jax.Array:
-    """Virtual block ids ``v`` (−1 = none) → pool rows to write (``pool_rows`` = out of bounds, dropped)."""
-    n = place.kvp
-    if n == 1:
-        return jnp.where(v >= 0, v, pool_rows)
-    if place.in_map:
-        return jnp.where(is_owned(v, n, jax.lax.axis_index(CP)), local_row(v, n), pool_rows)
-    # GSPMD over the global pool: rank r's rows are [r·LB, (r+1)·LB)
-    return jnp.where(v >= 0, owner(v, n) * (pool_rows // n) + local_row(v, n), pool_rows)
-
-
 def _write_entries(cfg, place: _Placement, store, values, j, ok, block_tables, fmt: str):
-    """Entries ``values [B, Gn, ·]`` with absolute ids ``j [B, Gn]`` (written where ``ok``) → their pages
-    (entry ``j`` in block-table position ``j // epb`` at row ``j % epb``)."""
-    epb = (store["s"] if isinstance(store, dict) else store).shape[1]
-    mb = block_tables.shape[1]
-    v = jnp.take_along_axis(block_tables, jnp.clip(j // epb, 0, mb - 1), axis=1)
-    v = jnp.where(ok & (j // epb < mb), v, -1)
-    rows = _page_rows(place, v, _store_rows(store))
-    return _write(cfg, store, (rows, j % epb), values, fmt)
+    return pc.write_entries(cfg, place.kvp, place.in_map, store, values, j, ok, block_tables, fmt)
 
 
 def _read_pages(cfg, place: _Placement, store, block_tables, fmt: str, dtype):
-    """A request's entries from its pages ``[B, MB·epb, ·]`` decoded to ``dtype`` (zeros for −1 pages). Under
-    KVP every rank contributes the pages it owns and one all-reduce over the group gives every rank the same
-    history (records move as stored bytes: one non-zero term per page)."""
-    leaves = store if isinstance(store, dict) else {"v": store}
-    rows = _store_rows(store)
-    v = block_tables
-    if place.kvp > 1 and place.in_map:
-        own = is_owned(v, place.kvp, jax.lax.axis_index(CP))
-        idx = jnp.where(own, local_row(v, place.kvp), 0)
-        got = {k: jax.lax.psum(jnp.where(own[..., None, None], a[idx], jnp.zeros((), a.dtype)), CP)
-               for k, a in leaves.items()}
-    else:
-        idx = jnp.maximum(_page_rows(place, v, rows), 0) if place.kvp > 1 else jnp.maximum(v, 0)
-        got = {k: jnp.where((v >= 0)[..., None, None], a[jnp.minimum(idx, rows - 1)], jnp.zeros((), a.dtype))
-               for k, a in leaves.items()}
-    flat = {k: a.reshape(a.shape[0], -1, a.shape[-1]) for k, a in got.items()}
-    if isinstance(store, dict):
-        from v41cp.serving.records import decode
-
-        return decode(flat["q"], flat["s"], fmt, dtype)
-    return flat["v"].astype(dtype)
+    return pc.read_pages(place.kvp, place.in_map, store, block_tables, fmt, dtype)
 
 
 def _attention(cfg: ModelConfig, role: LayerRole, p: dict, grp: _Group, place: _Placement, xq, rq: _Rows, xkv,
@@ -271,7 +233,7 @@ def _attention(cfg: ModelConfig, role: LayerRole, p: dict, grp: _Group, place: _
     hist_pos = start[:, None] - w + jnp.arange(w)[None]                             # [B,W]
     if meta.continued:
         slot_r = jnp.clip(meta.slots, 0, cache_slots(cache) - 1)
-        ring = _read(cache["swa"], "fp8", kv.dtype, lambda a: a[role.index][slot_r])
+        ring = pc.read(cache["swa"], "fp8", kv.dtype, lambda a: a[role.index][slot_r])
         hist = jnp.take_along_axis(ring, (hist_pos % w)[..., None], axis=1)
     else:
         hist = jnp.zeros((b, w, kv.shape[-1]), kv.dtype)
@@ -281,7 +243,7 @@ def _attention(cfg: ModelConfig, role: LayerRole, p: dict, grp: _Group, place: _
     last = start[:, None] + meta.lengths[:, None] - w + jnp.arange(w)[None]          # [B,W] absolute
     at = jnp.where((last >= start[:, None]) & (last >= 0), meta.slots[:, None], cache_slots(cache))
     ring_vals = jnp.take_along_axis(kv_raw, jnp.clip(last - start[:, None], 0, s - 1)[..., None], axis=1)
-    cache = {**cache, "swa": _write(cfg, cache["swa"], (role.index, at, jnp.maximum(last, 0) % w), ring_vals, "fp8")}
+    cache = {**cache, "swa": pc.write(cfg, cache["swa"], (role.index, at, jnp.maximum(last, 0) % w), ring_vals, "fp8")}
     if compressed:
         cache, state = _compressed(cfg, role, p, grp, place, xq, rq, angles, qr, xkv, rkv, meta, cache, state)
     # window keys of each query row (oldest first) + the selected compressed entries
@@ -305,12 +267,6 @@ def _attention(cfg: ModelConfig, role: LayerRole, p: dict, grp: _Group, place: _
     y = jnp.einsum("bsgi,gio->bsgo", o, p["wo_a"].astype(o.dtype))
     out = jnp.einsum("bsgo,goh->bsh", y, p["wo_b"].astype(y.dtype))[:, 0]
     return out.astype(dt), cache, state
-
-
-def cache_slots(cache: dict) -> int:
-    """Batch slots of a decode cache (the SWA ring's second axis)."""
-    swa = cache["swa"]["q"] if isinstance(cache["swa"], dict) else cache["swa"]
-    return swa.shape[1]
 
 
 def _compressed(cfg, role, p, grp, place, xq, rq, angles, qr, xkv, rkv, meta, cache, state):
@@ -432,7 +388,7 @@ def _body(params, cache, meta: SpanMetadata, cfg: ModelConfig, grp: _Group, plac
                       jnp.zeros((), embed.dtype))
     streams = jnp.broadcast_to(x[None, :, None, :], (1, c, cfg.hc_mult, cfg.hidden_size))
     pre = jnp.zeros((1, c, cfg.hc_mult), jnp.float32).at[..., 0].set(1.0)
-    from v41cp.serving.decode import ced_boundary
+    from v41cp.ced import ced_boundary
 
     boundary = ced_boundary(cfg) if meta.ced else None
     state: dict = {}
@@ -499,9 +455,3 @@ def prefill_span(params, cache: dict, meta: SpanMetadata, cfg: ModelConfig, layo
     """Prefill the prompts of ``meta`` (`build_span_metadata`) in one pass: ``(logits [B, vocab] FP32 of each
     prompt's last row — zeros for an empty row —, updated cache)``. See the module docstring."""
     return _run(params, cache, meta, cfg, layout)
-
-
-def span_program_text(params, cache, meta: SpanMetadata, cfg: ModelConfig, layout: SpanLayout) -> str:
-    """Optimized HLO of one span prefill bucket (for structure checks: collectives, their bytes)."""
-    return prefill_span.lower(params, cache, meta, cfg, layout).compile().as_text()
-

@@ -19,8 +19,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AxisRules", "TP_RULES", "REPLICATED_Q_RULES", "REPLICATED_RULES", "INDEXER_QCP_RULES", "QCP_RULES", "mesh_axes_size", "ShardingContext", "logical_sharding",
-           "param_shardings", "constrain"]
+__all__ = ["AxisRules", "TP_RULES", "REPLICATED_Q_RULES", "INDEXER_QCP_RULES", "QCP_RULES", "mesh_axes_size",
+           "ShardingContext", "logical_sharding", "param_shardings", "constrain"]
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,6 @@ TP_RULES = AxisRules((
 # outer ``tp`` part only, so every rank of a context-parallel group computes its group's query heads
 # locally (more weight memory, no per-layer query all-gather).
 REPLICATED_Q_RULES = AxisRules(tuple((k, "tp" if k in ("heads", "index_heads") else v) for k, v in TP_RULES.rules))
-REPLICATED_RULES = AxisRules((("batch", "dp"),))
 # Operator-local indexer QCP: every rank projects its own query rows with all index heads, so the indexer's
 # query / weight projections are replicated (everything else as in TP_RULES).
 INDEXER_QCP_RULES = AxisRules(tuple((k, None if k == "index_heads" else v) for k, v in TP_RULES.rules))

@@ -1,0 +1,238 @@
+"""The paged decode cache: its layout, its stores (values or byte records), and every read / write of it.
+
+One module owns the cache. Every mode that touches it — the decode / verification step, the token-serial
+prefill, the span prefill, their KVP (owner-masked) variants and the kernels' in-place reads — goes through
+these functions, so the layout, the record encoding and the page addressing are written once.
+
+Layout (`init_cache`; ``B`` batch slots, ``NB`` logical blocks of ``block_tokens`` tokens):
+
+* ``swa [L, B, W, ·]`` — the window ring: row ``p % W`` of slot ``b`` holds the window KV of position ``p``;
+* ``ckv[g] / ikey[g] [NB, epb, ·]`` per KV source ``g`` (``epb = block_tokens / ratio``) — entry ``j`` of a
+  request lives in block ``block_table[j // epb]`` at row ``j % epb``;
+* ``open_kv[g] / open_score[g] [B, D]`` FP32 — the open ratio-2 pair's first row (its compressor projections).
+
+A *store* is either an array of values (model dtype; fake-quantized on write when ``cfg.fake_quant``) or the
+release's byte records ``{"q": payload uint8, "s": scale uint8}`` (`v41cp.serving.records`; FP8 window rows,
+NVFP4 compressed KV, MXFP4 index keys). Reading a record store decodes to exactly the fake-quant values.
+
+KVP (`init_cache(..., plan=...)`): the global pools' block dimension is split over the mesh's ``cp`` axis; rank
+``r`` holds virtual blocks ``l·N + r`` at its row ``l`` (`v41cp.sharding.ownership`). Inside a ``cp`` island a
+pool is the rank's rows; under GSPMD it is the global array whose rank-``r`` rows are ``[r·LB, (r+1)·LB)``.
+Writes out of bounds are dropped (how inactive rows and non-owners write nothing).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from v41cp.config import LayerRole, ModelConfig
+from v41cp.layers.common import dtype_of
+from v41cp.quant import FAKE_QUANT
+from v41cp.serving.records import RECORD_FORMATS, decode, encode
+from v41cp.sharding.mesh import CP
+from v41cp.sharding.ownership import is_owned, local_row, owner
+
+__all__ = ["kv_groups", "init_cache", "pool_sharding", "write", "read", "stored_values", "store_rows",
+           "entries_per_block", "cache_slots", "take_raw", "put_raw", "gather_pages", "page_rows", "write_entries",
+           "read_pages", "write_owned", "restore_owned"]
+
+
+def kv_groups(cfg: ModelConfig) -> list[LayerRole]:
+    """The KV sources (one global cache group each), in layer order."""
+    return [r for r in cfg.layer_roles if r.is_kv_source]
+
+
+def pool_sharding(mesh) -> NamedSharding:
+    """Sharding of a global cache pool under KVP: block dimension over ``cp``."""
+    return NamedSharding(mesh, P(CP))
+
+
+def init_cache(cfg: ModelConfig, num_blocks: int, block_tokens: int, max_batch: int, sharding=None,
+               records: bool | None = None, plan=None) -> dict:
+    """Zeroed cache for ``num_blocks`` logical blocks of ``block_tokens`` tokens and ``max_batch`` slots,
+    committed to ``sharding`` (default: the first device) so that every step sees the same input types.
+
+    ``records`` (default: ``cfg.fake_quant``) stores the release's byte records; otherwise values in the model
+    dtype (fake-quantized when ``cfg.fake_quant``). ``plan`` (KVP, a `v41cp.serving.dcp.DCPPlan`):
+    ``num_blocks`` counts virtual blocks (a multiple of the group size N); the global pools are split over
+    the mesh's ``cp`` axis (each rank allocates ``num_blocks / N`` pages), everything else is replicated."""
+    dt = dtype_of(cfg.dtype)
+    records = cfg.fake_quant if records is None else records
+    if records and not cfg.fake_quant:
+        raise ValueError("byte records are the fake-quant formats: records=True needs cfg.fake_quant")
+    d, di = cfg.head_dim, cfg.index_head_dim
+    layout = jax.ShapeDtypeStruct          # the layout first; the arrays are created already placed (below)
+
+    def store(shape, fmt):
+        c = {"fp8": d, "nvfp4": d, "mxfp4": di}[fmt]
+        if not records:
+            return layout((*shape, c), dt)
+        block = RECORD_FORMATS[fmt][0]
+        return {"q": layout((*shape, c if fmt == "fp8" else c // 2), jnp.uint8),
+                "s": layout((*shape, c // block), jnp.uint8)}
+
+    cache = {"swa": store((cfg.num_hidden_layers, max_batch, cfg.sliding_window), "fp8"),
+             "ckv": {}, "ikey": {}, "open_kv": {}, "open_score": {}}
+    for g in kv_groups(cfg):
+        if block_tokens % g.ratio:
+            raise ValueError(f"block_tokens={block_tokens} is not a multiple of layer {g.index}'s ratio {g.ratio}")
+        epb = block_tokens // g.ratio
+        cache["ckv"][str(g.index)] = store((num_blocks, epb), "nvfp4")
+        cache["ikey"][str(g.index)] = store((num_blocks, epb), "mxfp4")
+        if g.ratio > 1:
+            if g.ratio != 2:
+                raise ValueError(f"the decode cache supports compress ratios 1 and 2, layer {g.index} has {g.ratio}")
+            cache["open_kv"][str(g.index)] = layout((max_batch, d), jnp.float32)
+            cache["open_score"][str(g.index)] = layout((max_batch, d), jnp.float32)
+    if plan is None:
+        one = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: one, cache)
+    else:
+        if num_blocks % plan.n:
+            raise ValueError(f"num_blocks={num_blocks} must be a multiple of kv_parallel_size={plan.n}")
+        rep, pool = NamedSharding(plan.mesh, P()), pool_sharding(plan.mesh)
+        shardings = {k: jax.tree.map(lambda _: pool if k in ("ckv", "ikey") else rep, v) for k, v in cache.items()}
+    # each device allocates only its own shard (no full-size staging copy on one device)
+    return jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), cache), out_shardings=shardings)()
+
+
+# ---------------------------------------------------------------------------------------------- one store
+def _leaf(store) -> jax.Array:
+    return store["q"] if isinstance(store, dict) else store
+
+
+def store_rows(store) -> int:
+    """Leading dimension of a store (pool blocks, or layers for the window ring)."""
+    return _leaf(store).shape[0]
+
+
+def entries_per_block(store) -> int:
+    """Rows per page of a global pool."""
+    return _leaf(store).shape[1]
+
+
+def cache_slots(cache: dict) -> int:
+    """Batch slots of a cache (the window ring's second axis)."""
+    return _leaf(cache["swa"]).shape[1]
+
+
+def stored_values(cfg: ModelConfig, values: jax.Array, fmt: str, dtype) -> jax.Array:
+    """What a store returns for ``values`` written in format ``fmt`` (fake-quant when ``cfg.fake_quant``; the
+    record round trip equals it value for value), in ``dtype``."""
+    return (FAKE_QUANT[fmt](values) if cfg.fake_quant else values).astype(dtype)
+
+
+def write(cfg: ModelConfig, store, idx: tuple, values: jax.Array, fmt: str):
+    """Scatter ``values`` (pre-quantization) into ``store`` at ``idx`` (out-of-bounds = dropped)."""
+    if isinstance(store, dict):
+        q, sc = encode(values, fmt)
+        return {"q": store["q"].at[idx].set(q, mode="drop"), "s": store["s"].at[idx].set(sc, mode="drop")}
+    if cfg.fake_quant:
+        values = FAKE_QUANT[fmt](values)
+    return store.at[idx].set(values.astype(store.dtype), mode="drop")
+
+
+def read(store, fmt: str, dtype, select) -> jax.Array:
+    """``select`` (an indexing function) applied to the store, decoded to values in ``dtype``."""
+    if isinstance(store, dict):
+        return decode(select(store["q"]), select(store["s"]), fmt, dtype)
+    return select(store).astype(dtype)
+
+
+def take_raw(store, idx: tuple):
+    """The stored leaves at ``idx`` as they are (record bytes undecoded): for undo records."""
+    return jax.tree.map(lambda a: a[idx], store)
+
+
+def put_raw(store, idx: tuple, raw):
+    """Write leaves taken by `take_raw` back at ``idx`` (out-of-bounds = dropped)."""
+    return jax.tree.map(lambda a, v: a.at[idx].set(v, mode="drop"), store, raw)
+
+
+def gather_pages(pages: jax.Array, tables: jax.Array) -> jax.Array:
+    """``pages [NB, epb, C]`` gathered by ``tables [B, MB]`` → ``[B, MB·epb, C]`` (entry order)."""
+    got = pages[jnp.maximum(tables, 0)]
+    return got.reshape(tables.shape[0], -1, pages.shape[-1])
+
+
+# ------------------------------------------------------------------------------ pages under KVP ownership
+def page_rows(kvp: int, in_map: bool, v: jax.Array, pool_rows: int) -> jax.Array:
+    """Virtual block ids ``v`` (−1 = none) → rows of the pool to write (``pool_rows`` = out of bounds, dropped).
+    ``kvp`` ranks own pages cyclically; ``in_map``: inside a ``cp`` island (the pool is this rank's rows) else
+    the GSPMD global pool."""
+    if kvp == 1:
+        return jnp.where(v >= 0, v, pool_rows)
+    if in_map:
+        return jnp.where(is_owned(v, kvp, jax.lax.axis_index(CP)), local_row(v, kvp), pool_rows)
+    return jnp.where(v >= 0, owner(v, kvp) * (pool_rows // kvp) + local_row(v, kvp), pool_rows)
+
+
+def write_entries(cfg: ModelConfig, kvp: int, in_map: bool, store, values, j, ok, block_tables, fmt: str):
+    """Entries ``values [B, Gn, ·]`` with ids ``j [B, Gn]`` (written where ``ok``) → their pages (entry ``j`` in
+    block-table position ``j // epb`` at row ``j % epb``)."""
+    epb = entries_per_block(store)
+    mb = block_tables.shape[1]
+    v = jnp.take_along_axis(block_tables, jnp.clip(j // epb, 0, mb - 1), axis=1)
+    v = jnp.where(ok & (j // epb < mb), v, -1)
+    return write(cfg, store, (page_rows(kvp, in_map, v, store_rows(store)), j % epb), values, fmt)
+
+
+def read_pages(kvp: int, in_map: bool, store, block_tables, fmt: str, dtype):
+    """A request's entries from its pages ``[B, MB·epb, ·]`` decoded to ``dtype`` (zeros for −1 pages). Inside a
+    KVP island every rank contributes the pages it owns and one all-reduce over the group gives every rank the
+    same history (records move as stored bytes: one non-zero term per page)."""
+    leaves = store if isinstance(store, dict) else {"v": store}
+    rows = store_rows(store)
+    v = block_tables
+    if kvp > 1 and in_map:
+        own = is_owned(v, kvp, jax.lax.axis_index(CP))
+        idx = jnp.where(own, local_row(v, kvp), 0)
+        got = {k: jax.lax.psum(jnp.where(own[..., None, None], a[idx], jnp.zeros((), a.dtype)), CP)
+               for k, a in leaves.items()}
+    else:
+        idx = jnp.maximum(page_rows(kvp, False, v, rows), 0) if kvp > 1 else jnp.maximum(v, 0)
+        got = {k: jnp.where((v >= 0)[..., None, None], a[jnp.minimum(idx, rows - 1)], jnp.zeros((), a.dtype))
+               for k, a in leaves.items()}
+    flat = {k: a.reshape(a.shape[0], -1, a.shape[-1]) for k, a in got.items()}
+    if isinstance(store, dict):
+        return decode(flat["q"], flat["s"], fmt, dtype)
+    return flat["v"].astype(dtype)
+
+
+def write_owned(plan, cfg: ModelConfig, pool, blk: jax.Array, row: jax.Array, values: jax.Array, emits: jax.Array,
+                fmt: str, keep_old: bool = False):
+    """KVP owner-masked write (a ``cp`` island of ``plan``): ``values [R, C]`` (replicated, pre-quantization) to
+    virtual block ``blk [R]`` row ``row [R]`` where ``emits``; only the page's owner writes, at its local row.
+    ``keep_old``: also return what each rank's pool held there (`take_raw` leaves, ``[N, R, ·]`` split over
+    ``cp``; a rank's rows it does not own are zeros), for `restore_owned`."""
+    n = plan.n
+
+    def body(pool, blk, row, values, emits):
+        r = jax.lax.axis_index(CP)
+        lb = store_rows(pool)
+        own = emits & is_owned(blk, n, r)
+        at = (jnp.where(own, local_row(blk, n), lb), row)
+        new = write(cfg, pool, at, values, fmt)
+        if not keep_old:
+            return new
+        old = take_raw(pool, (jnp.minimum(at[0], lb - 1), row))
+        return new, jax.tree.map(lambda a: a[None], old)
+
+    spec = jax.tree.map(lambda _: P(CP), pool)
+    out = (spec, spec) if keep_old else spec
+    return plan.shard_map(body, (spec, P(), P(), P(), P()), out)(pool, blk, row, values, emits)
+
+
+def restore_owned(plan, pool, blk: jax.Array, row: jax.Array, old, undo: jax.Array):
+    """Undo of `write_owned`: where ``undo [R]``, the owner of ``blk`` puts back its kept ``old`` leaves."""
+    n = plan.n
+
+    def body(pool, blk, row, old, undo):
+        lb = store_rows(pool)
+        own = undo & is_owned(blk, n, jax.lax.axis_index(CP))
+        return put_raw(pool, (jnp.where(own, local_row(blk, n), lb), row), jax.tree.map(lambda a: a[0], old))
+
+    spec = jax.tree.map(lambda _: P(CP), pool)
+    return plan.shard_map(body, (spec, P(), P(), spec, P()), spec)(pool, blk, row, old, undo)

@@ -1,0 +1,232 @@
+"""The cached-rows backend: where the model's attention reads its keys when rows continue a request's cached
+history (decode = one row per request, verification = ``k`` rows, the token-serial prefill = one row at a time).
+
+`StepRows` is the step's metadata (a registered dataclass, static bucket fields ``max_batch`` / ``max_blocks`` /
+``rows``): request ``b`` feeds rows ``starts[b] … starts[b] + lengths[b] − 1`` (``lengths ≤ rows``; 0 = an idle
+batch row) from batch slot ``slots[b]`` with block table ``block_tables[b]``.
+
+`PagedRows` is the step's trace-time context, handed to the model's layers (`v41cp.layers.attention`). The
+layers compute every projection from their own weights; PagedRows only moves keys — it reads no weight:
+
+* `window` — each row's window keys in ring order: positions before the step from the SWA ring (read before
+  the ring is written), positions inside the step from the step's own rows (as the ring will store them);
+  then the ring rows of the step's last ``W`` positions are written;
+* `group_first` — a ratio-2 row's pair partner: the open pair (cache) or the step's previous row; the open
+  pair of each request's last even position is written;
+* `write_entries` — complete compressed entries and index keys to their pages (owner-masked under KVP);
+* `history` / `select` / `attend` — index selection and sparse attention of every row: the XLA path over the
+  gathered history, the kernels reading the pools in place (`v41cp.serving.kernel_ops`), or DCP islands over
+  owned pages with the exact distributed top-k and the LSE merge (`v41cp.serving.dcp`). Each of the ``B·R``
+  rows is one row of these operations (its own position, table and selection).
+
+With ``undo=True`` the context records what the step overwrites (ring rows, open pairs, page entries), the
+input of `v41cp.serving.decode.commit_rows` (keep only the first ``a`` rows of a verification step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from v41cp.config import LayerRole, ModelConfig
+from v41cp.layers.attention import CSAState, sink_attention
+from v41cp.layers.common import dtype_of
+from v41cp.layers.indexer import select_scored
+from v41cp.serving import dcp, kernel_ops
+from v41cp.serving import paged_cache as pc
+
+__all__ = ["StepRows", "PagedRows"]
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["tokens", "starts", "lengths", "slots", "block_tables",
+                                                        "engram_ids"],
+         meta_fields=["max_batch", "max_blocks", "rows"])
+@dataclasses.dataclass(frozen=True)
+class StepRows:
+    """Metadata of a cached step of ``rows`` rows per request (host-built, padded).
+
+    tokens ``[max_batch, rows]`` int32; starts / lengths / slots ``[max_batch]`` int32 (first position, rows fed
+    — 0 = idle —, batch slot); block_tables ``[max_batch, max_blocks]`` int32 (−1 = none); engram_ids
+    ``[max_batch, rows, n_engram, hash_heads]`` int32."""
+
+    tokens: jax.Array
+    starts: jax.Array
+    lengths: jax.Array
+    slots: jax.Array
+    block_tables: jax.Array
+    engram_ids: jax.Array
+    max_batch: int
+    max_blocks: int
+    rows: int
+
+    @property
+    def positions(self) -> jax.Array:
+        """``[max_batch, rows]``: each row's position."""
+        return self.starts[:, None] + jnp.arange(self.rows, dtype=jnp.int32)[None]
+
+    @property
+    def row_valid(self) -> jax.Array:
+        """``[max_batch, rows]`` bool: rows that are fed (``row < length``)."""
+        return jnp.arange(self.rows)[None] < self.lengths[:, None]
+
+
+class PagedRows:
+    """Trace-time context of one cached step (see the module docstring). Not a pytree: built inside the jitted
+    step from the cache and `StepRows`; ``plan`` is the static KVP / DCP layout (None = one device or GSPMD)."""
+
+    def __init__(self, cfg: ModelConfig, meta: StepRows, cache: dict, plan=None, undo: bool = False):
+        self.cfg, self.meta, self.plan = cfg, meta, plan
+        self.dtype = dtype_of(cfg.dtype)
+        self.pos, self.valid = meta.positions, meta.row_valid
+        self.n_slots = pc.cache_slots(cache)
+        self.slot_r = jnp.clip(meta.slots, 0, self.n_slots - 1)
+        groups = pc.kv_groups(cfg)
+        first = cache["ckv"][str(groups[0].index)] if groups else None
+        self.num_blocks = pc.store_rows(first) if groups else 0
+        b, r = meta.max_batch, meta.rows
+        # the B·R rows as rows of the selection / attention operations: each with its request's table
+        self.row_tables = jnp.repeat(meta.block_tables, r, axis=0)
+        self.undo = {"swa": {}, "open": {}, "entries": {}} if undo else None
+        self.flat = lambda a: a.reshape(b * r, *a.shape[2:])
+        self.unflat = lambda a: a.reshape(b, r, *a.shape[1:])
+
+    # -------------------------------------------------------------------------------------- window ring
+    def window(self, cache: dict, layer: int, kv: jax.Array):
+        """Window keys of every row and the ring update. ``kv [B,R,D]`` (pre-quantization) →
+        ``(cache, keys [B,R,W,D], valid [B,R,W])``; key column ``k`` holds position ``p − ((p − k) mod W)``."""
+        cfg, w = self.cfg, self.cfg.sliding_window
+        b, r = self.pos.shape
+        swa = cache["swa"]
+        start = self.meta.starts[:, None, None]
+        held = self.pos[..., None] - ((self.pos[..., None] - jnp.arange(w)) % w)           # [B,R,W]
+        ring = pc.read(swa, "fp8", self.dtype, lambda a: a[layer][self.slot_r])            # [B,W,D] before the step
+        new = pc.stored_values(cfg, kv, "fp8", self.dtype)                                # as the ring will hold it
+        from_step = held >= start
+        step_rows = new[jnp.arange(b)[:, None, None], jnp.clip(held - start, 0, r - 1)]    # [B,R,W,D]
+        keys = jnp.where(from_step[..., None], step_rows, ring[:, None])
+        # rows written: fed, and among the last W of the step (an earlier row's ring row is overwritten)
+        ok = self.valid & (jnp.arange(r)[None] >= self.meta.lengths[:, None] - w)
+        at = (layer, jnp.where(ok, self.meta.slots[:, None], self.n_slots), self.pos % w)
+        if self.undo is not None:
+            self.undo["swa"][layer] = pc.take_raw(swa, (layer, self.slot_r[:, None], self.pos % w))
+        cache = {**cache, "swa": pc.write(cfg, swa, at, kv, "fp8")}
+        return cache, keys, held >= 0
+
+    # ------------------------------------------------------------------------------------ compressor
+    def group_first(self, cache: dict, src: str, c: jax.Array, z: jax.Array):
+        """Ratio-2 pair partners of every row: ``c / z [B,R,D]`` FP32 projections → ``(cache, c0, z0)`` where row
+        ``i``'s partner is row ``i − 1`` of the step or, for ``i = 0``, the cached open pair. Writes the open pair
+        of each request's last fed even position."""
+        b, r = self.pos.shape
+        open_kv, open_z = cache["open_kv"][src], cache["open_score"][src]
+        prev = lambda a, opened: jnp.concatenate([opened[self.slot_r][:, None], a[:, :-1]], axis=1)
+        c0, z0 = prev(c, open_kv), prev(z, open_z)
+        last = self.meta.lengths - 1
+        even = jnp.where(self.pos[jnp.arange(b), jnp.maximum(last, 0)] % 2 == 0, last, last - 1)    # [B]
+        at = jnp.where(even >= 0, self.meta.slots, self.n_slots)
+        pick = lambda a: a[jnp.arange(b), jnp.maximum(even, 0)]
+        if self.undo is not None:
+            self.undo["open"][src] = {"kv": open_kv[self.slot_r], "score": open_z[self.slot_r], "c": c, "z": z}
+        cache = {**cache, "open_kv": {**cache["open_kv"], src: open_kv.at[at].set(pick(c), mode="drop")},
+                 "open_score": {**cache["open_score"], src: open_z.at[at].set(pick(z), mode="drop")}}
+        return cache, c0, z0
+
+    def write_entries(self, cache: dict, role: LayerRole, ckv: jax.Array, ik: jax.Array, j: jax.Array,
+                      emits: jax.Array) -> dict:
+        """Write entries ``j [B,R]`` (compressed KV ``ckv [B,R,D]``, index keys ``ik [B,R,Di]``, pre-quantization)
+        where ``emits [B,R]`` to the pages of KV source ``role``."""
+        src = str(role.kv_source)
+        epb = pc.entries_per_block(cache["ckv"][src])
+        mb = self.meta.max_blocks
+        blk = jnp.take_along_axis(self.meta.block_tables, jnp.clip(j // epb, 0, mb - 1), axis=1)
+        emits = emits & (blk >= 0) & (j // epb < mb)
+        row = j % epb
+        undo = {"blk": blk, "row": row, "emits": emits} if self.undo is not None else None
+        out = {}
+        for name, values, fmt in (("ckv", ckv, "nvfp4"), ("ikey", ik, "mxfp4")):
+            pool = cache[name][src]
+            if self.plan is not None:
+                got = pc.write_owned(self.plan, self.cfg, pool, self.flat(blk), self.flat(row), self.flat(values),
+                                     self.flat(emits), fmt, keep_old=undo is not None)
+                out[name], old = got if undo is not None else (got, None)
+            else:
+                if undo is not None:
+                    old = pc.take_raw(pool, (jnp.clip(blk, 0, self.num_blocks - 1), row))
+                out[name] = pc.write(self.cfg, pool, (jnp.where(emits, blk, self.num_blocks), row), values, fmt)
+            if undo is not None:
+                undo[name] = old
+        if undo is not None:
+            self.undo["entries"][src] = undo
+        return {**cache, "ckv": {**cache["ckv"], src: out["ckv"]}, "ikey": {**cache["ikey"], src: out["ikey"]}}
+
+    # --------------------------------------------------------------------------- selection and attention
+    def history(self, cache: dict, role: LayerRole) -> CSAState:
+        """The XLA path's gathered history of a KV source (``ckv [B,G,D]``, ``ikeys [B,G,Di]``); empty when every
+        reader of it goes through DCP or the kernels (they read the pools in place)."""
+        cfg = self.cfg
+        if self.plan is not None or (cfg.attention_backend == "pallas" and cfg.indexer_backend == "pallas"):
+            return CSAState()
+        src = str(role.kv_source)
+        gather = lambda a: pc.gather_pages(a, self.meta.block_tables)
+        return CSAState(ckv=pc.read(cache["ckv"][src], "nvfp4", self.dtype, gather),
+                        ikeys=pc.read(cache["ikey"][src], "mxfp4", self.dtype, gather))
+
+    def select(self, cache: dict, role: LayerRole, q: jax.Array, weights: jax.Array, state: CSAState):
+        """Index selection of every row: ``q [B,R,Hi,Di]`` / ``weights [B,R,Hi]`` → ``(topk [B,R,K], candidates)``;
+        candidates are the candidate source's kept mask in this backend's form (entry mask ``[B,R,G]``, or
+        kept blocks ``[B·R, kb]`` under DCP), passed back in for the layers that use them."""
+        cfg, src = self.cfg, str(role.kv_source)
+        pool = cache["ikey"][src]
+        if self.plan is not None:
+            topk, cand = dcp.select(self.plan, cfg, role, lambda a, f: pc.read(a, "mxfp4", self.dtype, f), pool,
+                                    self.flat(q), self.flat(weights), self.row_tables, self.flat(self.pos),
+                                    state.candidates)
+            return self.unflat(topk), cand
+        if cfg.indexer_backend == "pallas":
+            cand = state.candidates
+            topk, cand = kernel_ops.select(cfg, role, self.flat(q), self.flat(weights), pool, self.row_tables,
+                                           self.flat(self.pos), None if cand is None else self.flat(cand))
+            return self.unflat(topk), None if cand is None else self.unflat(cand)
+        topk, cand, _ = select_scored(cfg, role, q, weights, state.ikeys, self.pos, state.candidates)
+        return topk, cand
+
+    def attend(self, cache: dict, role: LayerRole, q: jax.Array, keys: jax.Array, valid: jax.Array,
+               state: CSAState, sink: jax.Array) -> jax.Array:
+        """Sink attention of every row over its window keys (`window`) and its selected entries ``state.topk``:
+        ``q [B,R,H,D]`` → ``[B,R,H,D]``."""
+        cfg = self.cfg
+        compressed = role.ratio > 0
+        pool = cache["ckv"][str(role.kv_source)] if compressed else None
+        topk = state.topk if compressed else None
+        if self.plan is not None and compressed:
+            o = dcp.attend(self.plan, lambda a, f: pc.read(a, "nvfp4", self.dtype, f), self.flat(q),
+                           self.flat(keys), self.flat(valid), self.flat(topk), pool, self.row_tables, sink,
+                           cfg.attention_backend)
+            return self.unflat(o)
+        if cfg.attention_backend == "pallas":
+            return self.unflat(self._kernel_attend(cache, role, q, keys, valid, pool, topk, sink))
+        if compressed and topk.shape[-1]:
+            b = q.shape[0]
+            picked = state.ckv[jnp.arange(b)[:, None, None], jnp.maximum(topk, 0)]            # [B,R,K,D]
+            keys = jnp.concatenate([keys, picked], axis=2)
+            valid = jnp.concatenate([valid, topk >= 0], axis=2)
+        return sink_attention(q, keys, valid, sink)
+
+    def _kernel_attend(self, cache, role, q, keys, valid, pool, topk, sink):
+        """The sparse-attention kernel over the window and the selected page entries, in place. One row per
+        request: the window is read from the ring (already written); several rows: from the gathered keys."""
+        b, r = self.pos.shape
+        w = keys.shape[2]
+        if r == 1:
+            store = cache["swa"]
+            win = kernel_ops.window_slots(role.index, self.slot_r, valid[:, 0], self.n_slots)
+        else:
+            store = keys.reshape(b * r * w, -1)
+            win = jnp.where(self.flat(valid), jnp.arange(b * r)[:, None] * w + jnp.arange(w), -1)
+        sel = None
+        if pool is not None:
+            sel = kernel_ops.entry_slots(self.flat(topk), self.row_tables, pc.entries_per_block(pool))
+        return kernel_ops.attend(self.cfg, self.flat(q), store, win, pool, sel, sink)
