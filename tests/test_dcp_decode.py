@@ -291,3 +291,34 @@ def test_verification_needs_rows_within_the_window():
                     jnp.zeros((B, w + 1, len(cfg.engram_layer_ids), cfg.engram_hash_heads), jnp.int32), B, MB, w + 1)
     with pytest.raises(ValueError, match=f"rows={w + 1} exceeds sliding_window={w}"):
         verify_step(params, init_cache(cfg, B * MB, BT, B), rows, cfg)
+
+
+def test_verification_rows_through_the_kernels_equal_the_xla_path():
+    """The same verification step with both Pallas kernels (interpret mode on CPU; the window of several rows
+    per request handed to the attention kernel as gathered keys, the selection through the indexer kernels on
+    the paged keys): logits and committed caches equal the XLA path's."""
+    from v41cp.serving.decode import commit_rows, verify_step
+
+    cfg, params = _model(False)
+    kernels = cfg.replace(attention_backend="pallas", indexer_backend="pallas")
+    rng = np.random.default_rng(SEED)
+    hist = {rid: list(map(int, rng.integers(3, cfg.vocab_size, p))) for rid, p in (("a", 11), ("b", 2), ("c", 6))}
+    alloc = BlockAllocator(B * MB, BT, B, MB)
+    for rid, h in hist.items():
+        alloc.admit(rid, len(h) + K)
+    cache = init_cache(cfg, B * MB, BT, B)
+    for t in range(max(map(len, hist.values()))):
+        _, cache = decode_step(params, cache, _meta(cfg, alloc, [(r, h[:t + 1]) for r, h in hist.items()
+                                                                 if t < len(h)]), cfg)
+    fed = {"a": list(map(int, rng.integers(3, cfg.vocab_size, 5))), "b": [7, 9], "c": [11]}
+    rows = _step_rows(cfg, alloc, [(r, hist[r], fed[r]) for r in hist])
+    accepted = jnp.asarray([3, 2, 0, 0], jnp.int32)
+    out = {}
+    for name, c in (("xla", cfg), ("pallas", kernels)):
+        copy = jax.tree.map(jnp.copy, cache)
+        logits, copy, undo = verify_step(params, copy, rows, c)
+        out[name] = np.asarray(logits), commit_rows(copy, undo, accepted, c)
+    for i, rid in enumerate(hist):
+        k = len(fed[rid])
+        assert rel_err(out["pallas"][0][i, :k], out["xla"][0][i, :k]) <= 1e-5, rid
+    _compare_caches(out["pallas"][1], out["xla"][1], 1, "kernels")

@@ -100,32 +100,44 @@ def _attn_tp(shard):
     return axes, int(np.prod([shard.mesh.shape[a] for a in axes]))
 
 
-def query_parallel_attention(shard, q, kv, widx, wvalid, ckv, sel, sink) -> jax.Array:
-    """Operator-local attention QCP: each rank trades its local heads of every row for all heads of a
-    contiguous block of rows (all-to-all), attends that block, and the inverse all-to-all restores the TP head
-    layout. ``q [B,S,Hq,D]`` head-sharded over attention TP; kv / ckv / sel replicated; returns ``[B,S,Hq,D]``
-    head-sharded, equal to `rows_sink_attention` over all rows."""
+def rows_island(shard, q: jax.Array, operands, attend_block) -> jax.Array:
+    """The operator-local attention QCP exchange (one implementation for every mode): each rank trades its local
+    heads of every row of ``q [B,S,Hq,D]`` (head-sharded over attention TP) for all heads of a contiguous block of
+    ``⌈S/N⌉`` rows (all-to-all), attends that block, and the inverse all-to-all restores the TP head layout.
+    ``operands`` (a pytree, replicated) and ``attend_block(q_rows [B,local,Hq,D], rows [local], operands, sink)``
+    say how a block's rows find their keys; ``operands["sink"] [Hq]`` is the head-sharded sink. Rows past ``S``
+    (padding) are the block function's to mask. Returns ``[B,S,Hq,D]`` head-sharded."""
     from jax.sharding import PartitionSpec as P
 
     axes, n = _attn_tp(shard)
-    b, s = kv.shape[:2]
+    s = q.shape[1]
     local = -(-s // n)
-    has_c = ckv is not None
 
-    def body(q, kv, ckv, sel, sink):
+    def body(q, operands):
         q = jnp.pad(q, ((0, 0), (0, local * n - s), (0, 0), (0, 0)))
         q_rows = jax.lax.all_to_all(q, axes, split_axis=1, concat_axis=2, tiled=True)     # [B, local, Hq, D]
         rows = jax.lax.axis_index(axes) * local + jnp.arange(local)
-        sink_all = jax.lax.all_gather(sink, axes, tiled=True)
-        o = rows_sink_attention(q_rows, kv, widx, wvalid, ckv if has_c else None, sel, sink_all, rows)
+        sink = jax.lax.all_gather(operands["sink"], axes, tiled=True)
+        o = attend_block(q_rows, rows, operands, sink)
         o = jax.lax.all_to_all(o, axes, split_axis=2, concat_axis=1, tiled=True)           # [B, local·N, Hq/N, D]
         return o[:, :s]
 
     heads = P(None, None, axes, None)
-    ckv = ckv if has_c else jnp.zeros((b, 0, kv.shape[-1]), kv.dtype)
-    sel = sel if has_c else jnp.zeros((b, s, 0), jnp.int32)
-    return jax.shard_map(body, mesh=shard.mesh, in_specs=(heads, P(), P(), P(), P(axes)), out_specs=heads)(
-        q, kv, ckv, sel, sink)
+    specs = {k: (P(axes) if k == "sink" else P()) for k in operands}
+    return jax.shard_map(body, mesh=shard.mesh, in_specs=(heads, specs), out_specs=heads)(q, operands)
+
+
+def query_parallel_attention(shard, q, kv, widx, wvalid, ckv, sel, sink) -> jax.Array:
+    """Operator-local attention QCP of a full sequence (`rows_island`): a block's keys are gathered inside the
+    island from the replicated window KV / compressed KV / selection. ``q [B,S,Hq,D]`` head-sharded over attention
+    TP; kv / ckv / sel replicated; returns ``[B,S,Hq,D]`` head-sharded, equal to `rows_sink_attention`."""
+    b, s = kv.shape[:2]
+    has_c = ckv is not None
+    ops = {"kv": kv, "ckv": ckv if has_c else jnp.zeros((b, 0, kv.shape[-1]), kv.dtype),
+           "sel": sel if has_c else jnp.zeros((b, s, 0), jnp.int32), "sink": sink}
+    block = lambda q_rows, rows, o, sink_all: rows_sink_attention(
+        q_rows, o["kv"], widx, wvalid, o["ckv"] if has_c else None, o["sel"], sink_all, rows)
+    return rows_island(shard, q, ops, block)
 
 
 def kernel_sink_attention(q: jax.Array, kv: jax.Array, widx: jax.Array, wvalid: jax.Array, state: CSAState | None,

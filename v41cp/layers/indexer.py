@@ -20,7 +20,8 @@ from v41cp.layers.rope import apply_rope
 from v41cp.quant import mxfp4_block32
 
 __all__ = ["Indexer", "index_query", "index_scores", "kept_candidate_entries", "kernel_select_rows",
-           "select_candidate_blocks", "select_positions", "select_scored", "topk_select"]
+           "select_candidate_blocks", "select_positions", "select_scored", "topk_select",
+           "query_parallel_applies", "query_parallel_select", "interleaved_island"]
 
 
 def select_candidate_blocks(scores: jax.Array, visible_len: jax.Array, topk_blocks: int,
@@ -171,32 +172,43 @@ def query_parallel_applies(shard, role: LayerRole, rows: int) -> bool:
                 and not role.candidate_source and not role.uses_candidates)
 
 
-def query_parallel_select(shard, cfg: ModelConfig, role: LayerRole, wq_b, w_proj, x, qr, angles, keys, positions):
-    """Operator-local indexer QCP: query rows interleaved over attention TP (row ``s`` on rank ``s mod N``); each
-    rank projects its rows (all index heads), scores them against the complete keys and selects; the logical
-    top-k ids are all-gathered back to the original row order. Every rank ends with the same ``[B,S,K]``.
-    Inputs as `select_positions` (replicated over attention TP)."""
+def interleaved_island(shard, b: int, s: int, operands, select_rows):
+    """The operator-local indexer QCP exchange (one implementation for every mode): query rows interleaved over
+    attention TP (row ``i`` on rank ``i mod N``); each rank selects its rows — ``select_rows(rows [local],
+    operands) → topk [b, local, K]`` with ``operands`` a replicated pytree — and the logical top-k ids are
+    all-gathered back to the original row order. Every rank ends with the same ``[b, s, K]``."""
     from jax.sharding import PartitionSpec as P
 
     from v41cp.sharding.mesh import ATTN_TP
 
     axes = tuple(a for a in ATTN_TP if a in shard.mesh.shape)
     n = int(np.prod([shard.mesh.shape[a] for a in axes]))
-    b, s, _ = x.shape
     local = -(-s // n)
-    positions = jnp.broadcast_to(positions, (b, s))
 
-    def body(wq_b, w_proj, x, qr, angles, keys, positions):
+    def body(operands):
         rows = jax.lax.axis_index(axes) + n * jnp.arange(local)                   # this rank's rows
-        take = lambda a: jnp.take(a, jnp.minimum(rows, s - 1), axis=1)
-        topk, _, _ = select_positions(cfg, role, wq_b, w_proj, take(x), take(qr), take(angles), keys,
-                                      take(positions), None)
-        got = jax.lax.all_gather(topk, axes, to="invarying")                      # [N, B, local, K]
+        topk = select_rows(jnp.minimum(rows, s - 1), operands)
+        got = jax.lax.all_gather(topk, axes, to="invarying")                      # [N, b, local, K]
         return jnp.moveaxis(got, 0, 2).reshape(b, local * n, -1)[:, :s]
 
-    rep = P()
-    return jax.shard_map(body, mesh=shard.mesh, in_specs=(rep,) * 7, out_specs=rep)(
-        wq_b, w_proj, x, qr, angles, keys, positions)
+    return jax.shard_map(body, mesh=shard.mesh, in_specs=(jax.tree.map(lambda _: P(), operands),),
+                         out_specs=P())(operands)
+
+
+def query_parallel_select(shard, cfg: ModelConfig, role: LayerRole, wq_b, w_proj, x, qr, angles, keys, positions):
+    """Operator-local indexer QCP of a full sequence (`interleaved_island`): each rank projects its rows (all
+    index heads), scores them against the complete keys and selects. Inputs as `select_positions` (replicated
+    over attention TP); returns ``[B,S,K]`` on every rank."""
+    b, s, _ = x.shape
+    ops = {"wq_b": wq_b, "w_proj": w_proj, "x": x, "qr": qr, "angles": angles, "keys": keys,
+           "positions": jnp.broadcast_to(positions, (b, s))}
+
+    def select_rows(rows, o):
+        take = lambda a: jnp.take(a, rows, axis=1)
+        return select_positions(cfg, role, o["wq_b"], o["w_proj"], take(o["x"]), take(o["qr"]), take(o["angles"]),
+                                o["keys"], take(o["positions"]), None)[0]
+
+    return interleaved_island(shard, b, s, ops, select_rows)
 
 
 class Indexer(nn.Module):
