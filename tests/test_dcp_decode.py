@@ -219,15 +219,17 @@ def _compare_caches(got, want, kvp, tag):
             assert rel_err(g[key], w[key]) <= 1e-5, (tag, key)
 
 
-@pytest.mark.parametrize("n", [1, 2, 8])
-def test_verification_rows_equal_feeding_one_token_at_a_time(n):
+@pytest.mark.parametrize("n,sparse", [(1, False), (2, False), (8, False), (8, True)])
+def test_verification_rows_equal_feeding_one_token_at_a_time(n, sparse):
     """k ∈ {1, 2, 5} rows per request in one verification step (ragged across requests, one idle batch row),
     round after round across window (8), pair (2), page (4 tokens) and candidate-block boundaries, then a commit
     of the first a ≤ k rows: every verified row's logits equal decoding the same tokens one at a time, and the
-    committed cache equals the cache of feeding only the a accepted tokens — one device and KVP = DCP ∈ {2, 8}."""
+    committed cache equals the cache of feeding only the a accepted tokens — one device and KVP = DCP ∈ {2, 8};
+    at KVP 8 also with sparse selection (top-4 entries, 2 candidate blocks: each row's distributed top-k and block
+    selection)."""
     from v41cp.serving.decode import commit_rows, verify_step
 
-    cfg, params = _model(False)
+    cfg, params = _model(sparse)
     plan, sharding = None, None
     if n > 1:
         par = ParallelConfig(tp_size=8, kv_parallel_size=n, decode_context_parallel_size=n,
@@ -275,7 +277,7 @@ def test_verification_rows_equal_feeding_one_token_at_a_time(n):
         for i, rid in enumerate(order):
             hist[rid] += fed[rid][:accepted[i]]
         _compare_caches(ver, ref, n, f"round {rnd}")
-    print(f"\n[verification] KVP=DCP={n}: {compared} verified rows, max logits rel err {worst:.2e}; committed caches "
+    print(f"\n[verification] KVP=DCP={n}{' sparse' if sparse else ''}: {compared} verified rows, max logits rel err {worst:.2e}; committed caches "
           f"equal the one-at-a-time caches over {ROUNDS} rounds (lengths {[len(h) for h in hist.values()]})")
     assert worst <= 1e-5
     assert compared > 40
