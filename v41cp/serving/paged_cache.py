@@ -35,7 +35,7 @@ from v41cp.sharding.mesh import CP
 from v41cp.sharding.ownership import is_owned, local_row, owner
 
 __all__ = ["kv_groups", "init_cache", "pool_sharding", "write", "read", "stored_values", "store_rows",
-           "entries_per_block", "cache_slots", "take_raw", "put_raw", "gather_pages", "page_rows", "write_entries",
+           "entries_per_block", "cache_slots", "take_raw", "put_raw", "gather_pages", "entry_location", "page_rows", "write_entries",
            "read_pages", "write_owned", "restore_owned"]
 
 
@@ -158,6 +158,14 @@ def gather_pages(pages: jax.Array, tables: jax.Array) -> jax.Array:
 
 
 # ------------------------------------------------------------------------------ pages under KVP ownership
+def entry_location(block_tables: jax.Array, j: jax.Array, epb: int):
+    """Entry ids ``j [B, ·]`` of requests with ``block_tables [B, MB]`` → (virtual block ``[B, ·]``, row in the
+    page, inside: the entry's page position is within the table). Entry ``j`` is in page ``j // epb``."""
+    mb = block_tables.shape[1]
+    blk = jnp.take_along_axis(block_tables, jnp.clip(j // epb, 0, mb - 1), axis=1)
+    return blk, j % epb, j // epb < mb
+
+
 def page_rows(kvp: int, in_map: bool, v: jax.Array, pool_rows: int) -> jax.Array:
     """Virtual block ids ``v`` (−1 = none) → rows of the pool to write (``pool_rows`` = out of bounds, dropped).
     ``kvp`` ranks own pages cyclically; ``in_map``: inside a ``cp`` island (the pool is this rank's rows) else
@@ -172,11 +180,9 @@ def page_rows(kvp: int, in_map: bool, v: jax.Array, pool_rows: int) -> jax.Array
 def write_entries(cfg: ModelConfig, kvp: int, in_map: bool, store, values, j, ok, block_tables, fmt: str):
     """Entries ``values [B, Gn, ·]`` with ids ``j [B, Gn]`` (written where ``ok``) → their pages (entry ``j`` in
     block-table position ``j // epb`` at row ``j % epb``)."""
-    epb = entries_per_block(store)
-    mb = block_tables.shape[1]
-    v = jnp.take_along_axis(block_tables, jnp.clip(j // epb, 0, mb - 1), axis=1)
-    v = jnp.where(ok & (j // epb < mb), v, -1)
-    return write(cfg, store, (page_rows(kvp, in_map, v, store_rows(store)), j % epb), values, fmt)
+    v, row, inside = entry_location(block_tables, j, entries_per_block(store))
+    v = jnp.where(ok & inside, v, -1)
+    return write(cfg, store, (page_rows(kvp, in_map, v, store_rows(store)), row), values, fmt)
 
 
 def read_pages(kvp: int, in_map: bool, store, block_tables, fmt: str, dtype):

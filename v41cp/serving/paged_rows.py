@@ -139,11 +139,8 @@ class PagedRows:
         """Write entries ``j [B,R]`` (compressed KV ``ckv [B,R,D]``, index keys ``ik [B,R,Di]``, pre-quantization)
         where ``emits [B,R]`` to the pages of KV source ``role``."""
         src = str(role.kv_source)
-        epb = pc.entries_per_block(cache["ckv"][src])
-        mb = self.meta.max_blocks
-        blk = jnp.take_along_axis(self.meta.block_tables, jnp.clip(j // epb, 0, mb - 1), axis=1)
-        emits = emits & (blk >= 0) & (j // epb < mb)
-        row = j % epb
+        blk, row, inside = pc.entry_location(self.meta.block_tables, j, pc.entries_per_block(cache["ckv"][src]))
+        emits = emits & (blk >= 0) & inside
         undo = {"blk": blk, "row": row, "emits": emits} if self.undo is not None else None
         out = {}
         for name, values, fmt in (("ckv", ckv, "nvfp4"), ("ikey", ik, "mxfp4")):
