@@ -46,7 +46,7 @@ def measure(devices: int, rows: int, parts=("reuse", "reindex", "moe"), whole: b
     from v41cp.config import preset
     from v41cp.serving.decode import init_cache
     from v41cp.serving.span_metadata import build_span_metadata
-    from v41cp.serving.span_prefill import SpanLayout, _attention, _Group, _moe, _Placement, _Rows, prefill_span
+    from v41cp.serving.span_prefill import SpanLayout, _attention, _Group, _moe, _Placement, _Rows, lower_prefill_span
     from v41cp.sharding.hlo_stats import collective_bytes, collectives
     from v41cp.sharding.rules import QCP_RULES, param_shardings
     from v41cp.sharding.topology import ParallelConfig
@@ -142,10 +142,10 @@ def measure(devices: int, rows: int, parts=("reuse", "reindex", "moe"), whole: b
             if q:
                 cache = init_cache(cfg, nb, bt, 1, NamedSharding(mesh, P()), records=False)
                 prm = model.shard_params(params, cfg, mesh, par.rules())
-                done[q] = stats(prefill_span.lower(prm, cache, meta, cfg, layout).compile(), t)
+                done[q] = stats(lower_prefill_span(prm, cache, meta, cfg, layout).compile(), t)
             else:
                 cache = init_cache(cfg, nb, bt, 1, records=False)
-                done[q] = stats(prefill_span.lower(params, cache, meta, cfg, SpanLayout()).compile(), t)
+                done[q] = stats(lower_prefill_span(params, cache, meta, cfg, SpanLayout()).compile(), t)
         out["whole"] = {"unsharded": done[False], "qcp": done[True],
                         "flops_ratio_qcp_vs_unsharded": ratio(done[True]["flops_per_device"],
                                                               done[False]["flops_per_device"])}

@@ -88,7 +88,7 @@ class Transformer(nn.Module):
 
     @nn.compact
     def __call__(self, tokens: jax.Array, engram_ids: jax.Array, rows=None, cache: dict | None = None,
-                 encoder_only: bool = False):
+                 encoder_only: bool = False, logits_at: jax.Array | None = None):
         cfg = self.cfg
         dt = dtype_of(cfg.dtype)
         embed = declare(self, "embed", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dt)
@@ -113,6 +113,8 @@ class Transformer(nn.Module):
                 streams, pre, state, engram_ids, rows, cache, cache_only=True)
             return jnp.zeros((b, s, cfg.vocab_size), jnp.float32), hidden, cache
         h = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="norm")(collapse(streams, pre))
+        if logits_at is not None:              # only the sampled row of each request meets the head
+            h = jnp.where((logits_at >= 0)[:, None, None], h[jnp.arange(b), jnp.maximum(logits_at, 0)][:, None], 0)
         logits = jnp.einsum("bsh,hv->bsv", h.astype(jnp.float32), head, precision=jax.lax.Precision.HIGHEST)
         logits = constrain(logits, ("batch", None, "vocab"), self.shard)
         return logits, hidden, cache

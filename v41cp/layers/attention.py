@@ -140,6 +140,19 @@ def query_parallel_attention(shard, q, kv, widx, wvalid, ckv, sel, sink) -> jax.
     return rows_island(shard, q, ops, block)
 
 
+def query_parallel_rows(shard, q: jax.Array, keys: jax.Array, valid: jax.Array, sink: jax.Array) -> jax.Array:
+    """Operator-local attention QCP of cached rows (`rows_island`): ``q [T,Hq,D]`` head-sharded, each row's own
+    keys ``[T,K,D]`` / ``valid [T,K]`` replicated; returns ``[T,Hq,D]`` head-sharded, equal to `sink_attention`."""
+    t = q.shape[0]
+
+    def block(q_rows, rows, o, sink_all):
+        r = jnp.minimum(rows, t - 1)
+        ok = o["valid"][r] & (rows < t)[:, None]
+        return sink_attention(q_rows, o["keys"][r][None], ok[None], sink_all)
+
+    return rows_island(shard, q[None], {"keys": keys, "valid": valid, "sink": sink}, block)[0]
+
+
 def kernel_sink_attention(q: jax.Array, kv: jax.Array, widx: jax.Array, wvalid: jax.Array, state: CSAState | None,
                           sink: jax.Array) -> jax.Array:
     """`sink_attention` over the window and the selected entries through the sparse-attention kernel

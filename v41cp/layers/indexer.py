@@ -211,6 +211,21 @@ def query_parallel_select(shard, cfg: ModelConfig, role: LayerRole, wq_b, w_proj
     return interleaved_island(shard, b, s, ops, select_rows)
 
 
+def query_parallel_select_rows(shard, cfg: ModelConfig, role: LayerRole, q, weights, keys, requests, positions):
+    """Operator-local indexer QCP of cached rows (`interleaved_island`): ``q [T,Hi,Di]`` / ``weights [T,Hi]`` (the
+    rows' index queries, replicated), ``keys [B,G,Di]`` each request's index keys, ``requests / positions [T]``.
+    Each rank scores its rows against their requests' keys; returns ``[T, K]`` on every rank."""
+    t = q.shape[0]
+
+    def select_rows(rows, o):
+        topk, _, _ = select_scored(cfg, role, o["q"][rows][:, None], o["w"][rows][:, None], o["keys"][o["req"][rows]],
+                                   o["pos"][rows][:, None], None)
+        return topk[None, :, 0]                                                     # [1, local, K]
+
+    ops = {"q": q, "w": weights, "keys": keys, "req": requests, "pos": positions}
+    return interleaved_island(shard, 1, t, ops, select_rows)[0]
+
+
 class Indexer(nn.Module):
     """Parameters: ``wq_b [q_lora, index_heads, index_head_dim]``, ``weights_proj [H, index_heads]``;
     KV sources also ``wk [head_dim, index_head_dim]`` and ``k_norm [index_head_dim]``."""

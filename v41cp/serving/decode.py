@@ -88,12 +88,13 @@ def _rows_of(meta: DecodeMetadata) -> StepRows:
 
 
 def _forward_rows(params: dict, cache: dict, meta: StepRows, cfg: ModelConfig, plan: DCPPlan | None,
-                  encoder_only: bool = False, undo: bool = False):
-    """The model over cached rows: ``(logits [B,R,vocab] FP32, cache, undo record or None)``."""
+                  encoder_only: bool = False, undo: bool = False, logits_at=None, operator=None):
+    """The model over cached rows: ``(logits [B,R,vocab] FP32 — ``[B,1,vocab]`` at ``logits_at`` —, cache, undo
+    record or None)``. ``operator``: operator-local QCP settings (`PagedRows`)."""
     with jax.default_matmul_precision("highest" if cfg.dtype == "float32" else "default"):
-        rows = PagedRows(cfg, meta, cache, plan, undo)
+        rows = PagedRows(cfg, meta, cache, plan, undo, operator)
         logits, _, cache = Transformer(cfg).apply({"params": params}, meta.tokens, meta.engram_ids, rows=rows,
-                                                  cache=cache, encoder_only=encoder_only)
+                                                  cache=cache, encoder_only=encoder_only, logits_at=logits_at)
         if undo:
             rows.undo["meta"] = {"starts": meta.starts, "lengths": meta.lengths, "slots": meta.slots}
         return logits, cache, rows.undo

@@ -25,6 +25,7 @@ from v41cp.serving.allocator import BlockAllocator
 from v41cp.serving.dcp import DCPPlan
 from v41cp.serving.span_metadata import build_span_metadata, round_up, row_capacities
 from v41cp.serving.span_prefill import SpanLayout, prefill_span
+from v41cp.serving.span_prefill import compile_count as span_compile_count
 from v41cp.sharding.topology import ParallelConfig
 from v41cp.serving.decode import (DecodeMetadata, ced_boundary, ced_rows, decode_step, engram_ids_for_last,
                                   init_cache, prefill_chunk)
@@ -405,4 +406,4 @@ class Engine:
         """Compilations so far of the jitted decode step, token-serial prefill chunk and span prefill (one per
         bucket expected; the span prefill also once more for continuing passes)."""
         return {"decode_step": decode_step._cache_size(), "prefill_chunk": prefill_chunk._cache_size(),
-                "prefill_span": prefill_span._cache_size()}
+                "prefill_span": span_compile_count()}

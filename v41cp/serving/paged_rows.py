@@ -32,9 +32,9 @@ import jax
 import jax.numpy as jnp
 
 from v41cp.config import LayerRole, ModelConfig
-from v41cp.layers.attention import CSAState, sink_attention
+from v41cp.layers.attention import CSAState, attention_query_parallel_applies, query_parallel_rows, sink_attention
 from v41cp.layers.common import dtype_of
-from v41cp.layers.indexer import select_scored
+from v41cp.layers.indexer import query_parallel_applies, query_parallel_select_rows, select_scored
 from v41cp.serving import dcp, kernel_ops
 from v41cp.serving import paged_cache as pc
 
@@ -77,8 +77,9 @@ class PagedRows:
     """Trace-time context of one cached step (see the module docstring). Not a pytree: built inside the jitted
     step from the cache and `StepRows`; ``plan`` is the static KVP / DCP layout (None = one device or GSPMD)."""
 
-    def __init__(self, cfg: ModelConfig, meta: StepRows, cache: dict, plan=None, undo: bool = False):
-        self.cfg, self.meta, self.plan = cfg, meta, plan
+    def __init__(self, cfg: ModelConfig, meta: StepRows, cache: dict, plan=None, undo: bool = False,
+                 operator=None):
+        self.cfg, self.meta, self.plan, self.op = cfg, meta, plan, operator
         self.dtype = dtype_of(cfg.dtype)
         self.pos, self.valid = meta.positions, meta.row_valid
         self.n_slots = pc.cache_slots(cache)
@@ -187,6 +188,12 @@ class PagedRows:
             topk, cand = kernel_ops.select(cfg, role, self.flat(q), self.flat(weights), pool, self.row_tables,
                                            self.flat(self.pos), None if cand is None else self.flat(cand))
             return self.unflat(topk), None if cand is None else self.unflat(cand)
+        b, r = self.pos.shape
+        if self.op is not None and query_parallel_applies(self.op, role, b * r):
+            req = jnp.repeat(jnp.arange(b), r)
+            topk = query_parallel_select_rows(self.op, cfg, role, self.flat(q), self.flat(weights), state.ikeys, req,
+                                              self.flat(self.pos))
+            return self.unflat(topk), state.candidates
         topk, cand, _ = select_scored(cfg, role, q, weights, state.ikeys, self.pos, state.candidates)
         return topk, cand
 
@@ -210,6 +217,9 @@ class PagedRows:
             picked = state.ckv[jnp.arange(b)[:, None, None], jnp.maximum(topk, 0)]            # [B,R,K,D]
             keys = jnp.concatenate([keys, picked], axis=2)
             valid = jnp.concatenate([valid, topk >= 0], axis=2)
+        b, r = self.pos.shape
+        if self.op is not None and attention_query_parallel_applies(self.op, cfg, role, b * r):
+            return self.unflat(query_parallel_rows(self.op, self.flat(q), self.flat(keys), self.flat(valid), sink))
         return sink_attention(q, keys, valid, sink)
 
     def _kernel_attend(self, cache, role, q, keys, valid, pool, topk, sink):

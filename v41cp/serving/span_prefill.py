@@ -4,7 +4,9 @@ writing the paged decode caches and returning the logits of each prompt's last r
 `prefill_span(params, cache, meta, cfg, layout)` — ``meta`` from `build_span_metadata`; ``layout``
 (`SpanLayout`, static) says how the rows are partitioned:
 
-* one device, or GSPMD over a plain-TP / KVP mesh (``query_parallel=False``): every rank computes every row;
+* one device, or GSPMD over a plain-TP / KVP mesh (``query_parallel=False``): the one model over the pass's rows
+  as cached rows (`v41cp.serving.paged_rows`: KVP through the DCP islands, operator-local QCP through the layers'
+  islands, CED as an encoder-only pass over the rows before the retained decoder rows);
 * **model-wide QCP** (``query_parallel=True``, N = attention TP): one ``jax.shard_map`` over attention TP.
   Each rank holds its rows of the per-request zigzag plan from the embedding to the final norm:
 
@@ -49,10 +51,10 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from v41cp.config import LayerRole, ModelConfig
 from v41cp.kernels import interpret_mode
-from v41cp.layers.attention import attention_query_parallel_applies, sink_attention
+from v41cp.layers.attention import sink_attention
 from v41cp.layers.common import dtype_of, rms_norm
 from v41cp.layers.engram import engram_lookup, engram_mix
-from v41cp.layers.indexer import query_parallel_applies, select_positions
+from v41cp.layers.indexer import select_positions
 from v41cp.layers.mhc import HyperConnection, collapse, expand
 from v41cp.layers.moe import dense_route_weights, expert_weights, route, routed_output, shared_output
 from v41cp.layers.rope import apply_rope, rope_angles
@@ -71,7 +73,7 @@ class SpanLayout:
     """Static partitioning of a span prefill. ``mesh`` None = one device; ``query_parallel``: model-wide QCP
     over the mesh's attention-TP axes; ``kv_parallel``: the KVP group size (the mesh's ``cp`` axis) when the
     pages are split over it (`init_cache(..., plan=...)`), else 1 (replicated pages); ``operator``: the
-    operator-local indexer / attention QCP settings (a `ShardingContext`; GSPMD path only). Build from a
+    operator-local indexer / attention QCP settings (a `ShardingContext`; the cached-rows path). Build from a
     topology with `from_parallel`."""
 
     mesh: Mesh | None = None
@@ -194,13 +196,11 @@ def _engram(cfg: ModelConfig, grp: _Group, slot: int, p: dict, streams, ids):
 
 
 class _Placement(NamedTuple):
-    """Where page writes land and how operators split: ``kvp`` ranks own pages cyclically; ``in_map`` =
-    inside the QCP shard_map (the pools are the rank's local rows) else GSPMD over the global pool; ``op`` =
-    operator-local QCP settings (GSPMD path)."""
+    """Where page writes land: ``kvp`` ranks own pages cyclically; ``in_map`` = inside the QCP shard_map (the
+    pools are the rank's local rows) else one device / GSPMD over the global pool (structure baselines)."""
 
     kvp: int
     in_map: bool
-    op: ShardingContext | None = None
 
 
 def _write_entries(cfg, place: _Placement, store, values, j, ok, block_tables, fmt: str):
@@ -256,13 +256,7 @@ def _attention(cfg: ModelConfig, role: LayerRole, p: dict, grp: _Group, place: _
         sel = state["topk"]                                                          # [Cq,K]
         keys = jnp.concatenate([keys, state["ckv"][req[:, None], jnp.maximum(sel, 0)]], axis=1)
         valid = jnp.concatenate([valid, sel >= 0], axis=1)
-    if place.op is not None and attention_query_parallel_applies(place.op, cfg, role, xq.shape[0]):
-        # operator-local attention QCP: rows (with every head) over attention TP, then back to the head layout
-        q, keys, valid = (_rows_over_tp(place.op, a) for a in (q, keys, valid))
-        o = sink_attention(q, keys[:, None], valid[:, None], p["attn_sink"])
-        o = jax.lax.with_sharding_constraint(o, _spec(place.op, (None, None, _tp_axes(place.op), None)))
-    else:
-        o = sink_attention(q, keys[:, None], valid[:, None], p["attn_sink"])         # [Cq,1,nh,D]
+    o = sink_attention(q, keys[:, None], valid[:, None], p["attn_sink"])             # [Cq,1,nh,D]
     o = apply_rope(o, angles, inverse=True).reshape(o.shape[0], 1, cfg.o_groups, -1)
     y = jnp.einsum("bsgi,gio->bsgo", o, p["wo_a"].astype(o.dtype))
     out = jnp.einsum("bsgo,goh->bsh", y, p["wo_b"].astype(y.dtype))[:, 0]
@@ -332,44 +326,11 @@ def _compressed(cfg, role, p, grp, place, xq, rq, angles, qr, xkv, rkv, meta, ca
         ip = p["indexer"]
         req = jnp.maximum(rq.req, 0)
         cand = state.get("candidates")
-        if place.op is not None and query_parallel_applies(place.op, role, xq.shape[0]):
-            topk = _interleaved_select(place.op, cfg, role, ip, xq, qr, angles, state["ikey"], req, rq.pos)
-            state = {**state, "topk": topk}
-        else:
-            topk, cand, _ = select_positions(cfg, role, ip["wq_b"], ip["weights_proj"], xq[:, None], qr[:, None],
-                                             angles, state["ikey"][req], rq.pos[:, None],
-                                             None if cand is None else cand[:, None])
-            state = {**state, "topk": topk[:, 0], "candidates": None if cand is None else cand[:, 0]}
+        topk, cand, _ = select_positions(cfg, role, ip["wq_b"], ip["weights_proj"], xq[:, None], qr[:, None],
+                                         angles, state["ikey"][req], rq.pos[:, None],
+                                         None if cand is None else cand[:, None])
+        state = {**state, "topk": topk[:, 0], "candidates": None if cand is None else cand[:, 0]}
     return cache, state
-
-
-def _tp_axes(op: ShardingContext) -> tuple[str, ...]:
-    return tuple(a for a in ATTN_TP if op.mesh.shape.get(a, 1) > 1)
-
-
-def _spec(op: ShardingContext, axes) -> jax.sharding.NamedSharding:
-    return jax.sharding.NamedSharding(op.mesh, P(*axes))
-
-
-def _rows_over_tp(op: ShardingContext, a):
-    """Constrain ``a``'s leading (row) axis over attention TP (GSPMD moves the data)."""
-    return jax.lax.with_sharding_constraint(a, _spec(op, (_tp_axes(op),) + (None,) * (a.ndim - 1)))
-
-
-def _interleaved_select(op, cfg, role, ip, xq, qr, angles, ikeys, req, pos):
-    """Operator-local indexer QCP on the GSPMD path: query rows interleaved over attention TP (row ``i`` on rank
-    ``i mod N``), each rank projects its rows with every index head and scores them against their prompts'
-    complete keys; the top-k ids are gathered back in row order. Returns ``[Cq, K]`` (replicated)."""
-    n = int(np.prod([op.mesh.shape[a] for a in _tp_axes(op)]))
-    c = xq.shape[0]
-    per = -(-c // n)
-    perm = np.minimum(np.arange(per * n).reshape(per, n).T.reshape(-1), c - 1)    # rank-major interleave
-    inv = np.argsort(np.arange(per * n).reshape(per, n).T.reshape(-1))[:c]
-    take = lambda a: _rows_over_tp(op, a[perm])
-    topk, _, _ = select_positions(cfg, role, ip["wq_b"], ip["weights_proj"], take(xq)[:, None], take(qr)[:, None],
-                                  take(angles), take(ikeys[req]), take(pos)[:, None], None)
-    topk = jax.lax.with_sharding_constraint(topk[:, 0], _spec(op, (None, None)))
-    return topk[inv]
 
 
 def _narrow(a, slots, axis=0):
@@ -437,11 +398,6 @@ def _specs(cfg: ModelConfig, layout: SpanLayout, params, cache, meta):
 
 def _run(params, cache, meta: SpanMetadata, cfg: ModelConfig, layout: SpanLayout):
     with jax.default_matmul_precision("highest" if cfg.dtype == "float32" else "default"):
-        if meta.n != layout.n:
-            raise ValueError(f"span prefill: the metadata plans {meta.n} ranks but the layout splits rows over "
-                             f"{layout.n} (query_context_parallel_size)")
-        if not layout.query_parallel or layout.n == 1:
-            return _body(params, cache, meta, cfg, _Group((), 1), _Placement(layout.kv_parallel, False, layout.operator))
         pspec, cspec, mspec, hspec = _specs(cfg, layout, params, cache, meta)
         body = partial(_body, cfg=cfg, grp=_Group(layout.axes, layout.n), place=_Placement(layout.kv_parallel, True))
         # as in the DCP islands: JAX's Pallas interpreter trips its own varying-axes check (CPU only)
@@ -451,7 +407,75 @@ def _run(params, cache, meta: SpanMetadata, cfg: ModelConfig, layout: SpanLayout
 
 
 @partial(jax.jit, static_argnames=("cfg", "layout"), donate_argnames=("cache",))
+def _prefill_qcp(params, cache: dict, meta: SpanMetadata, cfg: ModelConfig, layout: SpanLayout):
+    return _run(params, cache, meta, cfg, layout)
+
+
+@partial(jax.jit, static_argnames=("cfg", "plan", "operator", "encoder_only"), donate_argnames=("cache",))
+def _prefill_rows(params, cache: dict, rows, logits_at, cfg: ModelConfig, plan, operator, encoder_only: bool):
+    from v41cp.serving.decode import _forward_rows
+
+    logits, cache, _ = _forward_rows(params, cache, rows, cfg, plan, encoder_only, logits_at=logits_at,
+                                     operator=operator)
+    return logits[:, 0], cache
+
+
+def _span_rows(cfg: ModelConfig, meta: SpanMetadata):
+    """One-rank span metadata → (the CED encoder pass's `StepRows` or None, the pass's `StepRows`, the sampled row
+    of each request in it, −1 = none). Host NumPy."""
+    from v41cp.serving.paged_rows import StepRows
+
+    b, s = meta.span_index.shape
+    pad = lambda a: np.concatenate([np.asarray(a[0]), np.zeros((1, *a.shape[2:]), a.dtype)])
+    tokens, eng = pad(meta.tokens)[meta.span_index], pad(meta.engram_ids)[meta.span_index]
+    lengths, starts = np.asarray(meta.lengths), np.asarray(meta.starts)
+    enc = np.zeros(b, np.int32)
+    if meta.ced:                       # rows before the retained decoder rows run the encoder only
+        fed = np.arange(s)[None] < lengths[:, None]
+        enc = (fed & (meta.dec_span_index >= meta.dec_capacity)).sum(axis=1).astype(np.int32)
+    make = lambda t, e, st, ln: StepRows(jnp.asarray(t), jnp.asarray(st, jnp.int32), jnp.asarray(ln, jnp.int32),
+                                         jnp.asarray(meta.slots), jnp.asarray(meta.block_tables), jnp.asarray(e),
+                                         b, meta.block_tables.shape[1], s)
+    shift = np.clip(enc[:, None] + np.arange(s)[None], 0, s - 1)
+    take = lambda a: np.take_along_axis(a, shift.reshape(b, s, *(1,) * (a.ndim - 2)), axis=1)
+    dec_len = lengths - enc
+    main = make(take(tokens), take(eng), starts + enc, dec_len)
+    return (make(tokens, eng, starts, enc) if enc.any() else None), main, jnp.asarray(dec_len - 1, jnp.int32)
+
+
 def prefill_span(params, cache: dict, meta: SpanMetadata, cfg: ModelConfig, layout: SpanLayout = SpanLayout()):
     """Prefill the prompts of ``meta`` (`build_span_metadata`) in one pass: ``(logits [B, vocab] FP32 of each
-    prompt's last row — zeros for an empty row —, updated cache)``. See the module docstring."""
-    return _run(params, cache, meta, cfg, layout)
+    prompt's last row — zeros for an empty row —, updated cache)``. Model-wide QCP runs the rank-local rows
+    program below; every other layout runs the one model over the pass's rows as cached rows
+    (`v41cp.serving.paged_rows`; KVP through the DCP islands, operator-local QCP through the layers' islands,
+    CED as an encoder-only pass over the rows before the retained decoder rows)."""
+    if meta.n != layout.n:
+        raise ValueError(f"span prefill: the metadata plans {meta.n} ranks but the layout splits rows over "
+                         f"{layout.n} (query_context_parallel_size)")
+    if layout.query_parallel and layout.n > 1:
+        return _prefill_qcp(params, cache, meta, cfg, layout)
+    plan = None
+    if layout.kv_parallel > 1:
+        from v41cp.serving.dcp import DCPPlan
+
+        tp = layout.mesh.shape["tp"] * layout.mesh.shape[CP]
+        plan = DCPPlan(layout.mesh, heads_sharded=cfg.num_attention_heads % tp == 0)
+    enc, main, logits_at = _span_rows(cfg, meta)
+    if enc is not None:
+        _, cache = _prefill_rows(params, cache, enc, logits_at, cfg, plan, layout.operator, True)
+    return _prefill_rows(params, cache, main, logits_at, cfg, plan, layout.operator, False)
+
+
+def lower_prefill_span(params, cache: dict, meta: SpanMetadata, cfg: ModelConfig, layout: SpanLayout = SpanLayout()):
+    """The lowered program of one span-prefill pass without CED narrowing (for structure measurements)."""
+    if layout.query_parallel and layout.n > 1:
+        return _prefill_qcp.lower(params, cache, meta, cfg, layout)
+    if meta.ced or layout.kv_parallel > 1:
+        raise ValueError("lower_prefill_span: one program per pass only without CED and KVP")
+    _, main, logits_at = _span_rows(cfg, meta)
+    return _prefill_rows.lower(params, cache, main, logits_at, cfg, None, layout.operator, False)
+
+
+def compile_count() -> int:
+    """Compiled span-prefill programs so far (every bucket and layout)."""
+    return _prefill_qcp._cache_size() + _prefill_rows._cache_size()
