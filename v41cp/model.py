@@ -79,8 +79,12 @@ class Transformer(nn.Module):
     * full sequence (``rows`` None): rows are positions ``0 … S−1`` of each sequence; no cache (None returned);
     * cached rows (``rows`` a `v41cp.serving.paged_rows.PagedRows`, ``cache`` its paged cache): row ``i`` of
       request ``b`` is at position ``starts[b] + i`` and attends the request's cached history; the updated
-      cache is returned. ``encoder_only`` (CED narrowing): the layers before the CED boundary and the
-      boundary layer's cache-only prepass; logits are zeros.
+      cache is returned. CED narrowing: with ``encoder_only``, the layers before the CED boundary and the
+      boundary layer's cache-only prepass (logits are zeros); with a narrowing ``rows`` (``decoder_rows > 0``),
+      the rows before each request's decoder rows stop at the boundary's cache writes and the returned rows are
+      the decoder rows;
+    * ``logits_at [B]`` (cached rows): only that row of each request meets the head (−1 = none: zeros); logits
+      are then ``[B,1,vocab]``.
     """
 
     cfg: ModelConfig
@@ -100,14 +104,23 @@ class Transformer(nn.Module):
         state = CSAState()
         hidden = []
         last = cfg.num_hidden_layers
-        if encoder_only:
+        boundary = None
+        if encoder_only or (rows is not None and rows.narrows):
             from v41cp.ced import ced_boundary
 
-            last = ced_boundary(cfg)
+            boundary = ced_boundary(cfg)
+            last = boundary if encoder_only else last
         for i in range(last):
+            block = Block(cfg, i, self.shard, name=f"layers_{i}")
+            if i == boundary:
+                # CED narrowing: the encoder rows only write the boundary's caches; the decoder rows go on
+                enc_rows, rows, take = rows.ced_split()
+                _, _, _, cache = block(streams, pre, state, engram_ids, enc_rows, cache, cache_only=True)
+                streams, pre, engram_ids = take(streams), take(pre), take(engram_ids)
+                state = CSAState()              # the boundary is a KV source: it publishes the state afresh
+                b, s = streams.shape[:2]
             hidden.append(streams)
-            streams, pre, state, cache = Block(cfg, i, self.shard, name=f"layers_{i}")(
-                streams, pre, state, engram_ids, rows, cache)
+            streams, pre, state, cache = block(streams, pre, state, engram_ids, rows, cache)
         if encoder_only:
             _, _, _, cache = Block(cfg, last, self.shard, name=f"layers_{last}")(
                 streams, pre, state, engram_ids, rows, cache, cache_only=True)

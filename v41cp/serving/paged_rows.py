@@ -25,6 +25,7 @@ input of `v41cp.serving.decode.commit_rows` (keep only the first ``a`` rows of a
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from functools import partial
 
@@ -42,15 +43,19 @@ __all__ = ["StepRows", "PagedRows"]
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["tokens", "starts", "lengths", "slots", "block_tables",
-                                                        "engram_ids"],
-         meta_fields=["max_batch", "max_blocks", "rows"])
+                                                        "engram_ids", "encoder_rows"],
+         meta_fields=["max_batch", "max_blocks", "rows", "decoder_rows"])
 @dataclasses.dataclass(frozen=True)
 class StepRows:
     """Metadata of a cached step of ``rows`` rows per request (host-built, padded).
 
     tokens ``[max_batch, rows]`` int32; starts / lengths / slots ``[max_batch]`` int32 (first position, rows fed
     — 0 = idle —, batch slot); block_tables ``[max_batch, max_blocks]`` int32 (−1 = none); engram_ids
-    ``[max_batch, rows, n_engram, hash_heads]`` int32."""
+    ``[max_batch, rows, n_engram, hash_heads]`` int32.
+
+    CED narrowing (a prefill pass; ``decoder_rows > 0``, static): the first ``encoder_rows [max_batch]`` rows of
+    each request run only the layers before the CED boundary and the boundary's cache writes; the rest (at most
+    ``decoder_rows``) continue through every layer (`PagedRows.ced_split`)."""
 
     tokens: jax.Array
     starts: jax.Array
@@ -61,6 +66,8 @@ class StepRows:
     max_batch: int
     max_blocks: int
     rows: int
+    encoder_rows: jax.Array | None = None
+    decoder_rows: int = 0
 
     @property
     def positions(self) -> jax.Array:
@@ -79,20 +86,54 @@ class PagedRows:
 
     def __init__(self, cfg: ModelConfig, meta: StepRows, cache: dict, plan=None, undo: bool = False,
                  operator=None):
-        self.cfg, self.meta, self.plan, self.op = cfg, meta, plan, operator
+        self.cfg, self.plan, self.op = cfg, plan, operator
         self.dtype = dtype_of(cfg.dtype)
-        self.pos, self.valid = meta.positions, meta.row_valid
         self.n_slots = pc.cache_slots(cache)
-        self.slot_r = jnp.clip(meta.slots, 0, self.n_slots - 1)
         groups = pc.kv_groups(cfg)
         first = cache["ckv"][str(groups[0].index)] if groups else None
         self.num_blocks = pc.store_rows(first) if groups else 0
+        self.undo = {"swa": {}, "open": {}, "entries": {}} if undo else None
+        self._bind(meta)
+
+    def _bind(self, meta: StepRows):
+        self.meta = meta
+        self.pos, self.valid = meta.positions, meta.row_valid
+        self.slot_r = jnp.clip(meta.slots, 0, self.n_slots - 1)
         b, r = meta.max_batch, meta.rows
         # the B·R rows as rows of the selection / attention operations: each with its request's table
         self.row_tables = jnp.repeat(meta.block_tables, r, axis=0)
-        self.undo = {"swa": {}, "open": {}, "entries": {}} if undo else None
         self.flat = lambda a: a.reshape(b * r, *a.shape[2:])
         self.unflat = lambda a: a.reshape(b, r, *a.shape[1:])
+
+    def _with_meta(self, meta: StepRows) -> "PagedRows":
+        other = copy.copy(self)
+        other._bind(meta)
+        return other
+
+    @property
+    def narrows(self) -> bool:
+        """Whether this step narrows to its CED decoder rows at the CED boundary (`ced_split`)."""
+        return self.meta.decoder_rows > 0
+
+    def ced_split(self):
+        """CED narrowing at the boundary layer: ``(encoder, decoder, take)`` — ``encoder`` the context of each
+        request's first ``encoder_rows`` rows (the boundary's cache-only writes), ``decoder`` the context of the
+        remaining rows from position ``starts + encoder_rows`` (``decoder_rows`` rows), and ``take`` gathering a
+        ``[B, rows, …]`` row array to the decoder's ``[B, decoder_rows, …]``."""
+        m = self.meta
+        if self.undo is not None:
+            raise ValueError("a CED-narrowed step records no undo (it is a prefill pass)")
+        enc, rd = m.encoder_rows, m.decoder_rows
+        shift = jnp.clip(enc[:, None] + jnp.arange(rd)[None], 0, m.rows - 1)                 # [B, rd]
+
+        def take(a):
+            return jnp.take_along_axis(a, shift.reshape(*shift.shape, *(1,) * (a.ndim - 2)), axis=1)
+
+        encoder = dataclasses.replace(m, lengths=jnp.minimum(enc, m.lengths), encoder_rows=None, decoder_rows=0)
+        decoder = dataclasses.replace(m, tokens=take(m.tokens), engram_ids=take(m.engram_ids), starts=m.starts + enc,
+                                      lengths=jnp.maximum(m.lengths - enc, 0), rows=rd, encoder_rows=None,
+                                      decoder_rows=0)
+        return self._with_meta(encoder), self._with_meta(decoder), take
 
     # -------------------------------------------------------------------------------------- window ring
     def window(self, cache: dict, layer: int, kv: jax.Array):

@@ -411,69 +411,68 @@ def _prefill_qcp(params, cache: dict, meta: SpanMetadata, cfg: ModelConfig, layo
     return _run(params, cache, meta, cfg, layout)
 
 
-@partial(jax.jit, static_argnames=("cfg", "plan", "operator", "encoder_only"), donate_argnames=("cache",))
-def _prefill_rows(params, cache: dict, rows, logits_at, cfg: ModelConfig, plan, operator, encoder_only: bool):
+@partial(jax.jit, static_argnames=("cfg", "plan", "operator"), donate_argnames=("cache",))
+def _prefill_rows(params, cache: dict, rows, cfg: ModelConfig, plan, operator):
     from v41cp.serving.decode import _forward_rows
 
-    logits, cache, _ = _forward_rows(params, cache, rows, cfg, plan, encoder_only, logits_at=logits_at,
-                                     operator=operator)
+    last = rows.lengths - 1 - (0 if rows.encoder_rows is None else rows.encoder_rows)    # in the decoder rows
+    logits, cache, _ = _forward_rows(params, cache, rows, cfg, plan, logits_at=last, operator=operator)
     return logits[:, 0], cache
 
 
 def _span_rows(cfg: ModelConfig, meta: SpanMetadata):
-    """One-rank span metadata → (the CED encoder pass's `StepRows` or None, the pass's `StepRows`, the sampled row
-    of each request in it, −1 = none). Host NumPy."""
+    """One-rank span metadata → the pass's `StepRows` (``rows`` = the span; under CED narrowed at the boundary to
+    each request's retained decoder rows, at most ``min(span, ced_rows)``). Host NumPy."""
+    from v41cp.ced import ced_rows
     from v41cp.serving.paged_rows import StepRows
 
     b, s = meta.span_index.shape
     pad = lambda a: np.concatenate([np.asarray(a[0]), np.zeros((1, *a.shape[2:]), a.dtype)])
     tokens, eng = pad(meta.tokens)[meta.span_index], pad(meta.engram_ids)[meta.span_index]
-    lengths, starts = np.asarray(meta.lengths), np.asarray(meta.starts)
-    enc = np.zeros(b, np.int32)
+    enc, dec_rows = None, 0
     if meta.ced:                       # rows before the retained decoder rows run the encoder only
-        fed = np.arange(s)[None] < lengths[:, None]
-        enc = (fed & (meta.dec_span_index >= meta.dec_capacity)).sum(axis=1).astype(np.int32)
-    make = lambda t, e, st, ln: StepRows(jnp.asarray(t), jnp.asarray(st, jnp.int32), jnp.asarray(ln, jnp.int32),
-                                         jnp.asarray(meta.slots), jnp.asarray(meta.block_tables), jnp.asarray(e),
-                                         b, meta.block_tables.shape[1], s)
-    shift = np.clip(enc[:, None] + np.arange(s)[None], 0, s - 1)
-    take = lambda a: np.take_along_axis(a, shift.reshape(b, s, *(1,) * (a.ndim - 2)), axis=1)
-    dec_len = lengths - enc
-    main = make(take(tokens), take(eng), starts + enc, dec_len)
-    return (make(tokens, eng, starts, enc) if enc.any() else None), main, jnp.asarray(dec_len - 1, jnp.int32)
+        fed = np.arange(s)[None] < np.asarray(meta.lengths)[:, None]
+        enc = jnp.asarray((fed & (meta.dec_span_index >= meta.dec_capacity)).sum(axis=1), jnp.int32)
+        dec_rows = min(s, ced_rows(cfg))
+    return StepRows(jnp.asarray(tokens), jnp.asarray(meta.starts, jnp.int32), jnp.asarray(meta.lengths, jnp.int32),
+                    jnp.asarray(meta.slots), jnp.asarray(meta.block_tables), jnp.asarray(eng), b,
+                    meta.block_tables.shape[1], s, enc, dec_rows)
+
+
+def _layout_plan(cfg: ModelConfig, layout: SpanLayout):
+    """The DCP plan of a KVP layout (None: replicated pages)."""
+    if layout.kv_parallel == 1:
+        return None
+    from v41cp.serving.dcp import DCPPlan
+
+    tp = layout.mesh.shape["tp"] * layout.mesh.shape[CP]
+    return DCPPlan(layout.mesh, heads_sharded=cfg.num_attention_heads % tp == 0)
 
 
 def prefill_span(params, cache: dict, meta: SpanMetadata, cfg: ModelConfig, layout: SpanLayout = SpanLayout()):
     """Prefill the prompts of ``meta`` (`build_span_metadata`) in one pass: ``(logits [B, vocab] FP32 of each
-    prompt's last row — zeros for an empty row —, updated cache)``. Model-wide QCP runs the rank-local rows
-    program below; every other layout runs the one model over the pass's rows as cached rows
+    prompt's last row — zeros for an empty row or a pass without it —, updated cache)``. Model-wide QCP runs the
+    rank-local rows program below; every other layout runs the one model over the pass's rows as cached rows
     (`v41cp.serving.paged_rows`; KVP through the DCP islands, operator-local QCP through the layers' islands,
-    CED as an encoder-only pass over the rows before the retained decoder rows)."""
+    CED narrowing to the retained decoder rows at the boundary). One compiled program per bucket."""
+    return _dispatch(params, cache, meta, cfg, layout, lower=False)
+
+
+def lower_prefill_span(params, cache: dict, meta: SpanMetadata, cfg: ModelConfig, layout: SpanLayout = SpanLayout()):
+    """The lowered program of one span-prefill pass (for structure measurements)."""
+    return _dispatch(params, cache, meta, cfg, layout, lower=True)
+
+
+def _dispatch(params, cache, meta, cfg, layout, lower: bool):
     if meta.n != layout.n:
         raise ValueError(f"span prefill: the metadata plans {meta.n} ranks but the layout splits rows over "
                          f"{layout.n} (query_context_parallel_size)")
     if layout.query_parallel and layout.n > 1:
-        return _prefill_qcp(params, cache, meta, cfg, layout)
-    plan = None
-    if layout.kv_parallel > 1:
-        from v41cp.serving.dcp import DCPPlan
-
-        tp = layout.mesh.shape["tp"] * layout.mesh.shape[CP]
-        plan = DCPPlan(layout.mesh, heads_sharded=cfg.num_attention_heads % tp == 0)
-    enc, main, logits_at = _span_rows(cfg, meta)
-    if enc is not None:
-        _, cache = _prefill_rows(params, cache, enc, logits_at, cfg, plan, layout.operator, True)
-    return _prefill_rows(params, cache, main, logits_at, cfg, plan, layout.operator, False)
-
-
-def lower_prefill_span(params, cache: dict, meta: SpanMetadata, cfg: ModelConfig, layout: SpanLayout = SpanLayout()):
-    """The lowered program of one span-prefill pass without CED narrowing (for structure measurements)."""
-    if layout.query_parallel and layout.n > 1:
-        return _prefill_qcp.lower(params, cache, meta, cfg, layout)
-    if meta.ced or layout.kv_parallel > 1:
-        raise ValueError("lower_prefill_span: one program per pass only without CED and KVP")
-    _, main, logits_at = _span_rows(cfg, meta)
-    return _prefill_rows.lower(params, cache, main, logits_at, cfg, None, layout.operator, False)
+        fn, args = _prefill_qcp, (params, cache, meta, cfg, layout)
+    else:
+        fn, args = _prefill_rows, (params, cache, _span_rows(cfg, meta), cfg, _layout_plan(cfg, layout),
+                                   layout.operator)
+    return fn.lower(*args) if lower else fn(*args)
 
 
 def compile_count() -> int:
