@@ -73,3 +73,25 @@ def test_per_device_flops_fall_to_one_nth():
     assert parts["indexer"]["flops_ratio_tp_baseline_vs_unsharded"] == 1.0
     assert abs(parts["attention"]["flops_ratio_qcp_vs_unsharded"] - 1 / 8) <= 0.01
     assert parts["indexer"]["qcp_collective_bytes_per_row"] == min(512, 512 // 2) * 4     # K = min(top-k, entries)
+
+
+def test_span_prefill_operator_qcp_moves_only_the_seed_exchanges():
+    """Operator-local QCP in the span prefill (benchmarks/span_operator_qcp_structure.py: TP 4, 22 rows — not a
+    multiple of N): the compiled program's all-to-alls are exactly the two row-block exchanges of every layer, its
+    all-gathers exactly the sink and top-k id gathers, and it moves no more bytes than plain TP plus them."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "span_operator_qcp_structure.py"
+    res = subprocess.run([sys.executable, str(script), "--devices", "4", "--rows", "22"], capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["layers"] == {"attention": [0, 1, 2, 3, 4, 5], "indexer": [1, 3]}
+    qcp, tp, want = out["operator_qcp"], out["tp"], out["expected_exchange_bytes"]
+    assert qcp["count"]["all-to-all"] == 2 * 6 and qcp["count"]["all-gather"] == 6 + 2
+    assert qcp["bytes"]["all-to-all"] == want["all-to-all"]
+    assert qcp["bytes"]["all-gather"] == want["all-gather"]
+    assert qcp["total_bytes"] <= tp["total_bytes"] + sum(want.values())
