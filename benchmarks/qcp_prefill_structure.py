@@ -3,12 +3,14 @@
 One long prompt (``--rows`` tokens) of a V4.1-like model at reduced width (tiny-tp8 widths, index top-512,
 window 128, 16 heads) on ``--devices`` simulated CPU devices, attention TP = QCP = all of them:
 
-* **parts** — the span prefill's own layer functions (`v41cp.serving.span_prefill`) compiled alone, unsharded
-  (one device, every row) and under QCP (each rank its zigzag rows): *attention* = a Reuse layer (projections,
-  window + selected-entry attention, cache writes), *indexer* = a Reindex layer minus that Reuse layer (the
-  same attention plus the index projections, scores and top-k), *moe* = the MoE FFN (rows gathered, each rank
+* **parts** — the one model's layer modules over model-wide QCP's rows backend (`v41cp.serving.qcp_rows`, the
+  `v41cp.sharding.row_group.RowGroup` shard) compiled alone, unsharded (the same map over one device, every
+  row) and under QCP (each rank its zigzag rows): *attention* = a Reuse layer's `Attention` (projections,
+  window + selected-entry attention, ring writes), *indexer* = a Reindex layer minus that Reuse layer (the
+  same attention plus the index projections, scores and top-k), *moe* = the `MoE` FFN (rows gathered, each rank
   its experts / shared-expert slice, reduce-scatter);
-* **whole** — the complete `prefill_span` program (every layer, caches, sampled-row head).
+* **whole** — the complete `prefill_span` program (every layer, caches, sampled-row head), over the ``n`` ranks
+  and over one device (a one-rank group).
 
 Per program: per-device FLOPs from XLA's cost analysis, the QCP / unsharded ratio, and the result bytes per
 device of the collectives (`v41cp.sharding.hlo_stats`) per prefill token, in total and by collective kind.
@@ -46,8 +48,13 @@ def measure(devices: int, rows: int, parts=("reuse", "reindex", "moe"), whole: b
     from v41cp.config import preset
     from v41cp.serving.decode import init_cache
     from v41cp.serving.span_metadata import build_span_metadata
-    from v41cp.serving.span_prefill import SpanLayout, _attention, _Group, _moe, _Placement, _Rows, lower_prefill_span
+    from v41cp.layers.attention import Attention, CSAState
+    from v41cp.layers.moe import MoE
+    from v41cp.serving.qcp_rows import QCPRows
+    from v41cp.serving.span_prefill import SpanLayout, lower_prefill_span
+    from v41cp.sharding import make_mesh
     from v41cp.sharding.hlo_stats import collective_bytes, collectives
+    from v41cp.sharding.row_group import RowGroup
     from v41cp.sharding.rules import QCP_RULES, param_shardings
     from v41cp.sharding.topology import ParallelConfig
 
@@ -59,8 +66,9 @@ def measure(devices: int, rows: int, parts=("reuse", "reindex", "moe"), whole: b
     layout = SpanLayout.from_parallel(par, mesh)
     axes = layout.axes
     params = model.init_params(cfg, jax.random.key(0))
-    pspec = jax.tree.map(lambda s: s.spec, param_shardings(model.abstract_params(cfg), mesh, QCP_RULES),
-                         is_leaf=lambda x: isinstance(x, NamedSharding))
+    specs = lambda m: jax.tree.map(lambda s: s.spec, param_shardings(model.abstract_params(cfg), m, QCP_RULES),
+                                   is_leaf=lambda x: isinstance(x, NamedSharding))
+    one = make_mesh(tp=1, devices=jax.devices()[:1])
     prompt = np.random.default_rng(0).integers(3, cfg.vocab_size, t).tolist()
     nb, bt = -(-t // 16), 16
     table = np.arange(nb, dtype=np.int32)[None]
@@ -87,35 +95,36 @@ def measure(devices: int, rows: int, parts=("reuse", "reindex", "moe"), whole: b
     rng = np.random.default_rng(1)
 
     def part(fn_name: str, qcp: bool):
+        """One layer part of the one model (`Attention` / `MoE` over `QCPRows`) in the QCP map over ``n`` ranks,
+        or the same map over one device (unsharded)."""
         ranks = n if qcp else 1
+        pmesh, gaxes = (mesh, axes) if qcp else (one, ("tp",))
         meta = build_span_metadata(cfg, [prompt], ranks, block_tables=table, span=t)
         c = meta.capacity
-        x = rng.normal(size=(ranks * c, cfg.hidden_size)).astype(np.float32)
-        state = {"ckv": jnp.asarray(rng.normal(size=(1, g, cfg.head_dim)), jnp.float32),
-                 "ikey": jnp.asarray(rng.normal(size=(1, g, cfg.index_head_dim)), jnp.float32),
-                 "topk": jnp.asarray(rng.integers(0, g, (ranks * c, k)), jnp.int32)}
+        x = jnp.asarray(rng.normal(size=(ranks, c, cfg.hidden_size)), jnp.float32)
+        state = CSAState(ckv=jnp.asarray(rng.normal(size=(1, g, cfg.head_dim)), jnp.float32),
+                         ikeys=jnp.asarray(rng.normal(size=(1, g, cfg.index_head_dim)), jnp.float32),
+                         topk=jnp.asarray(rng.integers(0, g, (ranks, c, k)), jnp.int32))
         cache = init_cache(cfg, nb, bt, 1, records=False)
-        grp = _Group(axes, n) if qcp else _Group((), 1)
+        grp = RowGroup(pmesh, gaxes)
+        i = reuse.index if fn_name != "reindex" else reindex.index
 
         def body(lp, x, meta, cache, state):
-            rows = _Rows(meta.positions[0], meta.requests[0], meta.span_index, meta.span_index < grp.n * c)
             if fn_name == "moe":
-                return _moe(cfg, grp, lp["ffn"], x)
+                return MoE(cfg, grp).apply({"params": lp["ffn"]}, x)
             role = reuse if fn_name == "reuse" else reindex
-            y, _, _ = _attention(cfg, role, lp["attn"], grp, _Placement(1, qcp), x, rows, x, rows, meta, cache, state)
+            y, _, _ = Attention(cfg, role, grp).apply({"params": lp["attn"]}, x, state, QCPRows(cfg, grp, meta, cache, 1),
+                                                      cache)
             return y
 
-        lp = params[f"layers_{reuse.index if fn_name != 'reindex' else reindex.index}"]
+        lp = params[f"layers_{i}"]
+        rank = P(gaxes)
+        mspec = type(meta)(*(rank,) * 5, *(P(),) * 7, meta.n, meta.capacity, meta.dec_capacity, meta.span,
+                           meta.ced, meta.continued)
+        sspec = CSAState(ckv=P(), ikeys=P(), topk=rank)
+        f = jax.shard_map(body, mesh=pmesh, in_specs=(specs(pmesh)[f"layers_{i}"], rank, mspec,
+                                                      jax.tree.map(lambda _: P(), cache), sspec), out_specs=rank)
         with jax.default_matmul_precision("highest"):
-            if not qcp:
-                return stats(jax.jit(body).trace(lp, x, meta, cache, state).lower().compile(), t)
-            rank = P(axes)
-            mspec = type(meta)(*(rank,) * 5, *(P(),) * 7, meta.n, meta.capacity, meta.dec_capacity, meta.span,
-                               meta.ced, meta.continued)
-            sspec = {"ckv": P(), "ikey": P(), "topk": rank}
-            lspec = pspec[f"layers_{reuse.index if fn_name != 'reindex' else reindex.index}"]
-            f = jax.shard_map(body, mesh=mesh, in_specs=(lspec, rank, mspec, jax.tree.map(lambda _: P(), cache),
-                                                         sspec), out_specs=rank)
             return stats(jax.jit(f).trace(lp, x, meta, cache, state).lower().compile(), t)
 
     out = {"devices": n, "rows": t, "entries": g, "index_topk": k, "parts": {}}
@@ -137,15 +146,12 @@ def measure(devices: int, rows: int, parts=("reuse", "reindex", "moe"), whole: b
                                "flops_ratio_qcp_vs_unsharded": ratio(fl("moe", True), fl("moe", False))}
     if whole:
         done = {}
-        for q in (False, True):
+        for q in (False, True):          # the QCP program over n ranks, and the same program over one device
             meta = build_span_metadata(cfg, [prompt], n if q else 1, block_tables=table, span=t)
-            if q:
-                cache = init_cache(cfg, nb, bt, 1, NamedSharding(mesh, P()), records=False)
-                prm = model.shard_params(params, cfg, mesh, par.rules())
-                done[q] = stats(lower_prefill_span(prm, cache, meta, cfg, layout).compile(), t)
-            else:
-                cache = init_cache(cfg, nb, bt, 1, records=False)
-                done[q] = stats(lower_prefill_span(params, cache, meta, cfg, SpanLayout()).compile(), t)
+            m = mesh if q else one
+            cache = init_cache(cfg, nb, bt, 1, NamedSharding(m, P()), records=False)
+            prm = model.shard_params(params, cfg, m, par.rules())
+            done[q] = stats(lower_prefill_span(prm, cache, meta, cfg, SpanLayout(m, query_parallel=True)).compile(), t)
         out["whole"] = {"unsharded": done[False], "qcp": done[True],
                         "flops_ratio_qcp_vs_unsharded": ratio(done[True]["flops_per_device"],
                                                               done[False]["flops_per_device"])}

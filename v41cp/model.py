@@ -54,7 +54,8 @@ class Block(nn.Module):
         role = cfg.layer_roles[self.layer]
         dt = dtype_of(cfg.dtype)
         if role.engram_slot >= 0:
-            streams = Engram(cfg, role.engram_slot, name="engram")(streams, engram_ids[:, :, role.engram_slot])
+            streams = Engram(cfg, role.engram_slot, self.shard, name="engram")(streams,
+                                                                                engram_ids[:, :, role.engram_slot])
         attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="attn_norm")
         attention = Attention(cfg, role, self.shard, name="attn")
         if cache_only:
@@ -98,7 +99,11 @@ class Transformer(nn.Module):
         embed = declare(self, "embed", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dt)
         head = declare(self, "head", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), jnp.float32)
         b, s = tokens.shape
-        x = jnp.take(embed, tokens, axis=0)
+        if getattr(self.shard, "in_map", False):        # model-wide QCP: vocab rows split over the row group
+            x = self.shard.split_lookup(lambda i: jnp.take(embed, i, axis=0), embed.shape[0], cfg.vocab_size,
+                                        tokens.reshape(-1)).reshape(b, s, -1)
+        else:
+            x = jnp.take(embed, tokens, axis=0)
         streams = jnp.broadcast_to(x[:, :, None, :], (b, s, cfg.hc_mult, cfg.hidden_size))
         pre = jnp.zeros((b, s, cfg.hc_mult), jnp.float32).at[..., 0].set(1.0)
         state = CSAState()
@@ -127,7 +132,7 @@ class Transformer(nn.Module):
             return jnp.zeros((b, s, cfg.vocab_size), jnp.float32), hidden, cache
         h = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="norm")(collapse(streams, pre))
         if logits_at is not None:              # only the sampled row of each request meets the head
-            h = jnp.where((logits_at >= 0)[:, None, None], h[jnp.arange(b), jnp.maximum(logits_at, 0)][:, None], 0)
+            h = rows.sampled(h, logits_at)
         logits = jnp.einsum("bsh,hv->bsv", h.astype(jnp.float32), head, precision=jax.lax.Precision.HIGHEST)
         logits = constrain(logits, ("batch", None, "vocab"), self.shard)
         return logits, hidden, cache

@@ -24,10 +24,14 @@ def declare(module: nn.Module, name: str, shape: Sequence[int], axes: Sequence[s
             dtype, init: Callable = normal_init) -> jax.Array:
     """Declare parameter ``name`` of ``shape`` whose dimensions carry logical axis names ``axes``.
 
-    The logical names are mapped to mesh axes by `v41cp.sharding.rules.AxisRules`.
+    The logical names are mapped to mesh axes by `v41cp.sharding.rules.AxisRules`. Inside model-wide QCP's map
+    (the module's ``shard`` a `v41cp.sharding.row_group.RowGroup`) the parameter is the rank's slice.
     """
     if len(axes) != len(shape):
         raise ValueError(f"{name}: {len(axes)} logical axes for shape {tuple(shape)}")
+    shard = getattr(module, "shard", None)
+    if getattr(shard, "in_map", False):
+        shape = shard.local_shape(tuple(shape), tuple(axes))
     return module.param(name, nn.with_logical_partitioning(init, tuple(axes)), tuple(shape), dtype)
 
 

@@ -53,6 +53,7 @@ class Engram(nn.Module):
 
     cfg: ModelConfig
     slot: int
+    shard: object = None            # a RowGroup inside model-wide QCP (the table rows split over it)
 
     @nn.compact
     def __call__(self, streams: jax.Array, hash_ids: jax.Array, token_mask: jax.Array | None = None):
@@ -72,4 +73,12 @@ class Engram(nn.Module):
                       (None, "engram_out"), dt)
         q_w = declare(self, "q_weight", (hc, h), (None, None), dt, ones_init)
         k_w = declare(self, "k_weight", (hc, h), (None, None), dt, ones_init)
-        return engram_mix(cfg, streams, engram_lookup(cfg, table, hash_ids, dt), wkv, q_w, k_w, token_mask)
+        lookup = lambda ids: engram_lookup(cfg, table, ids, dt)
+        if getattr(self.shard, "in_map", False):      # model-wide QCP: table rows split over the row group
+            b, s = hash_ids.shape[:2]
+            local = next(iter(table.values())).shape[0]
+            got = self.shard.split_lookup(lookup, local, rows, hash_ids.reshape(b * s, -1))
+            gathered = got.reshape(b, s, *got.shape[1:])
+        else:
+            gathered = lookup(hash_ids)
+        return engram_mix(cfg, streams, gathered, wkv, q_w, k_w, token_mask)

@@ -121,8 +121,35 @@ class MoE(nn.Module):
         b, s, _ = x.shape
         xt = x.reshape(b * s, h)
         mask = None if image_mask is None else image_mask.reshape(b * s)
+        if getattr(self.shard, "in_map", False):
+            out = self._row_group(xt, mask, w_gate, bias, bias_vl, (w1, w3, w2), (s1, s3, s2))
+            return out.astype(x.dtype).reshape(b, s, h)
         w, idx = route(cfg, xt, w_gate, bias, bias_vl, mask)
         dense_w = constrain(dense_route_weights(cfg, w, idx), (None, "experts"), self.shard)
         routed = routed_output(cfg, xt, dense_w, w1, w3, w2, self.shard)
         shared = shared_output(cfg, xt, s1, s3, s2)
         return (routed + shared.astype(jnp.float32)).astype(x.dtype).reshape(b, s, h)
+
+    def _row_group(self, xt, mask, w_gate, bias, bias_vl, experts, shared_w):
+        """Model-wide QCP (``shard`` a `RowGroup`): with experts / shared width split over the group, every rank
+        applies its slice to every row (gathered) and the partial outputs are reduce-scattered back to the local
+        rows; a replicated part is counted on one rank. ``xt [C, H]`` → FP32 ``[C, H]``."""
+        cfg, grp = self.cfg, self.shard
+        w1, w3, w2 = experts
+        e_split = w1.shape[0] < cfg.n_routed_experts
+        m_split = shared_w[0].shape[1] < cfg.moe_intermediate_size
+        gathered = e_split or m_split
+        xa = grp.gather(xt) if gathered else xt
+        ma = None if mask is None else (grp.gather(mask) if gathered else mask)
+        w, idx = route(cfg, xa, w_gate, bias, bias_vl, ma)
+        dense = dense_route_weights(cfg, w, idx)
+        if e_split:
+            dense = jax.lax.dynamic_slice_in_dim(dense, grp.rank() * w1.shape[0], w1.shape[0], axis=1)
+        routed = routed_output(cfg, xa, dense, w1, w3, w2)
+        shared = shared_output(cfg, xa, *shared_w).astype(jnp.float32)
+        if not gathered:
+            return routed + shared
+        lead = grp.rank() == 0
+        routed = routed if e_split else jnp.where(lead, routed, 0.0)
+        shared = shared if m_split else jnp.where(lead, shared, 0.0)
+        return grp.sum_scatter(routed + shared)

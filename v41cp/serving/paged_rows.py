@@ -135,6 +135,11 @@ class PagedRows:
                                       decoder_rows=0)
         return self._with_meta(encoder), self._with_meta(decoder), take
 
+    def sampled(self, h: jax.Array, at: jax.Array) -> jax.Array:
+        """Row ``at [B]`` of each request of ``h [B,R,H]`` → ``[B,1,H]`` (−1: zeros)."""
+        b = h.shape[0]
+        return jnp.where((at >= 0)[:, None, None], h[jnp.arange(b), jnp.maximum(at, 0)][:, None], 0)
+
     # -------------------------------------------------------------------------------------- window ring
     def window(self, cache: dict, layer: int, kv: jax.Array):
         """Window keys of every row and the ring update. ``kv [B,R,D]`` (pre-quantization) →

@@ -109,7 +109,8 @@ def param_shardings(boxed_params: Any, mesh: Mesh, rules: AxisRules) -> Any:
 
 
 def constrain(x: jax.Array, axes: Sequence[str | None], ctx: ShardingContext | None) -> jax.Array:
-    """``with_sharding_constraint`` by logical axes; identity without a sharding context."""
-    if ctx is None:
+    """``with_sharding_constraint`` by logical axes; identity without a sharding context or inside a map
+    (`v41cp.sharding.row_group.RowGroup`)."""
+    if ctx is None or getattr(ctx, "in_map", False):
         return x
     return jax.lax.with_sharding_constraint(x, logical_sharding(x.shape, axes, ctx.mesh, ctx.rules))

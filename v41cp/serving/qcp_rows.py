@@ -1,0 +1,188 @@
+"""Model-wide QCP's rows backend: where the one model's attention reads its keys when the rows of a span prefill
+are split over attention TP by the per-request zigzag plan (inside the span prefill's ``jax.shard_map``; the
+modules' ``shard`` is the `v41cp.sharding.row_group.RowGroup`).
+
+Each rank holds local rows ``[1, C]`` (`SpanMetadata` ``positions / requests``; −1 = a padding slot) of any
+requests, in plan order. The layers compute every projection from their own weights on those rows; `QCPRows`
+only moves keys (the same interface as `v41cp.serving.paged_rows.PagedRows`):
+
+* `window` — the rows' window KV all-gathered and restored to span order (``span_index``), after the pass's
+  history from the SWA ring (read before it is written); each local row's window keys; the ring rows of the
+  pass's last ``W`` positions (every rank writes the same rows);
+* `group_first` — a ratio-2 row's pair partner (the previous position): from the gathered span, or the cached
+  open pair at a pass's first position; the open pair of each request's last even position is written;
+* `write_entries` — the local rows' complete entries all-gathered, so every rank writes the same entries (under
+  KVP = QCP each page by its owner only);
+* `history` — a KV source's entries from the request's pages (under KVP from the owners, one all-reduce);
+* `select` / `attend` — each local row scores / attends its own request's history (no partial result merged);
+* `ced_split` — CED narrowing at the boundary: the retained decoder rows stay on the rank that owned them
+  (``dec_slots``), restored to span order by ``dec_span_index``; no row is redistributed;
+* `sampled` — each request's sampled row (on one rank) to every rank by one all-reduce of ``B`` rows.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from v41cp.config import LayerRole, ModelConfig
+from v41cp.layers.attention import CSAState, sink_attention
+from v41cp.layers.common import dtype_of
+from v41cp.layers.indexer import select_scored
+from v41cp.serving import paged_cache as pc
+from v41cp.serving.span_metadata import SpanMetadata
+from v41cp.sharding.row_group import RowGroup
+
+__all__ = ["QCPRows"]
+
+
+class QCPRows:
+    """Trace-time context of one model-wide QCP pass (inside the map; ``meta``'s per-rank fields are the rank's).
+    ``kvp``: the KVP group size when the pages are split over the map's ``cp`` axis, else 1."""
+
+    def __init__(self, cfg: ModelConfig, grp: RowGroup, meta: SpanMetadata, cache: dict, kvp: int):
+        self.cfg, self.grp, self.kvp, self.meta = cfg, grp, kvp, meta
+        self.dtype = dtype_of(cfg.dtype)
+        self.n_slots = pc.cache_slots(cache)
+        self.slot_r = jnp.clip(meta.slots, 0, self.n_slots - 1)
+        self.narrows = meta.ced
+        self._bind(meta.positions[0], meta.requests[0], meta.span_index, grp.n * meta.capacity, meta.starts,
+                   meta.lengths, meta.continued)
+
+    def _bind(self, pos, req, index, gathered_rows: int, starts, lengths, continued: bool):
+        """This context's local rows (``pos / req [C]``), span order (``index [B,S]`` into the ``gathered_rows``
+        all-gathered rows; that value = absent) and each request's rows ``starts … starts + lengths − 1``."""
+        self.pos_c, self.req, self.rq = pos, req, jnp.maximum(req, 0)
+        self.index, self.present = index, index < gathered_rows
+        self.starts, self.lengths, self.continued = starts, lengths, continued
+        self.pos = pos[None]                                                           # [1, C]
+        self.valid = ((req >= 0) & (pos - starts[self.rq] < lengths[self.rq]))[None]
+
+    def _context(self, *args) -> "QCPRows":
+        other = object.__new__(QCPRows)
+        other.__dict__.update(self.__dict__)
+        other.narrows = False
+        other._bind(*args)
+        return other
+
+    def ced_split(self):
+        """CED narrowing at the boundary: ``(encoder, decoder, take)`` — the encoder context = each request's rows
+        before its retained decoder rows (the boundary's cache-only writes), the decoder context = the retained
+        rows on their owner ranks (a pass continuing at ``starts + encoder rows``), ``take`` = local rows
+        ``[1, C, …]`` → the decoder's ``[1, Cd, …]``."""
+        m, n = self.meta, self.grp.n
+        b, s = m.span_index.shape
+        gathered_d = n * m.dec_capacity
+        fed = jnp.arange(s)[None] < m.lengths[:, None]
+        enc = (fed & (m.dec_span_index >= gathered_d)).sum(axis=1).astype(jnp.int32)              # [B]
+        encoder = self._context(self.pos_c, self.req, self.index, n * m.capacity, self.starts, enc, self.continued)
+        dec = m.dec_slots[0]
+        d = jnp.maximum(dec, 0)
+        p = jnp.arange(s)[None] + enc[:, None]
+        index_d = jnp.where(p < s, jnp.take_along_axis(m.dec_span_index, jnp.minimum(p, s - 1), axis=1), gathered_d)
+        decoder = self._context(self.pos_c[d], jnp.where(dec >= 0, self.req[d], -1), index_d, gathered_d,
+                                self.starts + enc, m.lengths - enc, True)
+        return encoder, decoder, lambda a: a[:, d]
+
+    def sampled(self, h: jax.Array, at: jax.Array) -> jax.Array:
+        """Local rows ``h [1,C,H]`` → ``[B,1,H]`` on every rank: request ``b``'s row ``at[b]`` of the gathered
+        layout (−1: zeros)."""
+        c = h.shape[1]
+        mine = (at >= 0) & (at // c == self.grp.rank())
+        hs = jnp.where(mine[:, None], h[0][jnp.clip(at % c, 0, c - 1)], jnp.zeros((), h.dtype))
+        return self.grp.psum(hs)[:, None]
+
+    def _span(self, a: jax.Array) -> jax.Array:
+        return self.grp.to_span(a[0], self.index)                                     # [1,C,·] → [B,S,·]
+
+    def _row(self, a: jax.Array, rel: jax.Array) -> jax.Array:
+        """Span-order ``a [B,S,·]`` at each request's chunk-relative rows ``rel [B,K]`` (clipped)."""
+        return jnp.take_along_axis(a, jnp.clip(rel, 0, a.shape[1] - 1)[..., None], axis=1)
+
+    # -------------------------------------------------------------------------------------- window ring
+    def window(self, cache: dict, layer: int, kv: jax.Array):
+        """``kv [1,C,D]`` (pre-quantization) → ``(cache, keys [1,C,W,D], valid [1,C,W])``, keys oldest first."""
+        cfg, w = self.cfg, self.cfg.sliding_window
+        raw = self._span(kv)                                                            # [B,S,D]
+        b, s = raw.shape[:2]
+        new = pc.stored_values(cfg, raw, "fp8", self.dtype)
+        start = self.starts
+        hist_pos = start[:, None] - w + jnp.arange(w)[None]                             # [B,W]
+        if self.continued:
+            ring = pc.read(cache["swa"], "fp8", self.dtype, lambda a: a[layer][self.slot_r])
+            hist = jnp.take_along_axis(ring, (hist_pos % w)[..., None], axis=1)
+        else:
+            hist = jnp.zeros((b, w, new.shape[-1]), new.dtype)
+        ext = jnp.concatenate([hist, new], axis=1)            # [B, W+S, D]: column c = position start − W + c
+        present = jnp.concatenate([hist_pos >= 0, self.present], axis=1)
+        last = start[:, None] + self.lengths[:, None] - w + jnp.arange(w)[None]        # the pass's last W
+        at = jnp.where((last >= start[:, None]) & (last >= 0), self.meta.slots[:, None], self.n_slots)
+        cache = {**cache, "swa": pc.write(cfg, cache["swa"], (layer, at, jnp.maximum(last, 0) % w),
+                                          self._row(raw, last - start[:, None]), "fp8")}
+        cols = jnp.clip((self.pos_c - start[self.rq])[:, None] + 1 + jnp.arange(w)[None], 0, w + s - 1)
+        keys = ext[self.rq[:, None], cols]                                              # [C,W,D]
+        valid = present[self.rq[:, None], cols] & (self.pos_c[:, None] - (w - 1) + jnp.arange(w)[None] >= 0)
+        return cache, keys[None], valid[None]
+
+    # ------------------------------------------------------------------------------------ compressor
+    def group_first(self, cache: dict, src: str, c: jax.Array, z: jax.Array):
+        """Ratio-2 pair partners (the previous position) of the local rows ``c / z [1,C,D]`` → ``(cache, c0,
+        z0)``; writes the open pair of each request's last even position of the pass."""
+        cs, zs = self._span(c), self._span(z)
+        b, s = cs.shape[:2]
+        start = self.starts
+        prev = (self.pos_c - start[self.rq] - 1)[:, None]                               # [C,1]
+        open_kv, open_z = cache["open_kv"][src], cache["open_score"][src]
+
+        def partner(span, opened):
+            got = span[self.rq[:, None], jnp.maximum(prev, 0)][:, 0]
+            return jnp.where(prev < 0, opened[self.slot_r][self.rq], got)[None]
+
+        c0, z0 = partner(cs, open_kv), partner(zs, open_z)
+        end = start + self.lengths
+        first = 2 * ((end - 1) // 2)
+        at = jnp.where((self.lengths > 0) & (first >= start), self.meta.slots, self.n_slots)
+        pick = lambda a: self._row(a, (first - start)[:, None])[:, 0]
+        cache = {**cache, "open_kv": {**cache["open_kv"], src: open_kv.at[at].set(pick(cs), mode="drop")},
+                 "open_score": {**cache["open_score"], src: open_z.at[at].set(pick(zs), mode="drop")}}
+        return cache, c0, z0
+
+    def write_entries(self, cache: dict, role: LayerRole, ckv: jax.Array, ik: jax.Array, j: jax.Array,
+                      emits: jax.Array) -> dict:
+        """The local rows' entries ``j [1,C]`` (``ckv [1,C,D]`` / ``ik [1,C,Di]`` pre-quantization, where
+        ``emits``) → every rank's, written to the pages of KV source ``role``."""
+        src, g = str(role.kv_source), self.grp.gather
+        req = g(self.req)
+        tables = self.meta.block_tables[jnp.maximum(req, 0)]                            # [N·C, MB]
+        ok = (g(emits[0]) & (req >= 0))[:, None]
+        jj = g(j[0])[:, None]
+        out = {}
+        for name, values, fmt in (("ckv", ckv, "nvfp4"), ("ikey", ik, "mxfp4")):
+            out[name] = pc.write_entries(self.cfg, self.kvp, True, cache[name][src], g(values[0])[:, None], jj, ok,
+                                         tables, fmt)
+        return {**cache, "ckv": {**cache["ckv"], src: out["ckv"]}, "ikey": {**cache["ikey"], src: out["ikey"]}}
+
+    # --------------------------------------------------------------------------- selection and attention
+    def history(self, cache: dict, role: LayerRole) -> CSAState:
+        """A KV source's entries of every request ``[B, MB·epb, ·]`` from its pages (after this pass's writes)."""
+        src = str(role.kv_source)
+        read = lambda name, fmt: pc.read_pages(self.kvp, True, cache[name][src], self.meta.block_tables, fmt,
+                                               self.dtype)
+        return CSAState(ckv=read("ckv", "nvfp4"), ikeys=read("ikey", "mxfp4"))
+
+    def select(self, cache: dict, role: LayerRole, q: jax.Array, weights: jax.Array, state: CSAState):
+        """Each local row scores its request's index keys: ``q [1,C,Hi,Di]`` → ``(topk [1,C,K], candidates)``
+        (candidates as ``[C,1,G]``)."""
+        topk, cand, _ = select_scored(self.cfg, role, q[0][:, None], weights[0][:, None], state.ikeys[self.rq],
+                                      self.pos_c[:, None], state.candidates)
+        return topk[:, 0][None], cand
+
+    def attend(self, cache: dict, role: LayerRole, q: jax.Array, keys: jax.Array, valid: jax.Array,
+               state: CSAState, sink: jax.Array) -> jax.Array:
+        """Sink attention of the local rows over their window keys and selected entries (every head)."""
+        if role.ratio > 0 and state.topk.shape[-1]:
+            sel = state.topk[0]                                                         # [C,K]
+            picked = state.ckv[self.rq[:, None], jnp.maximum(sel, 0)]                   # [C,K,D]
+            keys = jnp.concatenate([keys, picked[None]], axis=2)
+            valid = jnp.concatenate([valid, (sel >= 0)[None]], axis=2)
+        return sink_attention(q, keys, valid, sink)
