@@ -41,8 +41,7 @@ def main() -> None:
 
     from v41cp import model
     from v41cp.config import preset
-    from v41cp.layers.attention import attention_query_parallel_applies
-    from v41cp.layers.indexer import query_parallel_applies
+    from v41cp.sharding.operator_qcp import attention_query_parallel_applies, indexer_query_parallel_applies
     from v41cp.serving.paged_cache import entries_per_block, init_cache
     from v41cp.serving.span_metadata import build_span_metadata
     from v41cp.serving.span_prefill import SpanLayout, lower_prefill_span
@@ -75,7 +74,7 @@ def main() -> None:
             layers = {"attention": [r.index for r in roles
                                     if attention_query_parallel_applies(layout.operator, cfg, r, rows)],
                       "indexer": [r.index for r in roles
-                                  if r.is_index_source and query_parallel_applies(layout.operator, r, rows)]}
+                                  if r.is_index_source and indexer_query_parallel_applies(layout.operator, r, rows)]}
             src = str(next(r for r in roles if r.is_kv_source and r.ratio > 0).index)
             entries = blocks * entries_per_block(cache["ikey"][src])
     local = -(-rows // n)

@@ -230,7 +230,7 @@ def test_verification_rows_equal_feeding_one_token_at_a_time(n, sparse):
     from v41cp.serving.decode import commit_rows, verify_step
 
     cfg, params = _model(sparse)
-    plan, sharding = None, None
+    plan = None
     if n > 1:
         par = ParallelConfig(tp_size=8, kv_parallel_size=n, decode_context_parallel_size=n,
                              dcp_q="replicate" if n == 8 else "gather")

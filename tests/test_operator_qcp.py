@@ -11,8 +11,7 @@ import numpy as np
 from helpers import TOKEN_MAP, perturbed, rel_err
 from v41cp import model
 from v41cp.config import preset
-from v41cp.layers.attention import attention_query_parallel_applies
-from v41cp.layers.indexer import query_parallel_applies
+from v41cp.sharding.operator_qcp import attention_query_parallel_applies, indexer_query_parallel_applies
 from v41cp.sharding import make_mesh
 from v41cp.sharding.topology import ParallelConfig
 
@@ -42,7 +41,7 @@ def test_operator_local_qcp_equals_unsharded_above_and_below_thresholds():
         for k in topk:
             np.testing.assert_array_equal(topk[k], want_topk[k], err_msg=k)
         roles = cfg.layer_roles
-        idx = [r.index for r in roles if r.is_index_source and query_parallel_applies(ctx, r, 74)]
+        idx = [r.index for r in roles if r.is_index_source and indexer_query_parallel_applies(ctx, r, 74)]
         att = [r.index for r in roles if attention_query_parallel_applies(ctx, cfg, r, 74)]
         assert idx == ([1, 3] if low else [])       # never the candidate source (4) or its Reindex (5)
         assert att == (list(range(cfg.num_hidden_layers)) if low else [])

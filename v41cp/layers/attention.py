@@ -16,7 +16,6 @@ from typing import NamedTuple, Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from v41cp.config import LayerRole, ModelConfig
 from v41cp.kernels.sparse_attention import sparse_attention
@@ -25,6 +24,7 @@ from v41cp.layers.compressor import Compressor, pool_group
 from v41cp.layers.indexer import Indexer
 from v41cp.layers.rope import apply_rope, rope_angles
 from v41cp.quant import fp8_block32, nvfp4_block16
+from v41cp.sharding.operator_qcp import attention_query_parallel_applies, rows_island
 from v41cp.sharding.rules import ShardingContext, constrain
 
 __all__ = ["CSAState", "Attention", "sink_attention"]
@@ -80,51 +80,6 @@ def rows_sink_attention(q, kv, widx, wvalid, ckv, sel, sink, rows=None) -> jax.A
         keys = jnp.concatenate([keys, jax.vmap(lambda c, i: c[jnp.maximum(i, 0)])(ckv, picked)], axis=2)
         valid = jnp.concatenate([valid, (picked >= 0) & (rows < s)[None, :, None]], axis=2)
     return sink_attention(q, keys, valid, sink)
-
-
-def attention_query_parallel_applies(shard, cfg: ModelConfig, role: LayerRole, rows: int) -> bool:
-    """Operator-local attention QCP for this layer: enabled, the query heads split evenly over attention TP, and
-    at least ``attention_query_min_tokens`` (global layers) / ``attention_query_swa_min_tokens`` (SWA-only
-    layers) query rows."""
-    if shard is None or not shard.attention_query_parallel:
-        return False
-    n = _attn_tp(shard)[1]
-    threshold = shard.attention_query_swa_min_tokens if role.ratio == 0 else shard.attention_query_min_tokens
-    return n > 1 and cfg.num_attention_heads % n == 0 and rows >= threshold
-
-
-def _attn_tp(shard):
-    from v41cp.sharding.mesh import ATTN_TP
-
-    axes = tuple(a for a in ATTN_TP if shard.mesh.shape.get(a, 1) > 1)
-    return axes, int(np.prod([shard.mesh.shape[a] for a in axes]))
-
-
-def rows_island(shard, q: jax.Array, operands, attend_block) -> jax.Array:
-    """The operator-local attention QCP exchange (one implementation for every mode): each rank trades its local
-    heads of every row of ``q [B,S,Hq,D]`` (head-sharded over attention TP) for all heads of a contiguous block of
-    ``⌈S/N⌉`` rows (all-to-all), attends that block, and the inverse all-to-all restores the TP head layout.
-    ``operands`` (a pytree, replicated) and ``attend_block(q_rows [B,local,Hq,D], rows [local], operands, sink)``
-    say how a block's rows find their keys; ``operands["sink"] [Hq]`` is the head-sharded sink. Rows past ``S``
-    (padding) are the block function's to mask. Returns ``[B,S,Hq,D]`` head-sharded."""
-    from jax.sharding import PartitionSpec as P
-
-    axes, n = _attn_tp(shard)
-    s = q.shape[1]
-    local = -(-s // n)
-
-    def body(q, operands):
-        q = jnp.pad(q, ((0, 0), (0, local * n - s), (0, 0), (0, 0)))
-        q_rows = jax.lax.all_to_all(q, axes, split_axis=1, concat_axis=2, tiled=True)     # [B, local, Hq, D]
-        rows = jax.lax.axis_index(axes) * local + jnp.arange(local)
-        sink = jax.lax.all_gather(operands["sink"], axes, tiled=True)
-        o = attend_block(q_rows, rows, operands, sink)
-        o = jax.lax.all_to_all(o, axes, split_axis=2, concat_axis=1, tiled=True)           # [B, local·N, Hq/N, D]
-        return o[:, :s]
-
-    heads = P(None, None, axes, None)
-    specs = {k: (P(axes) if k == "sink" else P()) for k in operands}
-    return jax.shard_map(body, mesh=shard.mesh, in_specs=(heads, specs), out_specs=heads)(q, operands)
 
 
 def query_parallel_attention(shard, q, kv, widx, wvalid, ckv, sel, sink) -> jax.Array:

@@ -12,16 +12,16 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from v41cp.config import LayerRole, ModelConfig
 from v41cp.layers.common import RMSNorm, declare, dtype_of
 from v41cp.layers.rope import apply_rope
 from v41cp.quant import mxfp4_block32
+from v41cp.sharding.operator_qcp import indexer_query_parallel_applies, interleaved_island
 
 __all__ = ["Indexer", "index_query", "index_scores", "kept_candidate_entries", "kernel_select_rows",
            "select_candidate_blocks", "select_positions", "select_scored", "topk_select",
-           "query_parallel_applies", "query_parallel_select", "interleaved_island"]
+           "query_parallel_select", "query_parallel_select_rows"]
 
 
 def select_candidate_blocks(scores: jax.Array, visible_len: jax.Array, topk_blocks: int,
@@ -164,37 +164,6 @@ def _kernel_select(cfg: ModelConfig, role: LayerRole, q, weights, keys, position
     return topk.reshape(b, s, -1), None if cand is None else cand.reshape(b, s, g)
 
 
-def query_parallel_applies(shard, role: LayerRole, rows: int) -> bool:
-    """Whether operator-local indexer QCP runs for this layer: enabled in ``shard``, at least
-    ``indexer_query_min_tokens`` query rows, and an ordinary index layer (the candidate-producing Full source
-    and the Reindex layers inside its candidates keep their existing path)."""
-    return bool(shard is not None and shard.indexer_query_parallel and rows >= shard.indexer_query_min_tokens
-                and not role.candidate_source and not role.uses_candidates)
-
-
-def interleaved_island(shard, b: int, s: int, operands, select_rows):
-    """The operator-local indexer QCP exchange (one implementation for every mode): query rows interleaved over
-    attention TP (row ``i`` on rank ``i mod N``); each rank selects its rows — ``select_rows(rows [local],
-    operands) → topk [b, local, K]`` with ``operands`` a replicated pytree — and the logical top-k ids are
-    all-gathered back to the original row order. Every rank ends with the same ``[b, s, K]``."""
-    from jax.sharding import PartitionSpec as P
-
-    from v41cp.sharding.mesh import ATTN_TP
-
-    axes = tuple(a for a in ATTN_TP if a in shard.mesh.shape)
-    n = int(np.prod([shard.mesh.shape[a] for a in axes]))
-    local = -(-s // n)
-
-    def body(operands):
-        rows = jax.lax.axis_index(axes) + n * jnp.arange(local)                   # this rank's rows
-        topk = select_rows(jnp.minimum(rows, s - 1), operands)
-        got = jax.lax.all_gather(topk, axes, to="invarying")                      # [N, b, local, K]
-        return jnp.moveaxis(got, 0, 2).reshape(b, local * n, -1)[:, :s]
-
-    return jax.shard_map(body, mesh=shard.mesh, in_specs=(jax.tree.map(lambda _: P(), operands),),
-                         out_specs=P())(operands)
-
-
 def query_parallel_select(shard, cfg: ModelConfig, role: LayerRole, wq_b, w_proj, x, qr, angles, keys, positions):
     """Operator-local indexer QCP of a full sequence (`interleaved_island`): each rank projects its rows (all
     index heads), scores them against the complete keys and selects. Inputs as `select_positions` (replicated
@@ -274,7 +243,7 @@ class Indexer(nn.Module):
         if role.is_kv_source:
             keys = self.index_keys(latent, compressed_angles)
         positions = jnp.arange(x.shape[1])[None]
-        if query_parallel_applies(self.shard, role, x.shape[0] * x.shape[1]):
+        if indexer_query_parallel_applies(self.shard, role, x.shape[0] * x.shape[1]):
             topk = query_parallel_select(self.shard, cfg, role, self.wq_b, self.weights_proj, x, qr, angles, keys,
                                          positions)
             return keys, topk, candidates, None

@@ -33,11 +33,12 @@ import jax
 import jax.numpy as jnp
 
 from v41cp.config import LayerRole, ModelConfig
-from v41cp.layers.attention import CSAState, attention_query_parallel_applies, query_parallel_rows, sink_attention
+from v41cp.layers.attention import CSAState, query_parallel_rows, sink_attention
 from v41cp.layers.common import dtype_of
-from v41cp.layers.indexer import query_parallel_applies, query_parallel_select_rows, select_scored
+from v41cp.layers.indexer import query_parallel_select_rows, select_scored
 from v41cp.serving import dcp, kernel_ops
 from v41cp.serving import paged_cache as pc
+from v41cp.sharding.operator_qcp import attention_query_parallel_applies, indexer_query_parallel_applies
 
 __all__ = ["StepRows", "PagedRows"]
 
@@ -235,7 +236,7 @@ class PagedRows:
                                            self.flat(self.pos), None if cand is None else self.flat(cand))
             return self.unflat(topk), None if cand is None else self.unflat(cand)
         b, r = self.pos.shape
-        if self.op is not None and query_parallel_applies(self.op, role, b * r):
+        if self.op is not None and indexer_query_parallel_applies(self.op, role, b * r):
             req = jnp.repeat(jnp.arange(b), r)
             topk = query_parallel_select_rows(self.op, cfg, role, self.flat(q), self.flat(weights), state.ikeys, req,
                                               self.flat(self.pos))
