@@ -73,8 +73,7 @@ class QCPRows:
         m, n = self.meta, self.grp.n
         b, s = m.span_index.shape
         gathered_d = n * m.dec_capacity
-        fed = jnp.arange(s)[None] < m.lengths[:, None]
-        enc = (fed & (m.dec_span_index >= gathered_d)).sum(axis=1).astype(jnp.int32)              # [B]
+        enc = m.encoder_rows()                                                                  # [B]
         encoder = self._context(self.pos_c, self.req, self.index, n * m.capacity, self.starts, enc, self.continued)
         dec = m.dec_slots[0]
         d = jnp.maximum(dec, 0)

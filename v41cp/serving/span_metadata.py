@@ -75,6 +75,15 @@ class SpanMetadata:
     def batch(self) -> int:
         return int(self.lengths.shape[0])
 
+    def encoder_rows(self):
+        """CED: each request's rows before its retained decoder rows ``[B]`` int32 (NumPy on the host, traced
+        inside a program; zeros without CED)."""
+        import jax.numpy as jnp
+
+        fed = jnp.arange(self.span)[None] < jnp.asarray(self.lengths)[:, None]
+        kept = jnp.asarray(self.dec_span_index) < self.n * self.dec_capacity
+        return (fed & ~kept).sum(axis=1).astype(jnp.int32)
+
 
 def _retained(cfg: ModelConfig, plan: QueryShardPlan, starts: np.ndarray, totals: np.ndarray, ced: bool):
     """CED decoder rows of each local slot ``[N, C]`` bool: the last `ced_rows` rows of each prompt of ``totals``

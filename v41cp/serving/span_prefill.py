@@ -150,9 +150,7 @@ def _span_rows(cfg: ModelConfig, meta: SpanMetadata):
     tokens, eng = pad(meta.tokens)[meta.span_index], pad(meta.engram_ids)[meta.span_index]
     enc, dec_rows = None, 0
     if meta.ced:                       # rows before the retained decoder rows run the encoder only
-        fed = np.arange(s)[None] < np.asarray(meta.lengths)[:, None]
-        enc = jnp.asarray((fed & (meta.dec_span_index >= meta.dec_capacity)).sum(axis=1), jnp.int32)
-        dec_rows = min(s, ced_rows(cfg))
+        enc, dec_rows = meta.encoder_rows(), min(s, ced_rows(cfg))
     return StepRows(jnp.asarray(tokens), jnp.asarray(meta.starts, jnp.int32), jnp.asarray(meta.lengths, jnp.int32),
                     jnp.asarray(meta.slots), jnp.asarray(meta.block_tables), jnp.asarray(eng), b,
                     meta.block_tables.shape[1], s, enc, dec_rows)

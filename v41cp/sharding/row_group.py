@@ -13,7 +13,7 @@ stay split over the group, so:
 * `to_span` — local rows to span order (the window, compressor pairs and cache writes read the whole span).
 
 Activation constraints (`v41cp.sharding.rules.constrain`) are identities inside the map; the operator-local QCP
-islands do not apply (the rows are already split).
+islands are not used there (they belong to the cached-rows backend; the rows are already split).
 """
 
 from __future__ import annotations
@@ -38,8 +38,6 @@ class RowGroup:
     axes: tuple[str, ...]
     rules: AxisRules = QCP_RULES
     in_map = True                          # inside the shard_map: constraints are identities
-    indexer_query_parallel = False         # no operator-local QCP on top of model-wide QCP
-    attention_query_parallel = False
 
     @property
     def n(self) -> int:
