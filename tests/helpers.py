@@ -75,6 +75,31 @@ def candidate_block_scores(scores: np.ndarray, ratio: int, block: int) -> np.nda
     return np.where(np.arange(blk.shape[-1])[None, None] == last[None, :, None], np.inf, blk)
 
 
+def selection_margin(cfg, params, tokens, first: int) -> tuple[float, str]:
+    """The smallest relative gap at any selection boundary of rows ``first …`` of the full forward of ``tokens``
+    (1-D): the index top-k and candidate blocks of every index layer and the MoE top-k of every layer, with the
+    boundary it sits on. Two paths whose FP32 values differ by rounding select the same entries and experts on
+    a row whose margin is well above that rounding; a smaller margin is a near-tie either path may flip."""
+    from v41cp import model
+
+    _, _, inter = model.forward_debug(params, cfg, np.asarray(tokens)[None])
+    worst = (np.inf, "none")
+    for role in cfg.layer_roles:
+        layer = inter[f"layers_{role.index}"]
+        gaps = {"moe": boundary_gap(np.asarray(layer["ffn"]["route_scores"][0]), cfg.num_experts_per_tok)}
+        if role.is_index_source and "index_scores" in layer["attn"]:
+            scores = np.asarray(layer["attn"]["index_scores"][0])
+            gaps["index"] = boundary_gap(scores[0], min(cfg.index_topk, scores.shape[-1]))
+            if role.candidate_source:
+                blocks = candidate_block_scores(scores, role.ratio, cfg.candidate_block_size)
+                gaps["blocks"] = boundary_gap(blocks[0], cfg.candidate_topk_blocks)
+        for kind, gap in gaps.items():
+            at = first + int(np.argmin(gap[first:]))
+            if gap[at] < worst[0]:
+                worst = (float(gap[at]), f"layer {role.index} {kind} top-k, row {at}")
+    return worst
+
+
 def cache_by_virtual_block(cache, kvp):
     """Cache leaves as NumPy; pools re-indexed by virtual block id (rank ``v % N`` holds ``v`` at ``v // N``)."""
     out = {}

@@ -8,7 +8,7 @@ Public entry points (all pure; ``params`` is the unboxed parameter tree):
 
 * `forward(params, cfg, tokens)` → logits ``[B,S,vocab]`` FP32;
 * `forward_with_hidden(params, cfg, tokens)` → (logits, block inputs ``[L,B,S,hc,H]``);
-* `forward_debug(...)` → also every layer's selection (``topk``) and index scores;
+* `forward_debug(...)` → also every layer's selection (``topk``), index scores and MoE routing scores;
 * `init_params(cfg, key, mesh=None)` / `abstract_params(cfg)`.
 
 Engram hashing needs 64-bit integers and runs on the host (`v41cp.engram_hash`) before the
@@ -185,7 +185,8 @@ def forward_with_hidden(params, cfg: ModelConfig, tokens, *, shard: ShardingCont
 
 
 def forward_debug(params, cfg: ModelConfig, tokens, *, shard: ShardingContext | None = None):
-    """(logits, hidden, intermediates): intermediates hold each index layer's ``topk`` and ``index_scores``."""
+    """(logits, hidden, intermediates): intermediates hold each index layer's ``topk`` and ``index_scores`` and
+    each MoE layer's ``route_scores`` (the biased scores its top-k ranks, ``[B·S, E]``)."""
     return _apply(params, jnp.asarray(tokens, jnp.int32), engram_inputs(cfg, tokens), cfg, shard, "debug")
 
 

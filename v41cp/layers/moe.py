@@ -17,7 +17,7 @@ from v41cp.layers.common import declare, dtype_of, zeros_init
 from v41cp.layers.stored_weights import decode_fp4
 from v41cp.sharding.rules import ShardingContext, constrain
 
-__all__ = ["MoE", "route", "swiglu_clamped", "routed_output", "shared_output", "dense_route_weights",
+__all__ = ["MoE", "route", "route_scores", "swiglu_clamped", "routed_output", "shared_output", "dense_route_weights",
            "expert_weights"]
 
 
@@ -30,14 +30,22 @@ def swiglu_clamped(gate: jax.Array, up: jax.Array, limit: float, dtype) -> jax.A
     return (jax.nn.silu(g) * u).astype(dtype)
 
 
-def route(cfg: ModelConfig, x: jax.Array, w_gate: jax.Array, bias: jax.Array, bias_vl: jax.Array,
-          image_mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """Router for ``x [T,H]`` → (weights ``[T,k]`` FP32, expert ids ``[T,k]``)."""
+def route_scores(x: jax.Array, w_gate: jax.Array, bias: jax.Array, bias_vl: jax.Array,
+                 image_mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Router scores of ``x [T,H]``: ``(scores [T,E], selection scores [T,E])`` FP32 — sqrtsoftplus of the gate
+    logits, and the same plus the noaux_tc selection bias (what the top-k ranks)."""
     logits = jnp.einsum("th,he->te", x.astype(jnp.float32), w_gate.astype(jnp.float32),
                         precision=jax.lax.Precision.HIGHEST)
     scores = jnp.sqrt(jax.nn.softplus(logits))
     sel_bias = bias[None, :] if image_mask is None else jnp.where(image_mask[:, None], bias_vl, bias)
-    _, idx = jax.lax.top_k(scores + sel_bias, cfg.num_experts_per_tok)
+    return scores, scores + sel_bias
+
+
+def route(cfg: ModelConfig, x: jax.Array, w_gate: jax.Array, bias: jax.Array, bias_vl: jax.Array,
+          image_mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Router for ``x [T,H]`` → (weights ``[T,k]`` FP32, expert ids ``[T,k]``)."""
+    scores, ranked = route_scores(x, w_gate, bias, bias_vl, image_mask)
+    _, idx = jax.lax.top_k(ranked, cfg.num_experts_per_tok)
     w = jnp.take_along_axis(scores, idx, axis=-1)
     if cfg.norm_topk_prob and cfg.num_experts_per_tok > 1:
         w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
@@ -124,6 +132,8 @@ class MoE(nn.Module):
         if getattr(self.shard, "in_map", False):
             out = self._row_group(xt, mask, w_gate, bias, bias_vl, (w1, w3, w2), (s1, s3, s2))
             return out.astype(x.dtype).reshape(b, s, h)
+        if self.is_mutable_collection("intermediates"):       # forward_debug: the routing boundary's scores
+            self.sow("intermediates", "route_scores", route_scores(xt, w_gate, bias, bias_vl, mask)[1])
         w, idx = route(cfg, xt, w_gate, bias, bias_vl, mask)
         dense_w = constrain(dense_route_weights(cfg, w, idx), (None, "experts"), self.shard)
         routed = routed_output(cfg, xt, dense_w, w1, w3, w2, self.shard)
