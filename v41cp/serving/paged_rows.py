@@ -3,7 +3,9 @@ history (decode = one row per request, verification = ``k`` rows, the token-seri
 
 `StepRows` is the step's metadata (a registered dataclass, static bucket fields ``max_batch`` / ``max_blocks`` /
 ``rows``): request ``b`` feeds rows ``starts[b] … starts[b] + lengths[b] − 1`` (``lengths ≤ rows``; 0 = an idle
-batch row) from batch slot ``slots[b]`` with block table ``block_tables[b]``.
+batch row) from batch slot ``slots[b]`` with block table ``block_tables[b]``. Two row layouts: ``[max_batch,
+rows]`` (decode, verification: every request the same number of rows) and packed ``[1, rows]`` (a span-prefill
+pass: the requests' rows back to back, ``offsets``, so ragged prompts compute no padding rows).
 
 `PagedRows` is the step's trace-time context, handed to the model's layers (`v41cp.layers.attention`). The
 layers compute every projection from their own weights; PagedRows only moves keys — it reads no weight:
@@ -16,8 +18,8 @@ layers compute every projection from their own weights; PagedRows only moves key
 * `write_entries` — complete compressed entries and index keys to their pages (owner-masked under KVP);
 * `history` / `select` / `attend` — index selection and sparse attention of every row: the XLA path over the
   gathered history, the kernels reading the pools in place (`v41cp.serving.kernel_ops`), or DCP islands over
-  owned pages with the exact distributed top-k and the LSE merge (`v41cp.serving.dcp`). Each of the ``B·R``
-  rows is one row of these operations (its own position, table and selection).
+  owned pages with the exact distributed top-k and the LSE merge (`v41cp.serving.dcp`). Each of the step's
+  rows (``B·R``, or packed ``R``) is one row of these operations (its own position, table and selection).
 
 With ``undo=True`` the context records what the step overwrites (ring rows, open pairs, page entries), the
 input of `v41cp.serving.decode.commit_rows` (keep only the first ``a`` rows of a verification step).
@@ -44,7 +46,7 @@ __all__ = ["StepRows", "PagedRows"]
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["tokens", "starts", "lengths", "slots", "block_tables",
-                                                        "engram_ids", "encoder_rows"],
+                                                        "engram_ids", "encoder_rows", "offsets"],
          meta_fields=["max_batch", "max_blocks", "rows", "decoder_rows"])
 @dataclasses.dataclass(frozen=True)
 class StepRows:
@@ -54,9 +56,15 @@ class StepRows:
     — 0 = idle —, batch slot); block_tables ``[max_batch, max_blocks]`` int32 (−1 = none); engram_ids
     ``[max_batch, rows, n_engram, hash_heads]`` int32.
 
+    Packed rows (a prefill pass; ``offsets [max_batch]`` given): the requests' rows lie back to back in one row
+    list — tokens ``[1, rows]``, engram_ids ``[1, rows, …]``, request ``b``'s rows at ``offsets[b] …
+    offsets[b] + lengths[b] − 1``, the rest padding — so a ragged batch computes only its real rows (``rows`` ≥
+    Σ lengths is the bucket), not ``max_batch × longest``.
+
     CED narrowing (a prefill pass; ``decoder_rows > 0``, static): the first ``encoder_rows [max_batch]`` rows of
-    each request run only the layers before the CED boundary and the boundary's cache writes; the rest (at most
-    ``decoder_rows``) continue through every layer (`PagedRows.ced_split`)."""
+    each request run only the layers before the CED boundary and the boundary's cache writes; the rest continue
+    through every layer (`PagedRows.ced_split`): at most ``decoder_rows`` per request, or (packed) at most
+    ``decoder_rows`` in all."""
 
     tokens: jax.Array
     starts: jax.Array
@@ -69,16 +77,37 @@ class StepRows:
     rows: int
     encoder_rows: jax.Array | None = None
     decoder_rows: int = 0
+    offsets: jax.Array | None = None
+
+    @property
+    def packed(self) -> bool:
+        return self.offsets is not None
+
+    def row_requests(self) -> tuple[jax.Array, jax.Array]:
+        """``(request, row within the request)`` of every row, flattened ``[max_batch · rows]`` (packed:
+        ``[rows]``; a padding row's row index is ≥ its request's length)."""
+        if not self.packed:
+            b, r = self.max_batch, self.rows
+            return (jnp.repeat(jnp.arange(b, dtype=jnp.int32), r), jnp.tile(jnp.arange(r, dtype=jnp.int32), b))
+        i = jnp.arange(self.rows, dtype=jnp.int32)
+        req = jnp.clip(jnp.searchsorted(self.offsets, i, side="right") - 1, 0, self.max_batch - 1).astype(jnp.int32)
+        return req, i - self.offsets[req]
 
     @property
     def positions(self) -> jax.Array:
-        """``[max_batch, rows]``: each row's position."""
-        return self.starts[:, None] + jnp.arange(self.rows, dtype=jnp.int32)[None]
+        """``[max_batch, rows]`` (packed: ``[1, rows]``): each row's position."""
+        if not self.packed:
+            return self.starts[:, None] + jnp.arange(self.rows, dtype=jnp.int32)[None]
+        req, local = self.row_requests()
+        return (self.starts[req] + local)[None]
 
     @property
     def row_valid(self) -> jax.Array:
-        """``[max_batch, rows]`` bool: rows that are fed (``row < length``)."""
-        return jnp.arange(self.rows)[None] < self.lengths[:, None]
+        """``[max_batch, rows]`` (packed: ``[1, rows]``) bool: rows that are fed (``row < length``)."""
+        if not self.packed:
+            return jnp.arange(self.rows)[None] < self.lengths[:, None]
+        req, local = self.row_requests()
+        return (local < self.lengths[req])[None]
 
 
 class PagedRows:
@@ -93,6 +122,8 @@ class PagedRows:
         groups = pc.kv_groups(cfg)
         first = cache["ckv"][str(groups[0].index)] if groups else None
         self.num_blocks = pc.store_rows(first) if groups else 0
+        if undo and meta.packed:
+            raise ValueError("a packed-rows step records no undo (it is a prefill pass)")
         self.undo = {"swa": {}, "open": {}, "entries": {}} if undo else None
         self._bind(meta)
 
@@ -101,10 +132,19 @@ class PagedRows:
         self.pos, self.valid = meta.positions, meta.row_valid
         self.slot_r = jnp.clip(meta.slots, 0, self.n_slots - 1)
         b, r = meta.max_batch, meta.rows
-        # the B·R rows as rows of the selection / attention operations: each with its request's table
-        self.row_tables = jnp.repeat(meta.block_tables, r, axis=0)
-        self.flat = lambda a: a.reshape(b * r, *a.shape[2:])
-        self.unflat = lambda a: a.reshape(b, r, *a.shape[1:])
+        lead = 1 if meta.packed else b
+        # the step's rows (B·R, or packed R) as rows of the selection / attention operations: each with its
+        # request, its row within the request, its request's table; ``first`` = each request's first flat row
+        self.row_req, self.row_local = meta.row_requests()
+        self.first = meta.offsets if meta.packed else jnp.arange(b, dtype=jnp.int32) * r
+        self.n_rows = lead * r
+        self.row_tables = meta.block_tables[self.row_req]
+        self.flat = lambda a: a.reshape(lead * r, *a.shape[2:])
+        self.unflat = lambda a: a.reshape(lead, r, *a.shape[1:])
+
+    def _flat_row(self, req: jax.Array, local: jax.Array) -> jax.Array:
+        """The flat step row of request ``req``'s row ``local`` (clipped into the step)."""
+        return jnp.clip(self.first[req] + local, 0, self.n_rows - 1)
 
     def _with_meta(self, meta: StepRows) -> "PagedRows":
         other = copy.copy(self)
@@ -120,62 +160,76 @@ class PagedRows:
         """CED narrowing at the boundary layer: ``(encoder, decoder, take)`` — ``encoder`` the context of each
         request's first ``encoder_rows`` rows (the boundary's cache-only writes), ``decoder`` the context of the
         remaining rows from position ``starts + encoder_rows`` (``decoder_rows`` rows), and ``take`` gathering a
-        ``[B, rows, …]`` row array to the decoder's ``[B, decoder_rows, …]``."""
+        ``[B, rows, …]`` row array to the decoder's ``[B, decoder_rows, …]`` (packed: ``[1, rows, …]`` → ``[1,
+        decoder_rows, …]``)."""
         m = self.meta
         if self.undo is not None:
             raise ValueError("a CED-narrowed step records no undo (it is a prefill pass)")
         enc, rd = m.encoder_rows, m.decoder_rows
-        shift = jnp.clip(enc[:, None] + jnp.arange(rd)[None], 0, m.rows - 1)                 # [B, rd]
-
-        def take(a):
-            return jnp.take_along_axis(a, shift.reshape(*shift.shape, *(1,) * (a.ndim - 2)), axis=1)
-
         encoder = dataclasses.replace(m, lengths=jnp.minimum(enc, m.lengths), encoder_rows=None, decoder_rows=0)
+        dec_lengths = jnp.maximum(m.lengths - enc, 0)
+        if m.packed:                    # the decoder rows packed again: request b's from offsets_d[b]
+            offsets = (jnp.cumsum(dec_lengths) - dec_lengths).astype(jnp.int32)
+            i = jnp.arange(rd, dtype=jnp.int32)
+            req = jnp.clip(jnp.searchsorted(offsets, i, side="right") - 1, 0, m.max_batch - 1)
+            src = jnp.clip(m.offsets[req] + enc[req] + i - offsets[req], 0, m.rows - 1)              # [rd]
+            take = lambda a: a[:, src]
+        else:
+            offsets = None
+            shift = jnp.clip(enc[:, None] + jnp.arange(rd)[None], 0, m.rows - 1)             # [B, rd]
+
+            def take(a):
+                return jnp.take_along_axis(a, shift.reshape(*shift.shape, *(1,) * (a.ndim - 2)), axis=1)
+
         decoder = dataclasses.replace(m, tokens=take(m.tokens), engram_ids=take(m.engram_ids), starts=m.starts + enc,
-                                      lengths=jnp.maximum(m.lengths - enc, 0), rows=rd, encoder_rows=None,
-                                      decoder_rows=0)
+                                      lengths=dec_lengths, rows=rd, encoder_rows=None, decoder_rows=0,
+                                      offsets=offsets)
         return self._with_meta(encoder), self._with_meta(decoder), take
 
     def sampled(self, h: jax.Array, at: jax.Array) -> jax.Array:
-        """Row ``at [B]`` of each request of ``h [B,R,H]`` → ``[B,1,H]`` (−1: zeros)."""
-        b = h.shape[0]
-        return jnp.where((at >= 0)[:, None, None], h[jnp.arange(b), jnp.maximum(at, 0)][:, None], 0)
+        """Row ``at [B]`` of each request of ``h [B,R,H]`` (packed ``[1,R,H]``) → ``[B,1,H]`` (−1: zeros)."""
+        rows = self.flat(h)[self._flat_row(jnp.arange(self.meta.max_batch), jnp.maximum(at, 0))]
+        return jnp.where((at >= 0)[:, None, None], rows[:, None], 0)
 
     # -------------------------------------------------------------------------------------- window ring
     def window(self, cache: dict, layer: int, kv: jax.Array):
-        """Window keys of every row and the ring update. ``kv [B,R,D]`` (pre-quantization) →
+        """Window keys of every row and the ring update. ``kv [B,R,D]`` (packed ``[1,R,D]``; pre-quantization) →
         ``(cache, keys [B,R,W,D], valid [B,R,W])``; key column ``k`` holds position ``p − ((p − k) mod W)``."""
-        cfg, w = self.cfg, self.cfg.sliding_window
-        b, r = self.pos.shape
+        cfg, w, m = self.cfg, self.cfg.sliding_window, self.meta
         swa = cache["swa"]
-        start = self.meta.starts[:, None, None]
-        held = self.pos[..., None] - ((self.pos[..., None] - jnp.arange(w)) % w)           # [B,R,W]
+        req, pos = self.row_req, self.flat(self.pos)                                      # [N]
+        start = m.starts[req][:, None]
+        held = pos[:, None] - ((pos[:, None] - jnp.arange(w)) % w)                         # [N,W]
         ring = pc.read(swa, "fp8", self.dtype, lambda a: a[layer][self.slot_r])            # [B,W,D] before the step
-        new = pc.stored_values(cfg, kv, "fp8", self.dtype)                                # as the ring will hold it
+        new = self.flat(pc.stored_values(cfg, kv, "fp8", self.dtype))                     # as the ring will hold it
         from_step = held >= start
-        step_rows = new[jnp.arange(b)[:, None, None], jnp.clip(held - start, 0, r - 1)]    # [B,R,W,D]
-        keys = jnp.where(from_step[..., None], step_rows, ring[:, None])
+        step_rows = new[self._flat_row(req[:, None], held - start)]                      # [N,W,D]
+        keys = jnp.where(from_step[..., None], step_rows, ring[req])
         # rows written: fed, and among the last W of the step (an earlier row's ring row is overwritten)
-        ok = self.valid & (jnp.arange(r)[None] >= self.meta.lengths[:, None] - w)
-        at = (layer, jnp.where(ok, self.meta.slots[:, None], self.n_slots), self.pos % w)
+        ok = self.flat(self.valid) & (self.row_local >= m.lengths[req] - w)
+        at = (layer, jnp.where(ok, m.slots[req], self.n_slots), pos % w)
         if self.undo is not None:
             self.undo["swa"][layer] = pc.take_raw(swa, (layer, self.slot_r[:, None], self.pos % w))
-        cache = {**cache, "swa": pc.write(cfg, swa, at, kv, "fp8")}
-        return cache, keys, held >= 0
+        cache = {**cache, "swa": pc.write(cfg, swa, at, self.flat(kv), "fp8")}
+        return cache, self.unflat(keys), self.unflat(held >= 0)
 
     # ------------------------------------------------------------------------------------ compressor
     def group_first(self, cache: dict, src: str, c: jax.Array, z: jax.Array):
-        """Ratio-2 pair partners of every row: ``c / z [B,R,D]`` FP32 projections → ``(cache, c0, z0)`` where row
-        ``i``'s partner is row ``i − 1`` of the step or, for ``i = 0``, the cached open pair. Writes the open pair
+        """Ratio-2 pair partners of every row: ``c / z [B,R,D]`` (packed ``[1,R,D]``) FP32 projections → ``(cache,
+        c0, z0)`` where a request's row ``i``'s partner is its row ``i − 1`` of the step or, for ``i = 0``, the cached
+        open pair. Writes the open pair
         of each request's last fed even position."""
-        b, r = self.pos.shape
+        m = self.meta
         open_kv, open_z = cache["open_kv"][src], cache["open_score"][src]
-        prev = lambda a, opened: jnp.concatenate([opened[self.slot_r][:, None], a[:, :-1]], axis=1)
+        first_row = (self.row_local == 0)[:, None]
+        before = jnp.clip(jnp.arange(self.n_rows) - 1, 0, self.n_rows - 1)
+        prev = lambda a, opened: self.unflat(jnp.where(first_row, opened[self.slot_r][self.row_req],
+                                                       self.flat(a)[before]))
         c0, z0 = prev(c, open_kv), prev(z, open_z)
-        last = self.meta.lengths - 1
-        even = jnp.where(self.pos[jnp.arange(b), jnp.maximum(last, 0)] % 2 == 0, last, last - 1)    # [B]
-        at = jnp.where(even >= 0, self.meta.slots, self.n_slots)
-        pick = lambda a: a[jnp.arange(b), jnp.maximum(even, 0)]
+        last = m.lengths - 1
+        even = jnp.where((m.starts + jnp.maximum(last, 0)) % 2 == 0, last, last - 1)               # [B]
+        at = jnp.where(even >= 0, m.slots, self.n_slots)
+        pick = lambda a: self.flat(a)[self._flat_row(jnp.arange(m.max_batch), jnp.maximum(even, 0))]
         if self.undo is not None:
             self.undo["open"][src] = {"kv": open_kv[self.slot_r], "score": open_z[self.slot_r], "c": c, "z": z}
         cache = {**cache, "open_kv": {**cache["open_kv"], src: open_kv.at[at].set(pick(c), mode="drop")},
@@ -187,7 +241,8 @@ class PagedRows:
         """Write entries ``j [B,R]`` (compressed KV ``ckv [B,R,D]``, index keys ``ik [B,R,Di]``, pre-quantization)
         where ``emits [B,R]`` to the pages of KV source ``role``."""
         src = str(role.kv_source)
-        blk, row, inside = pc.entry_location(self.meta.block_tables, j, pc.entries_per_block(cache["ckv"][src]))
+        got = pc.entry_location(self.row_tables, self.flat(j)[:, None], pc.entries_per_block(cache["ckv"][src]))
+        blk, row, inside = (self.unflat(a[:, 0]) for a in got)
         emits = emits & (blk >= 0) & inside
         undo = {"blk": blk, "row": row, "emits": emits} if self.undo is not None else None
         out = {}
@@ -235,12 +290,15 @@ class PagedRows:
             topk, cand = kernel_ops.select(cfg, role, self.flat(q), self.flat(weights), pool, self.row_tables,
                                            self.flat(self.pos), None if cand is None else self.flat(cand))
             return self.unflat(topk), None if cand is None else self.unflat(cand)
-        b, r = self.pos.shape
-        if self.op is not None and indexer_query_parallel_applies(self.op, role, b * r):
-            req = jnp.repeat(jnp.arange(b), r)
-            topk = query_parallel_select_rows(self.op, cfg, role, self.flat(q), self.flat(weights), state.ikeys, req,
-                                              self.flat(self.pos))
+        if self.op is not None and indexer_query_parallel_applies(self.op, role, self.n_rows):
+            topk = query_parallel_select_rows(self.op, cfg, role, self.flat(q), self.flat(weights), state.ikeys,
+                                              self.row_req, self.flat(self.pos))
             return self.unflat(topk), state.candidates
+        if self.meta.packed:            # each row against its own request's keys (candidates as [N, 1, ·])
+            one = lambda a: self.flat(a)[:, None]
+            topk, cand, _ = select_scored(cfg, role, one(q), one(weights), state.ikeys[self.row_req], one(self.pos),
+                                          state.candidates)
+            return self.unflat(topk[:, 0]), cand
         topk, cand, _ = select_scored(cfg, role, q, weights, state.ikeys, self.pos, state.candidates)
         return topk, cand
 
@@ -260,12 +318,10 @@ class PagedRows:
         if cfg.attention_backend == "pallas":
             return self.unflat(self._kernel_attend(cache, role, q, keys, valid, pool, topk, sink))
         if compressed and topk.shape[-1]:
-            b = q.shape[0]
-            picked = state.ckv[jnp.arange(b)[:, None, None], jnp.maximum(topk, 0)]            # [B,R,K,D]
+            picked = state.ckv[self.unflat(self.row_req)[..., None], jnp.maximum(topk, 0)]    # [B,R,K,D]
             keys = jnp.concatenate([keys, picked], axis=2)
             valid = jnp.concatenate([valid, topk >= 0], axis=2)
-        b, r = self.pos.shape
-        if self.op is not None and attention_query_parallel_applies(self.op, cfg, role, b * r):
+        if self.op is not None and attention_query_parallel_applies(self.op, cfg, role, self.n_rows):
             return self.unflat(query_parallel_rows(self.op, self.flat(q), self.flat(keys), self.flat(valid), sink))
         return sink_attention(q, keys, valid, sink)
 
@@ -274,7 +330,7 @@ class PagedRows:
         request: the window is read from the ring (already written); several rows: from the gathered keys."""
         b, r = self.pos.shape
         w = keys.shape[2]
-        if r == 1:
+        if r == 1 and not self.meta.packed:
             store = cache["swa"]
             win = kernel_ops.window_slots(role.index, self.slot_r, valid[:, 0], self.n_slots)
         else:

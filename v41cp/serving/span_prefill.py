@@ -5,8 +5,9 @@ parallel, not token-serial), writing the paged decode caches and returning the l
 (`SpanLayout`, static) says how the rows are partitioned. Every layout runs the same model; they differ in the
 rows backend and the shard the modules get:
 
-* one device, or GSPMD over a plain-TP / KVP mesh (``query_parallel=False``): the pass's rows as cached rows
-  (`v41cp.serving.paged_rows`, ``rows`` = the span bucket; KVP through the DCP islands, operator-local QCP
+* one device, or GSPMD over a plain-TP / KVP mesh (``query_parallel=False``): the pass's rows as packed cached
+  rows (`v41cp.serving.paged_rows`: the requests' rows back to back, ``rows`` = the metadata's row capacity, so
+  a ragged batch computes Σ lengths rows, not batch × longest; KVP through the DCP islands, operator-local QCP
   through the layers' islands);
 * **model-wide QCP** (``query_parallel=True``, N = attention TP): one ``jax.shard_map`` over attention TP. Each
   rank holds its rows of the per-request zigzag plan from the embedding to the final norm; the modules' shard is
@@ -19,8 +20,9 @@ rows backend and the shard the modules get:
   returns vocab-sharded logits.
 
 CED narrowing (``meta.ced``): the rows before each request's retained decoder rows (the last `ced_rows` of the
-prompt) stop at the CED boundary's cache writes; the decoder layers run only the retained rows (cached rows:
-``min(span, ced_rows)`` rows per request; QCP: each retained row on the rank that owned it, ``dec_slots``).
+prompt) stop at the CED boundary's cache writes; the decoder layers run only the retained rows (cached rows: packed
+again, at most the metadata's ``dec_capacity`` rows in all; QCP: each retained row on the rank that owned it,
+``dec_slots``).
 
 Caches after the call equal those of the token-serial prefill of the same prompts (`v41cp.serving.decode`):
 SWA ring rows of the last ``W`` positions, every complete compressed entry and index key of each KV source in
@@ -140,20 +142,25 @@ def _prefill_rows(params, cache: dict, rows, cfg: ModelConfig, plan, operator):
 
 
 def _span_rows(cfg: ModelConfig, meta: SpanMetadata):
-    """One-rank span metadata → the pass's `StepRows` (``rows`` = the span; under CED narrowed at the boundary to
-    each request's retained decoder rows, at most ``min(span, ced_rows)``). Host NumPy."""
-    from v41cp.ced import ced_rows
+    """One-rank span metadata → the pass's packed `StepRows`: the requests' rows back to back (``rows`` = the
+    metadata's row capacity, ``offsets`` = where each request's rows start), so a ragged batch computes only its
+    rows; under CED narrowed at the boundary to the retained decoder rows (``decoder_rows`` = the metadata's CED
+    row capacity). Host NumPy."""
     from v41cp.serving.paged_rows import StepRows
 
-    b, s = meta.span_index.shape
-    pad = lambda a: np.concatenate([np.asarray(a[0]), np.zeros((1, *a.shape[2:]), a.dtype)])
-    tokens, eng = pad(meta.tokens)[meta.span_index], pad(meta.engram_ids)[meta.span_index]
+    lengths = np.asarray(meta.lengths, np.int32)
+    t = meta.capacity                                  # one rank: every row of the pass (≥ Σ lengths)
+    offsets = (np.cumsum(lengths) - lengths).astype(np.int32)
+    where = np.full(t, t, np.int32)                    # packed row → the rank's local row (t: padding)
+    for b, n in enumerate(lengths):
+        where[offsets[b]:offsets[b] + n] = meta.span_index[b, :n]
+    pad = lambda a: np.concatenate([np.asarray(a[0]), np.zeros((1, *a.shape[2:]), a.dtype)])[where][None]
     enc, dec_rows = None, 0
     if meta.ced:                       # rows before the retained decoder rows run the encoder only
-        enc, dec_rows = meta.encoder_rows(), min(s, ced_rows(cfg))
-    return StepRows(jnp.asarray(tokens), jnp.asarray(meta.starts, jnp.int32), jnp.asarray(meta.lengths, jnp.int32),
-                    jnp.asarray(meta.slots), jnp.asarray(meta.block_tables), jnp.asarray(eng), b,
-                    meta.block_tables.shape[1], s, enc, dec_rows)
+        enc, dec_rows = meta.encoder_rows(), meta.dec_capacity
+    return StepRows(jnp.asarray(pad(meta.tokens)), jnp.asarray(meta.starts, jnp.int32), jnp.asarray(lengths),
+                    jnp.asarray(meta.slots), jnp.asarray(meta.block_tables), jnp.asarray(pad(meta.engram_ids)),
+                    len(lengths), meta.block_tables.shape[1], t, enc, dec_rows, jnp.asarray(offsets))
 
 
 def _layout_plan(cfg: ModelConfig, layout: SpanLayout):
