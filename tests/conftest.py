@@ -1,9 +1,24 @@
-"""Test setup: 8 simulated CPU devices (set before jax is imported) and the live NeMo oracle."""
+"""Test setup: 8 simulated CPU devices (set before jax is imported), one JAX compilation cache per test run, and
+the live NeMo oracle.
+
+The compilation cache: the run's processes (the xdist workers, the CLI / server / notebook subprocesses they
+start) compile many of the same programs (the tiny checkpoint's steps); the first compile of a program is
+stored in a fresh temporary folder and later processes load it instead of compiling again. The folder is made
+by the first process that loads this file (the xdist controller; workers and subprocesses inherit it through
+the environment) and removed when that process ends the run. A folder given in $JAX_COMPILATION_CACHE_DIR is
+used as it is and kept. Compile counts the tests assert are the jit caches' (one entry per traced program),
+which a cache hit does not change."""
 
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_OWN_COMPILE_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _OWN_COMPILE_CACHE = tempfile.mkdtemp(prefix="v41cp-test-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_COMPILE_CACHE
 
 import subprocess  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -46,6 +61,11 @@ class Oracle:
                 raise RuntimeError(f"oracle harness failed ({cmd} {args}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
             self.cache[key] = out
         return self.cache[key]
+
+
+def pytest_unconfigure(config):
+    if _OWN_COMPILE_CACHE is not None:
+        shutil.rmtree(_OWN_COMPILE_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

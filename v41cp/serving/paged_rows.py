@@ -138,7 +138,9 @@ class PagedRows:
         self.row_req, self.row_local = meta.row_requests()
         self.first = meta.offsets if meta.packed else jnp.arange(b, dtype=jnp.int32) * r
         self.n_rows = lead * r
-        self.row_tables = meta.block_tables[self.row_req]
+        # a per-request array [B, …] → broadcastable against the rows [B|1, R, …] (packed: gathered per row)
+        self.by_row = (lambda a: a[self.row_req][None]) if meta.packed else (lambda a: a[:, None])
+        self.row_tables = meta.block_tables[self.row_req] if meta.packed else jnp.repeat(meta.block_tables, r, axis=0)
         self.flat = lambda a: a.reshape(lead * r, *a.shape[2:])
         self.unflat = lambda a: a.reshape(lead, r, *a.shape[1:])
 
@@ -188,30 +190,37 @@ class PagedRows:
 
     def sampled(self, h: jax.Array, at: jax.Array) -> jax.Array:
         """Row ``at [B]`` of each request of ``h [B,R,H]`` (packed ``[1,R,H]``) → ``[B,1,H]`` (−1: zeros)."""
-        rows = self.flat(h)[self._flat_row(jnp.arange(self.meta.max_batch), jnp.maximum(at, 0))]
-        return jnp.where((at >= 0)[:, None, None], rows[:, None], 0)
+        b = self.meta.max_batch
+        if self.meta.packed:
+            rows = self.flat(h)[self._flat_row(jnp.arange(b), jnp.maximum(at, 0))][:, None]
+        else:
+            rows = h[jnp.arange(b), jnp.maximum(at, 0)][:, None]
+        return jnp.where((at >= 0)[:, None, None], rows, 0)
 
     # -------------------------------------------------------------------------------------- window ring
     def window(self, cache: dict, layer: int, kv: jax.Array):
         """Window keys of every row and the ring update. ``kv [B,R,D]`` (packed ``[1,R,D]``; pre-quantization) →
         ``(cache, keys [B,R,W,D], valid [B,R,W])``; key column ``k`` holds position ``p − ((p − k) mod W)``."""
         cfg, w, m = self.cfg, self.cfg.sliding_window, self.meta
+        b, r = self.pos.shape
         swa = cache["swa"]
-        req, pos = self.row_req, self.flat(self.pos)                                      # [N]
-        start = m.starts[req][:, None]
-        held = pos[:, None] - ((pos[:, None] - jnp.arange(w)) % w)                         # [N,W]
+        start = self.by_row(m.starts)[..., None]
+        held = self.pos[..., None] - ((self.pos[..., None] - jnp.arange(w)) % w)           # [B,R,W]
         ring = pc.read(swa, "fp8", self.dtype, lambda a: a[layer][self.slot_r])            # [B,W,D] before the step
-        new = self.flat(pc.stored_values(cfg, kv, "fp8", self.dtype))                     # as the ring will hold it
+        new = pc.stored_values(cfg, kv, "fp8", self.dtype)                                # as the ring will hold it
         from_step = held >= start
-        step_rows = new[self._flat_row(req[:, None], held - start)]                      # [N,W,D]
-        keys = jnp.where(from_step[..., None], step_rows, ring[req])
+        if m.packed:                   # each row's request's rows: from its offset
+            step_rows = self.flat(new)[self._flat_row(self.unflat(self.row_req)[..., None], held - start)]
+        else:
+            step_rows = new[jnp.arange(b)[:, None, None], jnp.clip(held - start, 0, r - 1)]  # [B,R,W,D]
+        keys = jnp.where(from_step[..., None], step_rows, self.by_row(ring))
         # rows written: fed, and among the last W of the step (an earlier row's ring row is overwritten)
-        ok = self.flat(self.valid) & (self.row_local >= m.lengths[req] - w)
-        at = (layer, jnp.where(ok, m.slots[req], self.n_slots), pos % w)
+        ok = self.valid & (self.unflat(self.row_local) >= self.by_row(m.lengths) - w)
+        at = (layer, jnp.where(ok, self.by_row(m.slots), self.n_slots), self.pos % w)
         if self.undo is not None:
             self.undo["swa"][layer] = pc.take_raw(swa, (layer, self.slot_r[:, None], self.pos % w))
-        cache = {**cache, "swa": pc.write(cfg, swa, at, self.flat(kv), "fp8")}
-        return cache, self.unflat(keys), self.unflat(held >= 0)
+        cache = {**cache, "swa": pc.write(cfg, swa, at, kv, "fp8")}
+        return cache, keys, held >= 0
 
     # ------------------------------------------------------------------------------------ compressor
     def group_first(self, cache: dict, src: str, c: jax.Array, z: jax.Array):
@@ -221,15 +230,21 @@ class PagedRows:
         of each request's last fed even position."""
         m = self.meta
         open_kv, open_z = cache["open_kv"][src], cache["open_score"][src]
-        first_row = (self.row_local == 0)[:, None]
-        before = jnp.clip(jnp.arange(self.n_rows) - 1, 0, self.n_rows - 1)
-        prev = lambda a, opened: self.unflat(jnp.where(first_row, opened[self.slot_r][self.row_req],
-                                                       self.flat(a)[before]))
+        if m.packed:                   # the previous flat row, or the open pair at a request's first row
+            first_row = (self.row_local == 0)[:, None]
+            before = jnp.clip(jnp.arange(self.n_rows) - 1, 0, self.n_rows - 1)
+            prev = lambda a, opened: self.unflat(jnp.where(first_row, opened[self.slot_r][self.row_req],
+                                                           self.flat(a)[before]))
+        else:
+            prev = lambda a, opened: jnp.concatenate([opened[self.slot_r][:, None], a[:, :-1]], axis=1)
         c0, z0 = prev(c, open_kv), prev(z, open_z)
         last = m.lengths - 1
         even = jnp.where((m.starts + jnp.maximum(last, 0)) % 2 == 0, last, last - 1)               # [B]
         at = jnp.where(even >= 0, m.slots, self.n_slots)
-        pick = lambda a: self.flat(a)[self._flat_row(jnp.arange(m.max_batch), jnp.maximum(even, 0))]
+        if m.packed:
+            pick = lambda a: self.flat(a)[self._flat_row(jnp.arange(m.max_batch), jnp.maximum(even, 0))]
+        else:
+            pick = lambda a: a[jnp.arange(m.max_batch), jnp.maximum(even, 0)]
         if self.undo is not None:
             self.undo["open"][src] = {"kv": open_kv[self.slot_r], "score": open_z[self.slot_r], "c": c, "z": z}
         cache = {**cache, "open_kv": {**cache["open_kv"], src: open_kv.at[at].set(pick(c), mode="drop")},
@@ -241,8 +256,12 @@ class PagedRows:
         """Write entries ``j [B,R]`` (compressed KV ``ckv [B,R,D]``, index keys ``ik [B,R,Di]``, pre-quantization)
         where ``emits [B,R]`` to the pages of KV source ``role``."""
         src = str(role.kv_source)
-        got = pc.entry_location(self.row_tables, self.flat(j)[:, None], pc.entries_per_block(cache["ckv"][src]))
-        blk, row, inside = (self.unflat(a[:, 0]) for a in got)
+        epb = pc.entries_per_block(cache["ckv"][src])
+        if self.meta.packed:
+            blk, row, inside = (self.unflat(a[:, 0]) for a in pc.entry_location(self.row_tables, self.flat(j)[:, None],
+                                                                                 epb))
+        else:
+            blk, row, inside = pc.entry_location(self.meta.block_tables, j, epb)
         emits = emits & (blk >= 0) & inside
         undo = {"blk": blk, "row": row, "emits": emits} if self.undo is not None else None
         out = {}
