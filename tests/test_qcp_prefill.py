@@ -68,6 +68,28 @@ def _prefill(setup, n=1, kvp=1, ced=False, chunk=None):
     return logits, cache_by_virtual_block(cache, kvp), meta
 
 
+def test_one_device_span_pass_is_packed(setup):
+    """The one-device (cached-rows) span pass computes only its rows: the requests' rows back to back in one
+    ``[1, Σ lengths]`` row list (not ``[batch, span]``), each request's tokens at its offset in order; CED packs
+    the retained decoder rows again (at most the metadata's CED row capacity)."""
+    from v41cp.serving.span_prefill import _span_rows
+
+    cfg, _, prompts, tables, slots = setup
+    for ced in (False, True):
+        meta = build_span_metadata(cfg, prompts, 1, slots=slots, block_tables=tables, span=SPAN, ced=ced)
+        rows = _span_rows(cfg, meta)
+        assert rows.packed and rows.rows == meta.capacity == sum(LENGTHS) and rows.tokens.shape == (1, sum(LENGTHS))
+        off = np.asarray(rows.offsets)
+        assert off.tolist() == np.concatenate([[0], np.cumsum(LENGTHS)[:-1]]).tolist()
+        for b, p in enumerate(prompts):
+            assert np.asarray(rows.tokens)[0, off[b]:off[b] + len(p)].tolist() == p
+        req, local = (np.asarray(a) for a in rows.row_requests())
+        assert (np.asarray(rows.positions)[0] == local).all() and (np.asarray(rows.row_valid)[0]).all()
+        assert req.tolist() == [b for b, n in enumerate(LENGTHS) for _ in range(n)]
+        if ced:
+            assert rows.decoder_rows == meta.dec_capacity == sum(min(n, ced_rows(cfg)) for n in LENGTHS)
+
+
 @pytest.fixture(scope="module")
 def unsharded(setup):
     return {ced: _prefill(setup, ced=ced) for ced in (False, True)}
