@@ -11,6 +11,9 @@
   ``generate --prompt TEXT [--chat]`` takes text (the checkpoint's tokenizer) and streams text back.
 * ``serve [--host 127.0.0.1] [--port 8000]`` the OpenAI-compatible HTTP server (`v41cp.serving.server`).
 * ``bench decode|prefill [--lengths 64,512,2048] --json`` engine step latency, tokens/s, compile counts.
+* ``plan --preset v41-flash --mode decode|prefill --batch B --context T [topology flags] --json`` compiles (never
+  runs) the step with abstract weights: per-device FLOPs / memory / collective bytes vs the analytic floor
+  (`v41cp.plan`).
 * ``bench kernels [--shapes flash|tiny] [--contexts ...] [--batches ...] --json`` the Pallas kernels vs the XLA
   paths vs the HBM roofline (`v41cp.kernels.bench`).
 
@@ -443,6 +446,23 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    """Compile (never run) the decode step or the prefill with abstract weights and print its per-device
+    structure (`v41cp.plan`)."""
+    from v41cp.plan import plan_program
+
+    if args.preset and args.checkpoint:
+        raise ValueError("plan: give --preset or --checkpoint, not both")
+    cfg = _load_cfg(args)
+    if args.keep_quantized:
+        cfg = cfg.replace(keep_quantized=True)
+    cfg = cfg.replace(**_backends(args))
+    out = plan_program(cfg, args.mode, args.batch, args.context, _parallel(args), block_tokens=args.block_tokens,
+                       ced=args.ced, device_memory_gb=args.device_memory_gb)
+    print(json.dumps(out) if args.json else json.dumps(out, indent=1))
+    return 0
+
+
 def _topology_flags(p) -> None:
     p.add_argument("--devices", type=int, default=1,
                    help="devices to use (on a CPU host: simulated CPU devices); tp x dp must equal it")
@@ -546,6 +566,22 @@ def main(argv=None) -> int:
     k.add_argument("--reps", type=int, default=10, help="timed calls per case (median reported)")
     k.add_argument("--no-xla", action="store_true", help="skip the XLA reference paths")
     k.add_argument("--sweep", action="store_true", help="also time alternative kernel parameters (block sizes, warps)")
+    n = sub.add_parser("plan", help="compile (never run) a step with abstract weights: per-device FLOPs, memory, "
+                       "collective bytes vs the analytic floor (prints JSON)")
+    n.add_argument("--preset", help="a named preset (v41-flash, tiny, ...)")
+    n.add_argument("--checkpoint", help="a checkpoint directory (its config.json; no weights are read)")
+    n.add_argument("--mode", choices=("decode", "prefill"), default="decode")
+    n.add_argument("--batch", type=int, default=1, help="decode: batch rows; prefill: prompts")
+    n.add_argument("--context", type=int, default=4096,
+                   help="decode: history capacity per request (tokens); prefill: prompt length")
+    n.add_argument("--block-tokens", type=int, default=16, help="tokens per cache page")
+    n.add_argument("--keep-quantized", action="store_true", help="FP4 experts / FP8 Engram as stored")
+    n.add_argument("--ced", action="store_true", help="prefill with CED narrowing")
+    n.add_argument("--device-memory-gb", type=float, default=141.0, help="device memory for 'fits' (GB, 10^9 B)")
+    n.add_argument("--no-fake-quant", action="store_true")
+    n.add_argument("--json", action="store_true")
+    _topology_flags(n)
+    _backend_flags(n)
     args = p.parse_args(argv)
     if getattr(args, "devices", 1) > 1 and "jax" not in sys.modules:
         import os
@@ -562,7 +598,7 @@ def main(argv=None) -> int:
 
     try:
         return {"info": cmd_info, "forward": cmd_forward, "convert": cmd_convert, "generate": cmd_generate,
-                "serve": cmd_serve, "bench": cmd_bench}[args.cmd](args)
+                "serve": cmd_serve, "bench": cmd_bench, "plan": cmd_plan}[args.cmd](args)
     except (ConfigError, CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

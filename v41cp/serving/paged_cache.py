@@ -34,7 +34,7 @@ from v41cp.serving.records import RECORD_FORMATS, decode, encode
 from v41cp.sharding.mesh import CP
 from v41cp.sharding.ownership import is_owned, local_row, owner
 
-__all__ = ["kv_groups", "init_cache", "pool_sharding", "write", "read", "stored_values", "store_rows",
+__all__ = ["kv_groups", "init_cache", "cache_layout", "pool_sharding", "write", "read", "stored_values", "store_rows",
            "entries_per_block", "cache_slots", "take_raw", "put_raw", "gather_pages", "entry_location", "page_rows", "write_entries",
            "read_pages", "write_owned", "restore_owned"]
 
@@ -58,12 +58,22 @@ def init_cache(cfg: ModelConfig, num_blocks: int, block_tokens: int, max_batch: 
     dtype (fake-quantized when ``cfg.fake_quant``). ``plan`` (KVP, a `v41cp.serving.dcp.DCPPlan`):
     ``num_blocks`` counts virtual blocks (a multiple of the group size N); the global pools are split over
     the mesh's ``cp`` axis (each rank allocates ``num_blocks / N`` pages), everything else is replicated."""
+    layout = cache_layout(cfg, num_blocks, block_tokens, max_batch, sharding, records, plan)
+    shardings = jax.tree.map(lambda a: a.sharding, layout)
+    # each device allocates only its own shard (no full-size staging copy on one device)
+    return jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), layout), out_shardings=shardings)()
+
+
+def cache_layout(cfg: ModelConfig, num_blocks: int, block_tokens: int, max_batch: int, sharding=None,
+                 records: bool | None = None, plan=None) -> dict:
+    """The cache `init_cache` allocates, as ``jax.ShapeDtypeStruct`` leaves carrying their shardings (nothing is
+    allocated: for compiling a step ahead of its cache, `v41cp.plan`)."""
     dt = dtype_of(cfg.dtype)
     records = cfg.fake_quant if records is None else records
     if records and not cfg.fake_quant:
         raise ValueError("byte records are the fake-quant formats: records=True needs cfg.fake_quant")
     d, di = cfg.head_dim, cfg.index_head_dim
-    layout = jax.ShapeDtypeStruct          # the layout first; the arrays are created already placed (below)
+    layout = jax.ShapeDtypeStruct
 
     def store(shape, fmt):
         c = {"fp8": d, "nvfp4": d, "mxfp4": di}[fmt]
@@ -94,8 +104,7 @@ def init_cache(cfg: ModelConfig, num_blocks: int, block_tokens: int, max_batch: 
             raise ValueError(f"num_blocks={num_blocks} must be a multiple of kv_parallel_size={plan.n}")
         rep, pool = NamedSharding(plan.mesh, P()), pool_sharding(plan.mesh)
         shardings = {k: jax.tree.map(lambda _: pool if k in ("ckv", "ikey") else rep, v) for k, v in cache.items()}
-    # each device allocates only its own shard (no full-size staging copy on one device)
-    return jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), cache), out_shardings=shardings)()
+    return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), cache, shardings)
 
 
 # ---------------------------------------------------------------------------------------------- one store

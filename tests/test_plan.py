@@ -1,0 +1,74 @@
+"""``python -m v41cp plan``: the compile-only report is the program the engine runs (abstract weights and cache
+compile to the same per-device program as real ones), with its memory figures and the analytic floor."""
+
+import json
+
+import jax
+import numpy as np
+
+from v41cp import model
+from v41cp.config import preset
+from v41cp.plan import floor_flops
+from v41cp.serving.dcp import DCPPlan
+from v41cp.serving.decode import DecodeMetadata, decode_step, init_cache
+from v41cp.sharding.hlo_stats import collectives
+from v41cp.sharding.topology import ParallelConfig
+
+BATCH, CONTEXT, BLOCK = 4, 64, 16
+
+
+def _shard_bytes(tree) -> int:
+    return sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(tree))
+
+
+def test_plan_equals_the_compiled_engine_program(capsys):
+    from v41cp.__main__ import main
+
+    assert main(["plan", "--preset", "tiny-tp8", "--mode", "decode", "--batch", str(BATCH), "--context",
+                 str(CONTEXT), "--block-tokens", str(BLOCK), "--devices", "8", "--kv-parallel-size", "8",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    # the same step from real weights and a real cache, as the engine builds it
+    cfg = preset("tiny-tp8")
+    par = ParallelConfig(tp_size=8, kv_parallel_size=8, decode_context_parallel_size=8)
+    mesh = par.make_mesh()
+    plan = DCPPlan.build(cfg, par, mesh)
+    params = model.shard_params(model.init_params(cfg, jax.random.key(0)), cfg, mesh, par.rules())
+    max_blocks = CONTEXT // BLOCK
+    num_blocks = 8 * BATCH * -(-max_blocks // 8)             # the engine's: each request's pages on whole ranks
+    cache = init_cache(cfg, num_blocks, BLOCK, BATCH, plan=plan)
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    meta = jax.device_put(DecodeMetadata.idle(cfg, BATCH, max_blocks), rep)
+    compiled = decode_step.lower(params, cache, meta, cfg, plan).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    mem = compiled.memory_analysis()
+    assert out["flops_per_device"] == cost["flops"] and out["bytes_accessed_per_device"] == cost["bytes accessed"]
+    assert out["temp_bytes_per_device"] == mem.temp_size_in_bytes
+    assert out["argument_bytes_per_device"] == mem.argument_size_in_bytes
+    assert out["alias_bytes_per_device"] == mem.alias_size_in_bytes
+    assert out["collective_bytes_per_device"] == sum(c["bytes"] for c in collectives(compiled.as_text())) > 0
+    assert out["weight_bytes_per_device"] == _shard_bytes(params)
+    assert out["cache_bytes_per_device"] == _shard_bytes(cache)
+    assert out["memory_needed_bytes_per_device"] == (out["argument_bytes_per_device"] + out["temp_bytes_per_device"]
+                                                     + out["output_bytes_per_device"] - out["alias_bytes_per_device"])
+    assert out["fits"] and out["devices"] == 8
+    floor = floor_flops(cfg, "decode", BATCH, CONTEXT)
+    assert np.isclose(out["floor_flops_per_device"] * 8, floor["total"])
+    assert out["flops_over_floor"] == out["flops_per_device"] / out["floor_flops_per_device"]
+
+
+def test_floor_counts_the_rows_and_entries_the_model_defines():
+    """The floor by hand for the tiny config: per decode row at position c − 1 each layer attends min(W, c)
+    window rows plus min(top-k, c / ratio) entries; prefill rows see only their causal prefix and the head meets
+    only the sampled row."""
+    cfg = preset("tiny-tp8")
+    dec, pre = floor_flops(cfg, "decode", 1, 40), floor_flops(cfg, "prefill", 1, 40)
+    att = 0
+    for role in cfg.layer_roles:
+        att += min(cfg.sliding_window, 40) + (min(cfg.index_topk, 40 // role.ratio) if role.ratio else 0)
+    assert dec["attention"] == 4 * cfg.num_attention_heads * cfg.head_dim * att
+    head = 2 * cfg.hidden_size * cfg.vocab_size
+    # prefill: 40 rows of the same per-row parameters, but the head once
+    assert np.isclose(pre["parameters"] - head, 40 * (dec["parameters"] - head))
+    assert pre["attention"] < 40 * dec["attention"] and pre["indexer"] < 40 * dec["indexer"]

@@ -1,0 +1,199 @@
+"""Compile-only plans of the serving programs (``python -m v41cp plan``): a step of a config and topology,
+compiled — never run — with abstract weights and an abstract cache on the visible devices (on a CPU host:
+simulated ones), measured from XLA's own cost and memory analysis of the per-device program.
+
+`plan_program(cfg, mode, batch, context, parallel, ...)` → the report (a dict):
+
+* ``mode="decode"``: one `v41cp.serving.decode.decode_step` of ``batch`` rows whose requests each hold
+  ``context`` tokens of history capacity (the cache: ``batch · ⌈context / block_tokens⌉`` pages, split over the
+  KVP group; DCP under KVP);
+* ``mode="prefill"``: one `v41cp.serving.span_prefill` pass of ``batch`` prompts of ``context`` tokens in the
+  topology's layout (model-wide QCP, KVP, operator-local QCP, CED).
+
+Per device, from the compiled program: ``flops``, ``bytes_accessed``, ``argument`` / ``output`` / ``alias`` /
+``temp`` bytes, the bytes of its collectives (`v41cp.sharding.hlo_stats`); the weights' and the cache's
+bytes; the analytic floor (`floor_flops`) and the ratio; whether weights + cache + temporaries (+ outputs that
+are not aliased) fit the device memory.
+"""
+
+from __future__ import annotations
+
+import re
+
+import flax.linen as nn
+import jax
+import numpy as np
+
+from v41cp.config import ModelConfig
+
+__all__ = ["plan_program", "floor_flops", "abstract_sharded_params"]
+
+_LOOKUPS = ("embed", "embed_fp8", "embed_scale")          # gathered rows, no multiply-adds
+
+
+def abstract_sharded_params(cfg: ModelConfig, mesh, rules):
+    """The unboxed parameter tree as ``jax.ShapeDtypeStruct`` leaves with their shardings (``mesh`` None: the
+    first device)."""
+    from v41cp.model import abstract_params
+    from v41cp.sharding.rules import param_shardings
+
+    boxed = abstract_params(cfg)
+    if mesh is None:
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: one, nn.unbox(boxed))
+    else:
+        shardings = param_shardings(boxed, mesh, rules)
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), nn.unbox(boxed), shardings)
+
+
+def _per_device_bytes(tree) -> int:
+    """Bytes one device holds of an abstract tree (the largest shard of each leaf)."""
+    total = 0
+    for a in jax.tree.leaves(tree):
+        shape = a.sharding.shard_shape(a.shape) if a.sharding is not None else a.shape
+        total += int(np.prod(shape)) * np.dtype(a.dtype).itemsize
+    return total
+
+
+def _layer_macs(cfg: ModelConfig) -> tuple[np.ndarray, int]:
+    """Multiply-adds per token of each layer's parameters a token uses (``[L]``: every dense weight, the router,
+    the shared expert and ``k`` of the ``E`` routed experts; lookups excluded) and of the head."""
+    from v41cp.model import abstract_params
+
+    tree = nn.unbox(abstract_params(cfg))
+    per_layer = np.zeros(cfg.num_hidden_layers, np.int64)
+    for path, a in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        keys = [getattr(k, "key", str(k)) for k in path]
+        m = re.fullmatch(r"layers_(\d+)", keys[0])
+        if m is None or keys[-1] in _LOOKUPS or keys[-1].startswith("experts_") or keys[-1].startswith("gate_bias"):
+            continue
+        per_layer[int(m.group(1))] += int(np.prod(a.shape))
+    routed = cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    return per_layer + routed, cfg.hidden_size * cfg.vocab_size
+
+
+def floor_flops(cfg: ModelConfig, mode: str, batch: int, context: int, ced: bool = False) -> dict:
+    """The work the model defines, in FLOPs (all devices together): 2 per multiply-add of the parameters each row
+    uses (`_layer_macs`; the head on every decode row, at prefill only on each prompt's sampled row), the
+    attention products over the entries each row attends (``4 · heads · head_dim`` per entry: the window rows
+    and, on compressed layers, ``min(index_topk, entries)``) and the indexer scores (``2 · index_heads ·
+    index_head_dim`` per scored key: every entry of the source, or on candidate-restricted layers at most
+    ``candidate_topk_blocks · candidate_block_size``). Decode: ``batch`` rows at position ``context − 1``;
+    prefill: ``batch`` prompts of positions ``0 … context − 1`` (with ``ced``, the layers from the CED boundary
+    on only for each prompt's last `ced_rows` rows)."""
+    from v41cp.ced import ced_boundary, ced_rows
+
+    layer_macs, head_macs = _layer_macs(cfg)
+    pos = np.array([context - 1]) if mode == "decode" else np.arange(context)
+    seen = pos + 1                                                       # tokens visible to each row
+    boundary = ced_boundary(cfg) if (ced and mode == "prefill") else None
+    out = {"parameters": 0.0, "attention": 0.0, "indexer": 0.0}
+    for role in cfg.layer_roles:
+        rows = seen if boundary is None or role.index < boundary else seen[-min(ced_rows(cfg), len(seen)):]
+        out["parameters"] += 2.0 * layer_macs[role.index] * len(rows) * batch
+        entries = np.minimum(cfg.sliding_window, rows).astype(np.float64)
+        if role.ratio > 0:
+            avail = rows // role.ratio
+            entries += np.minimum(cfg.index_topk, avail)
+            if role.is_index_source:
+                keys = avail
+                if role.uses_candidates:
+                    keys = np.minimum(avail, cfg.candidate_topk_blocks * cfg.candidate_block_size)
+                out["indexer"] += 2.0 * cfg.index_n_heads * cfg.index_head_dim * float(keys.sum()) * batch
+        out["attention"] += 4.0 * cfg.num_attention_heads * cfg.head_dim * float(entries.sum()) * batch
+    head_rows = batch * (len(pos) if mode == "decode" else 1)
+    out["parameters"] += 2.0 * head_macs * head_rows
+    out["total"] = sum(out.values())
+    return out
+
+
+def _decode_program(cfg, batch, context, block_tokens, parallel, mesh, params):
+    import jax.numpy as jnp
+
+    from v41cp.serving.dcp import DCPPlan
+    from v41cp.serving.decode import DecodeMetadata, decode_step
+    from v41cp.serving.paged_cache import cache_layout
+
+    plan = DCPPlan.build(cfg, parallel, mesh) if parallel is not None and parallel.kv_parallel_size > 1 else None
+    n = plan.n if plan is not None else 1
+    max_blocks = -(-context // block_tokens)
+    num_blocks = n * batch * -(-max_blocks // n)
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None else None
+    cache = cache_layout(cfg, num_blocks, block_tokens, batch, None if plan else rep, plan=plan)
+    n_eng = len(cfg.engram_layer_ids)
+    arg = lambda shape, dt=jnp.int32: jax.ShapeDtypeStruct(shape, dt, sharding=rep or jax.sharding.SingleDeviceSharding(
+        jax.devices()[0]))
+    meta = DecodeMetadata(arg((batch,)), arg((batch,)), arg((batch,)), arg((batch, max_blocks)), arg((batch,), bool),
+                          arg((batch, n_eng, cfg.engram_hash_heads if n_eng else 0)), batch, max_blocks)
+    return decode_step.lower(params, cache, meta, cfg, plan), cache
+
+
+def _prefill_program(cfg, batch, context, block_tokens, parallel, mesh, params, ced):
+    from v41cp.serving.dcp import DCPPlan
+    from v41cp.serving.paged_cache import cache_layout
+    from v41cp.serving.span_metadata import build_span_metadata
+    from v41cp.serving.span_prefill import SpanLayout, lower_prefill_span
+
+    layout = SpanLayout.from_parallel(parallel, mesh) if parallel is not None else SpanLayout()
+    plan = DCPPlan.build(cfg, parallel, mesh) if layout.kv_parallel > 1 else None
+    n = layout.kv_parallel
+    max_blocks = -(-context // block_tokens)
+    num_blocks = n * batch * -(-max_blocks // n)
+    tables = np.arange(num_blocks, dtype=np.int32)[:batch * max_blocks].reshape(batch, max_blocks)
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None else None
+    cache = cache_layout(cfg, num_blocks, block_tokens, batch, None if plan else rep, plan=plan)
+    prompts = [[3 + (i * 7919 + b) % (cfg.vocab_size - 3) for i in range(context)] for b in range(batch)]
+    meta = build_span_metadata(cfg, prompts, layout.n, block_tables=tables, ced=ced)
+    return lower_prefill_span(params, cache, meta, cfg, layout), cache
+
+
+def plan_program(cfg: ModelConfig, mode: str, batch: int, context: int, parallel=None, *, block_tokens: int = 16,
+                 ced: bool = False, device_memory_gb: float = 141.0) -> dict:
+    """Compile the ``mode`` step (see the module docstring) and report its per-device structure. ``parallel``: a
+    `v41cp.sharding.topology.ParallelConfig` (None: one device)."""
+    from v41cp.sharding.hlo_stats import collectives
+
+    if mode not in ("decode", "prefill"):
+        raise ValueError(f"plan: mode must be 'decode' or 'prefill', got {mode!r}")
+    for name, v in (("batch", batch), ("context", context), ("block_tokens", block_tokens)):
+        if type(v) is not int or v <= 0:
+            raise ValueError(f"plan: {name} must be a positive integer, got {v!r}")
+    mesh = parallel.make_mesh(jax.devices()[:parallel.num_devices]) if parallel is not None else None
+    devices = 1 if mesh is None else mesh.devices.size
+    params = abstract_sharded_params(cfg, mesh, parallel.rules() if parallel is not None else None)
+    with jax.default_matmul_precision("highest" if cfg.dtype == "float32" else "default"):
+        if mode == "decode":
+            lowered, cache = _decode_program(cfg, batch, context, block_tokens, parallel, mesh, params)
+        else:
+            lowered, cache = _prefill_program(cfg, batch, context, block_tokens, parallel, mesh, params, ced)
+    compiled = lowered.compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    mem = compiled.memory_analysis()
+    coll = collectives(compiled.as_text())
+    floor = floor_flops(cfg, mode, batch, context, ced)
+    per = {
+        "flops_per_device": float(cost.get("flops", 0.0)),
+        "bytes_accessed_per_device": float(cost.get("bytes accessed", 0.0)),
+        "argument_bytes_per_device": int(mem.argument_size_in_bytes),
+        "output_bytes_per_device": int(mem.output_size_in_bytes),
+        "alias_bytes_per_device": int(mem.alias_size_in_bytes),
+        "temp_bytes_per_device": int(mem.temp_size_in_bytes),
+        "collective_bytes_per_device": int(sum(c["bytes"] for c in coll)),
+        "weight_bytes_per_device": _per_device_bytes(params),
+        "cache_bytes_per_device": _per_device_bytes(cache),
+    }
+    need = per["argument_bytes_per_device"] + per["temp_bytes_per_device"] + per["output_bytes_per_device"] - \
+        per["alias_bytes_per_device"]
+    floor_dev = floor["total"] / devices
+    return {
+        "mode": mode, "batch": batch, "context": context, "devices": devices, "block_tokens": block_tokens,
+        "ced": ced, **per,
+        "collectives": {op: sum(c["bytes"] for c in coll if c["op"] == op) for op in sorted({c["op"] for c in coll})},
+        "floor_flops_per_device": floor_dev,
+        "floor_parts_per_device": {k: v / devices for k, v in floor.items() if k != "total"},
+        "flops_over_floor": per["flops_per_device"] / floor_dev if floor_dev else None,
+        "memory_needed_bytes_per_device": need,
+        "device_memory_bytes": int(device_memory_gb * 1e9),                  # GB = 10⁹ bytes (H200: 141 GB)
+        "fits": need <= device_memory_gb * 1e9,
+    }
