@@ -143,7 +143,11 @@ def _prefill_program(cfg, batch, context, block_tokens, parallel, mesh, params, 
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None else None
     cache = cache_layout(cfg, num_blocks, block_tokens, batch, None if plan else rep, plan=plan)
     prompts = [[3 + (i * 7919 + b) % (cfg.vocab_size - 3) for i in range(context)] for b in range(batch)]
-    meta = build_span_metadata(cfg, prompts, layout.n, block_tables=tables, ced=ced)
+    # a synthetic prompt: without the checkpoint's tokenizer its Engram ids are hashed from a stand-in token map
+    # (their values are data; the compiled program is the same)
+    host = cfg if cfg.engram_token_map is not None or not cfg.engram_layer_ids else cfg.replace(
+        engram_token_map=tuple(i % cfg.engram_compressed_vocab_size for i in range(cfg.vocab_size)))
+    meta = build_span_metadata(host, prompts, layout.n, block_tables=tables, ced=ced)
     return lower_prefill_span(params, cache, meta, cfg, layout), cache
 
 
