@@ -20,7 +20,7 @@ def test_tp_forward_equals_single_device(name, dp, tp):
     sharded = model.shard_params(params, cfg, mesh)
     wq_b = sharded["layers_1"]["attn"]["wq_b"]
     experts = sharded["layers_1"]["ffn"]["experts_w1"]
-    assert wq_b.sharding.spec[1] == "tp" and experts.sharding.spec[0] == "tp"
+    assert wq_b.sharding.spec[1] == "tp" and experts.sharding.spec[2] == "tp"      # tensor-parallel MoE: I split
     assert len({s.device for s in wq_b.addressable_shards}) == dp * tp
     assert wq_b.addressable_shards[0].data.shape[1] == cfg.num_attention_heads // tp
     got_logits, got_hidden = model.forward_with_hidden(sharded, cfg, tokens, shard=ShardingContext(mesh, TP_RULES))

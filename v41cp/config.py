@@ -26,7 +26,7 @@ __all__ = ["ConfigError", "ModelConfig", "LayerRole", "PRESETS", "preset", "ENGR
 
 ENGRAM_ROW_ALIGN = 64
 # fields that describe how to run the model, not the model: never written to a checkpoint's config
-RUNTIME_FIELDS = ("engram_token_map", "attention_backend", "indexer_backend")
+RUNTIME_FIELDS = ("engram_token_map", "attention_backend", "indexer_backend", "moe_backend")
 
 
 class ConfigError(ValueError):
@@ -194,6 +194,9 @@ class ModelConfig:
     # and the DCP path alike.
     attention_backend: str = "xla"
     indexer_backend: str = "xla"
+    # Routed-expert dispatch (runtime option): "sparse" (each token runs only its k experts, dropless, static
+    # shapes; `v41cp.layers.moe_dispatch`) or "dense" (every expert on every token: the reference).
+    moe_backend: str = "sparse"
     # Engram compressed-token map (token id -> compressed id), derived from the tokenizer.
     # Used only by host-side hashing, never inside jitted code, hence excluded from eq/hash.
     engram_token_map: tuple[int, ...] | None = field(default=None, compare=False, repr=False)
@@ -322,6 +325,8 @@ class ModelConfig:
         for name in ("attention_backend", "indexer_backend"):
             if getattr(self, name) not in ("xla", "pallas"):
                 raise ConfigError(f"{name} must be 'xla' or 'pallas', got {getattr(self, name)!r}")
+        if self.moe_backend not in ("sparse", "dense"):
+            raise ConfigError(f"moe_backend must be 'sparse' or 'dense', got {self.moe_backend!r}")
         for name in ("fake_quant", "keep_quantized"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a boolean, got {getattr(self, name)!r}")

@@ -1,9 +1,17 @@
 """MoE FFN (§3.5): sqrtsoftplus router with noaux_tc selection bias, renormalised top-k weights ×
 routed_scaling_factor, clamped-SwiGLU experts and one shared expert.
 
-Reference path: every expert runs on every token and unselected experts get weight 0. It shards
-cleanly over experts (each TP rank computes its experts; XLA sums), and is exact; a grouped
-(ragged) dispatch that skips unselected experts belongs to the kernels issue.
+Two dispatches of the routed experts (``cfg.moe_backend``), identical routing and results:
+
+* ``"sparse"`` (default, `v41cp.layers.moe_dispatch`): each token runs only its ``k`` experts, dropless, static
+  shapes; FP4 experts decoded per tile, only for the tiles computed;
+* ``"dense"`` (the reference): every expert runs on every token and unselected experts get weight 0.
+
+Partitioning (tensor-parallel MoE): every expert's intermediate width ``I`` is split over attention TP (logical
+axis ``moe_mlp``), like the shared expert's (``mlp``). Each rank runs the same routing over its width slice and
+the partial outputs are summed — one ``[T, H]`` FP32 all-reduce per layer in the GSPMD step (a ``jax.shard_map``
+island, `MoE._tp_island`), a reduce-scatter under model-wide QCP (`MoE._row_group`). Every rank does the same
+work whatever the routing (balanced; no token dropped, no dynamic counts).
 """
 
 from __future__ import annotations
@@ -11,14 +19,17 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from v41cp.config import ModelConfig
 from v41cp.layers.common import declare, dtype_of, zeros_init
-from v41cp.layers.stored_weights import decode_fp4
-from v41cp.sharding.rules import ShardingContext, constrain
+from v41cp.layers.moe_dispatch import sparse_routed_output
+from v41cp.layers.stored_weights import FP4_PAIR_TABLE, decode_fp4, e8m0_to_f32
+from v41cp.sharding.mesh import ATTN_TP
+from v41cp.sharding.rules import ShardingContext, constrain, logical_sharding
 
 __all__ = ["MoE", "route", "route_scores", "swiglu_clamped", "routed_output", "shared_output", "dense_route_weights",
-           "expert_weights"]
+           "expert_weights", "dispatch_weights", "moe_partial"]
 
 
 def swiglu_clamped(gate: jax.Array, up: jax.Array, limit: float, dtype) -> jax.Array:
@@ -61,6 +72,50 @@ def expert_weights(p: dict, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
                  for n in ("w1", "w3", "w2"))
 
 
+def dispatch_weights(p: dict, width: int, rank, dtype) -> dict:
+    """A MoE parameter dict's routed experts (the rank's slice of ``width`` columns of the intermediate width
+    when split) in `v41cp.layers.moe_dispatch`'s format: plain ``w1 / w3 [E, H, I']``, ``w2 [E, I', H]``, or the
+    stored FP4 ``(packed, scale)`` pairs. When a rank's slice of ``w2`` is not whole 32-column scale blocks (toy
+    widths: the scale stays replicated while the bytes are split), that slice is decoded once up front."""
+    if "experts_w1" in p:
+        return {n: p[f"experts_{n}"] for n in ("w1", "w3", "w2")}
+    out = {n: (p[f"experts_{n}_fp4"], p[f"experts_{n}_scale"]) for n in ("w1", "w3", "w2")}
+    packed, scale = out["w2"]
+    local = 2 * packed.shape[-1]
+    if 32 * scale.shape[-1] != local:                        # replicated scale blocks over split bytes
+        cols = jnp.repeat(e8m0_to_f32(scale), 32, axis=-1)[..., :width]
+        cols = jax.lax.dynamic_slice_in_dim(cols, rank * local, local, axis=-1)
+        values = jnp.asarray(FP4_PAIR_TABLE)[packed].reshape(*packed.shape[:-1], local)
+        out["w2"] = jnp.swapaxes((values * cols).astype(dtype), 1, 2)
+    return out
+
+
+def moe_partial(cfg: ModelConfig, xt: jax.Array, mask, gate: tuple, stored: dict, shared: tuple, rank, lead) -> jax.Array:
+    """One rank's contribution to the MoE output of ``xt [T, H]`` (every row): the router (replicated), the
+    routed experts over the rank's slice of their intermediate width, the shared expert over its slice; a part
+    whose weights are not split (the width does not divide the group) counts on the ``lead`` rank only. FP32
+    ``[T, H]``; summed over the group it is the layer's output."""
+    w_gate, bias, bias_vl = gate
+    w, idx = route(cfg, xt, w_gate, bias, bias_vl, mask)
+    dt = xt.dtype
+    width = cfg.moe_intermediate_size
+    experts = dispatch_weights(stored, width, rank, dt)
+    local = experts["w2"][0].shape[-1] * 2 if isinstance(experts["w2"], tuple) else experts["w2"].shape[1]
+    if cfg.moe_backend == "sparse":
+        act = lambda g, u: swiglu_clamped(g, u, cfg.swiglu_limit, dt)
+        routed = sparse_routed_output(xt, idx, w, experts, act)
+    else:
+        plain = [v if not isinstance(v, tuple) else jnp.swapaxes(decode_fp4(*v, dt), 1, 2)
+                 for v in (experts["w1"], experts["w3"], experts["w2"])]
+        routed = routed_output(cfg, xt, dense_route_weights(cfg, w, idx), *plain)
+    shared_out = shared_output(cfg, xt, *shared).astype(jnp.float32)
+    if local == width and lead is not None:
+        routed = jnp.where(lead, routed, 0.0)
+    if shared[0].shape[1] == width and lead is not None:
+        shared_out = jnp.where(lead, shared_out, 0.0)
+    return routed + shared_out
+
+
 def dense_route_weights(cfg: ModelConfig, w: jax.Array, idx: jax.Array) -> jax.Array:
     """Router output (weights, ids ``[T,k]``) → dense per-expert weights ``[T, E]`` FP32 (0 = not selected)."""
     t = w.shape[0]
@@ -88,29 +143,31 @@ def shared_output(cfg: ModelConfig, xt: jax.Array, s1, s3, s2) -> jax.Array:
 class MoE(nn.Module):
     """Parameters: ``gate.weight [H, E]``, ``gate.bias``/``gate.bias_vl [E]`` (FP32),
     ``experts.w1/w3 [E, H, I]``, ``experts.w2 [E, I, H]`` (or their FP4 storage, see `_experts`),
-    ``shared.w1/w3 [H, I]``, ``shared.w2 [I, H]``."""
+    ``shared.w1/w3 [H, I]``, ``shared.w2 [I, H]``. ``I`` (``moe_mlp`` / ``mlp``) is split over attention TP."""
 
     cfg: ModelConfig
     shard: ShardingContext | None = None
 
-    def _experts(self, dt):
-        """Routed expert weights as ``w1, w3 [E, H, I]`` and ``w2 [E, I, H]``: parameters, or (with
-        ``keep_quantized``) decoded from the stored FP4 bytes ``experts_w*_fp4 [E, out, in/2]`` and e8m0
+    def _experts(self, dt) -> tuple[dict, dict]:
+        """Routed expert parameters and their logical axes: ``experts_w1/w3 [E, H, I]``, ``experts_w2 [E, I,
+        H]``, or (with ``keep_quantized``) the stored FP4 bytes ``experts_w*_fp4 [E, out, in/2]`` and e8m0
         ``experts_w*_scale [E, out, in/32]`` (the release's per-expert ``[out, in]`` orientation)."""
         cfg = self.cfg
         e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         if not cfg.keep_quantized:
-            return (declare(self, "experts_w1", (e, h, i), ("experts", "embed", "moe_mlp"), dt),
-                    declare(self, "experts_w3", (e, h, i), ("experts", "embed", "moe_mlp"), dt),
-                    declare(self, "experts_w2", (e, i, h), ("experts", "moe_mlp", "embed"), dt))
-        stored = {}
-        for name, (o, n), axes in (("w1", (i, h), ("experts", "moe_mlp", None)), ("w3", (i, h), ("experts", "moe_mlp", None)),
-                                   ("w2", (h, i), ("experts", "embed", None))):
-            stored[f"experts_{name}_fp4"] = declare(self, f"experts_{name}_fp4", (e, o, n // 2), axes, jnp.uint8,
-                                                    zeros_init)
-            stored[f"experts_{name}_scale"] = declare(self, f"experts_{name}_scale", (e, o, n // 32), axes, jnp.uint8,
-                                                      zeros_init)
-        return expert_weights(stored, dt)
+            specs = {"experts_w1": ((e, h, i), ("experts", "embed", "moe_mlp"), dt),
+                     "experts_w3": ((e, h, i), ("experts", "embed", "moe_mlp"), dt),
+                     "experts_w2": ((e, i, h), ("experts", "moe_mlp", "embed"), dt)}
+        else:
+            specs = {}
+            for name, (o, n), axes in (("w1", (i, h), ("experts", "moe_mlp", None)),
+                                       ("w3", (i, h), ("experts", "moe_mlp", None)),
+                                       ("w2", (h, i), ("experts", "embed", "moe_mlp"))):
+                specs[f"experts_{name}_fp4"] = ((e, o, n // 2), axes, jnp.uint8)
+                specs[f"experts_{name}_scale"] = ((e, o, n // 32), axes, jnp.uint8)
+        init = {} if not cfg.keep_quantized else {"init": zeros_init}
+        stored = {k: declare(self, k, shape, axes, d, **init) for k, (shape, axes, d) in specs.items()}
+        return stored, {k: (shape, axes) for k, (shape, axes, _) in specs.items()}
 
     @nn.compact
     def __call__(self, x: jax.Array, image_mask: jax.Array | None = None) -> jax.Array:
@@ -121,45 +178,69 @@ class MoE(nn.Module):
         w_gate = declare(self, "gate_weight", (h, e), ("embed", None), dt)
         bias = declare(self, "gate_bias", (e,), (None,), jnp.float32, zeros_init)
         bias_vl = declare(self, "gate_bias_vl", (e,), (None,), jnp.float32, zeros_init)
-        w1, w3, w2 = self._experts(dt)
-        s1 = declare(self, "shared_w1", (h, i), ("embed", "mlp"), dt)
-        s3 = declare(self, "shared_w3", (h, i), ("embed", "mlp"), dt)
-        s2 = declare(self, "shared_w2", (i, h), ("mlp", "embed"), dt)
+        stored, expert_axes = self._experts(dt)
+        shared_axes = {"shared_w1": ((h, i), ("embed", "mlp")), "shared_w3": ((h, i), ("embed", "mlp")),
+                       "shared_w2": ((i, h), ("mlp", "embed"))}
+        shared = tuple(declare(self, k, shape, axes, dt) for k, (shape, axes) in shared_axes.items())
 
         b, s, _ = x.shape
         xt = x.reshape(b * s, h)
         mask = None if image_mask is None else image_mask.reshape(b * s)
+        gate = (w_gate, bias, bias_vl)
         if getattr(self.shard, "in_map", False):
-            out = self._row_group(xt, mask, w_gate, bias, bias_vl, (w1, w3, w2), (s1, s3, s2))
+            out = self._row_group(xt, mask, gate, stored, shared)
             return out.astype(x.dtype).reshape(b, s, h)
         if self.is_mutable_collection("intermediates"):       # forward_debug: the routing boundary's scores
             self.sow("intermediates", "route_scores", route_scores(xt, w_gate, bias, bias_vl, mask)[1])
-        w, idx = route(cfg, xt, w_gate, bias, bias_vl, mask)
-        dense_w = constrain(dense_route_weights(cfg, w, idx), (None, "experts"), self.shard)
-        routed = routed_output(cfg, xt, dense_w, w1, w3, w2, self.shard)
-        shared = shared_output(cfg, xt, s1, s3, s2)
-        return (routed + shared.astype(jnp.float32)).astype(x.dtype).reshape(b, s, h)
+        if cfg.moe_backend == "sparse" and self.shard is not None:
+            out = self._tp_island(xt, mask, gate, stored, shared, {**expert_axes, **shared_axes})
+        elif cfg.moe_backend == "sparse":
+            out = moe_partial(cfg, xt, mask, gate, stored, shared, 0, None)
+        else:
+            w, idx = route(cfg, xt, w_gate, bias, bias_vl, mask)
+            dense_w = constrain(dense_route_weights(cfg, w, idx), (None, "experts"), self.shard)
+            routed = routed_output(cfg, xt, dense_w, *expert_weights(stored, dt), self.shard)
+            out = routed + shared_output(cfg, xt, *shared).astype(jnp.float32)
+        return out.astype(x.dtype).reshape(b, s, h)
 
-    def _row_group(self, xt, mask, w_gate, bias, bias_vl, experts, shared_w):
-        """Model-wide QCP (``shard`` a `RowGroup`): with experts / shared width split over the group, every rank
-        applies its slice to every row (gathered) and the partial outputs are reduce-scattered back to the local
+    def _tp_island(self, xt, mask, gate, stored, shared, axes):
+        """The GSPMD step's MoE as a ``jax.shard_map`` island over attention TP: rows (split over ``dp`` when the
+        batch is) replicated over the group, each rank's weight slices as laid out by the rules, partial outputs
+        all-reduced. ``xt [T, H]`` → FP32 ``[T, H]``."""
+        cfg, ctx = self.cfg, self.shard
+        mesh = ctx.mesh
+        group = tuple(a for a in ATTN_TP if mesh.shape.get(a, 1) > 1)
+        dp = ctx.rules.mesh_axis("batch")
+        dp = dp if isinstance(dp, str) and mesh.shape.get(dp, 1) > 1 and xt.shape[0] % mesh.shape[dp] == 0 else None
+        spec = lambda name: logical_sharding(*axes[name], mesh, ctx.rules).spec
+        rows = P(dp, None)
+        names = sorted(stored)
+        shared_names = ("shared_w1", "shared_w3", "shared_w2")
+
+        def body(xt, mask, gate, expert_leaves, shared_leaves):
+            rank = jax.lax.axis_index(group) if group else 0
+            lead = (rank == 0) if group else None
+            part = moe_partial(cfg, xt, mask, gate, dict(zip(names, expert_leaves)), tuple(shared_leaves), rank, lead)
+            return jax.lax.psum(part, group) if group else part
+
+        args = (xt, gate, tuple(stored[n] for n in names), shared) + (() if mask is None else (mask,))
+        in_specs = (rows, (P(), P(), P()), tuple(spec(n) for n in names), tuple(spec(n) for n in shared_names)) + \
+            (() if mask is None else (P(dp),))
+        return jax.shard_map(lambda x, g, e, s, *m: body(x, m[0] if m else None, g, e, s), mesh=mesh,
+                             in_specs=in_specs, out_specs=rows)(*args)
+
+    def _row_group(self, xt, mask, gate, stored, shared):
+        """Model-wide QCP (``shard`` a `RowGroup`): with the expert / shared width split over the group, every rank
+        applies its slices to every row (gathered) and the partial outputs are reduce-scattered back to the local
         rows; a replicated part is counted on one rank. ``xt [C, H]`` → FP32 ``[C, H]``."""
         cfg, grp = self.cfg, self.shard
-        w1, w3, w2 = experts
-        e_split = w1.shape[0] < cfg.n_routed_experts
-        m_split = shared_w[0].shape[1] < cfg.moe_intermediate_size
-        gathered = e_split or m_split
-        xa = grp.gather(xt) if gathered else xt
-        ma = None if mask is None else (grp.gather(mask) if gathered else mask)
-        w, idx = route(cfg, xa, w_gate, bias, bias_vl, ma)
-        dense = dense_route_weights(cfg, w, idx)
-        if e_split:
-            dense = jax.lax.dynamic_slice_in_dim(dense, grp.rank() * w1.shape[0], w1.shape[0], axis=1)
-        routed = routed_output(cfg, xa, dense, w1, w3, w2)
-        shared = shared_output(cfg, xa, *shared_w).astype(jnp.float32)
+        width = cfg.moe_intermediate_size
+        w2 = stored.get("experts_w2", stored.get("experts_w2_fp4"))
+        local_routed = w2.shape[1] if "experts_w2" in stored else 2 * w2.shape[-1]
+        gathered = local_routed < width or shared[0].shape[1] < width
         if not gathered:
-            return routed + shared
-        lead = grp.rank() == 0
-        routed = routed if e_split else jnp.where(lead, routed, 0.0)
-        shared = shared if m_split else jnp.where(lead, shared, 0.0)
-        return grp.sum_scatter(routed + shared)
+            return moe_partial(cfg, xt, mask, gate, stored, shared, 0, None)
+        xa = grp.gather(xt)
+        ma = None if mask is None else grp.gather(mask)
+        rank = grp.rank()
+        return grp.sum_scatter(moe_partial(cfg, xa, ma, gate, stored, shared, rank, rank == 0))

@@ -16,10 +16,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from v41cp.quant import FP4_TABLE
 
-__all__ = ["e8m0_to_f32", "decode_fp4", "decode_fp8_rows"]
+__all__ = ["e8m0_to_f32", "decode_fp4", "decode_fp8_rows", "FP4_PAIR_TABLE"]
+
+# packed byte → its two e2m1 values (low nibble first): one lookup per byte, no bit arithmetic
+FP4_PAIR_TABLE = np.stack([FP4_TABLE[np.arange(256) & 15], FP4_TABLE[np.arange(256) >> 4]], axis=-1)
 
 
 def e8m0_to_f32(bits: jax.Array) -> jax.Array:
@@ -35,9 +39,7 @@ def _expand_scale(scale: jax.Array, cols: int) -> jax.Array:
 
 def decode_fp4(packed: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     """``[..., out, in/2]`` packed e2m1 bytes × ``[..., out, in/32]`` e8m0 bytes → ``[..., out, in]`` in ``dtype``."""
-    table = jnp.asarray(FP4_TABLE)
-    low, high = table[packed & 15], table[packed >> 4]
-    values = jnp.stack([low, high], axis=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+    values = jnp.asarray(FP4_PAIR_TABLE)[packed].reshape(*packed.shape[:-1], 2 * packed.shape[-1])
     return (values * _expand_scale(scale, values.shape[-1])).astype(dtype)
 
 

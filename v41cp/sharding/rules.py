@@ -33,11 +33,12 @@ class AxisRules:
         return dict(self.rules).get(logical) if logical is not None else None
 
 
-# Attention tensor parallelism: heads, experts, MLP width, vocab and Engram rows over ("tp", "cp").
+# Attention tensor parallelism: heads, the expert and shared-expert intermediate widths (tensor-parallel MoE:
+# every rank holds every expert's slice), vocab and Engram rows over ("tp", "cp").
 # (Attention TP is the mesh-axis pair ("tp", "cp"); see `v41cp.sharding.mesh`.)
 _AT = ("tp", "cp")
 TP_RULES = AxisRules((
-    ("batch", "dp"), ("heads", _AT), ("o_groups", _AT), ("index_heads", _AT), ("experts", _AT),
+    ("batch", "dp"), ("heads", _AT), ("o_groups", _AT), ("index_heads", _AT), ("moe_mlp", _AT),
     ("mlp", _AT), ("vocab", _AT), ("engram_rows", _AT),
 ))
 # DCP with replicated query projections: the query heads of attention and indexer are split over the
@@ -48,7 +49,7 @@ REPLICATED_Q_RULES = AxisRules(tuple((k, "tp" if k in ("heads", "index_heads") e
 # query / weight projections are replicated (everything else as in TP_RULES).
 INDEXER_QCP_RULES = AxisRules(tuple((k, None if k == "index_heads" else v) for k, v in TP_RULES.rules))
 # Model-wide QCP: a rank attends its own rows with every head, so attention and indexer query / output
-# projections are replicated; experts, MLP width, vocab and Engram rows stay split over attention TP (MoE,
+# projections are replicated; expert / MLP widths, vocab and Engram rows stay split over attention TP (MoE,
 # embedding, head and Engram run as gather → local slice → reduce-scatter, `v41cp.serving.span_prefill`).
 QCP_RULES = AxisRules(tuple((k, None if k in ("heads", "o_groups", "index_heads") else v) for k, v in TP_RULES.rules))
 

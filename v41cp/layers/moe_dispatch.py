@@ -1,0 +1,167 @@
+"""Dropless sparse MoE dispatch with static shapes (``moe_backend="sparse"``, the default).
+
+Each token runs only the ``k`` experts the router chose; no (token, expert) pair is ever dropped and every
+shape is a function of the bucket (``T`` tokens, ``k``, ``E`` experts, the local expert width), never of the
+routing, so a step compiles once per bucket (CUDA-graph-like decode).
+
+Layout (`DispatchShape`): the ``T·k`` pairs are sorted by expert (stable: token order inside an expert) and
+laid out in **tiles** of ``G`` slots, every tile belonging to one expert; an expert with ``c`` pairs takes
+``⌈c / G⌉`` tiles. The slot capacity ``T·k + min(E, T·k)·(G − 1)`` (rounded up to whole tiles) holds any
+routing, so nothing is dropped; unused slots hold token −1 (a zero row, weight 0: exactly zero output). ``G``
+is the largest power of two whose worst-case padding stays within `TILE_PADDING` of the pairs (decode: ``G =
+1``, exactly ``T·k`` slots; long prefills: up to 128). Tiles are processed in chunks (a ``fori_loop`` when
+there is more than one) so the gathered expert weights of a chunk stay under ``chunk_bytes``.
+
+Work per tile: the tile's expert weights are gathered — as stored: FP4 experts stay packed in device memory
+and are decoded per tile, only for the tiles computed (`stored_matmul`) — then ``[G, H] → [G, I'] → [G,
+H]`` clamped SwiGLU, scaled by each slot's routing weight and added to its token's FP32 output.
+
+Tensor-parallel MoE: the caller passes each rank's slice of every expert's intermediate width (``I' = I /
+N``); the result is that rank's partial sum (the caller reduces), so every rank does the same work on the
+same routing — balanced by construction, and dropless without dynamic counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from v41cp.layers.stored_weights import FP4_PAIR_TABLE, e8m0_to_f32
+
+__all__ = ["DispatchShape", "dispatch", "sparse_routed_output", "stored_matmul", "TILE_PADDING",
+           "CHUNK_WEIGHT_BYTES", "FOLD_SCALE_BELOW"]
+
+TILE_PADDING = 1.0625           # worst-case padded slots ≤ 1.0625 × pairs (or G = 1)
+MAX_TILE = 128
+CHUNK_WEIGHT_BYTES = 1 << 30    # gathered (decoded) expert weights per chunk of tiles
+FOLD_SCALE_BELOW = 16           # tiles of fewer rows apply FP4 block scales after the block dot (see stored_matmul)
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchShape:
+    """Static dispatch geometry: ``pairs = T·k``, ``tile`` slots per tile, ``tiles`` (= ``chunks · chunk``)."""
+
+    tokens: int
+    pairs: int
+    experts: int
+    tile: int
+    chunk: int
+    chunks: int
+
+    @property
+    def tiles(self) -> int:
+        return self.chunk * self.chunks
+
+    @property
+    def slots(self) -> int:
+        return self.tiles * self.tile
+
+    @classmethod
+    def build(cls, tokens: int, k: int, experts: int, tile_weight_bytes: int,
+              chunk_bytes: int = CHUNK_WEIGHT_BYTES) -> "DispatchShape":
+        """Geometry for ``tokens`` rows routed to ``k`` of ``experts`` experts; ``tile_weight_bytes``: the
+        gathered weights of one tile (sets the chunk size under ``chunk_bytes``)."""
+        pairs = tokens * k
+        capacity = lambda g: -(-(pairs + min(experts, pairs) * (g - 1)) // g)      # tiles that hold any routing
+        tile = 1
+        while tile < MAX_TILE and capacity(2 * tile) * 2 * tile <= TILE_PADDING * pairs:
+            tile *= 2
+        need = capacity(tile)
+        per_chunk = max(1, chunk_bytes // max(1, tile_weight_bytes))
+        chunks = -(-need // per_chunk)
+        return cls(tokens, pairs, experts, tile, -(-need // chunks), chunks)
+
+
+def dispatch(idx: jax.Array, weights: jax.Array, shape: DispatchShape):
+    """Router output (``idx`` / ``weights [T, k]``) → ``(tile_expert [tiles] int32, slot_token [tiles, G]
+    int32 (−1 = empty), slot_weight [tiles, G] FP32)``: pairs sorted by expert, each expert's pairs in whole
+    tiles of its own (tiles past the last used one: expert ``E − 1``, every slot empty)."""
+    t, k = idx.shape
+    e, g = shape.experts, shape.tile
+    flat = idx.reshape(-1).astype(jnp.int32)
+    order = jnp.argsort(flat, stable=True)
+    sorted_e = flat[order]
+    sorted_tok = (order // k).astype(jnp.int32)
+    counts = jnp.zeros((e,), jnp.int32).at[flat].add(1)
+    first = jnp.cumsum(counts) - counts                               # first sorted pair of each expert
+    tiles_e = (counts + g - 1) // g
+    tile_end = jnp.cumsum(tiles_e)
+    slot = (tile_end - tiles_e)[sorted_e] * g + jnp.arange(t * k, dtype=jnp.int32) - first[sorted_e]
+    slot_token = jnp.full((shape.slots,), -1, jnp.int32).at[slot].set(sorted_tok)
+    slot_weight = jnp.zeros((shape.slots,), jnp.float32).at[slot].set(weights.reshape(-1)[order].astype(jnp.float32))
+    tile_expert = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(shape.tiles, dtype=jnp.int32), side="right"),
+                              e - 1).astype(jnp.int32)
+    return tile_expert, slot_token.reshape(shape.tiles, g), slot_weight.reshape(shape.tiles, g)
+
+
+def _fp4_values(packed: jax.Array, dtype) -> jax.Array:
+    """Packed e2m1 bytes ``[..., n/2]`` → code values ``[..., n]`` in ``dtype`` (one table lookup per byte)."""
+    pairs = jnp.asarray(FP4_PAIR_TABLE, dtype)[packed]
+    return pairs.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+def stored_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array) -> jax.Array:
+    """``x [c, G, n]`` times the FP4 weights of each tile as stored (``packed [c, o, n/2]``, e8m0 ``scale [c, o,
+    n/32]``: the release's ``[out, in]`` orientation) → ``[c, G, o]`` in ``x.dtype``.
+
+    The code values are exact in ``x.dtype``. Tiles of at least `FOLD_SCALE_BELOW` rows multiply the block scales
+    into the decoded weights (one multiply per weight, shared by ``G`` rows); smaller tiles (decode: ``G = 1``)
+    apply them after the per-block dot (``Σ_b s_ob · Σ_j x_bj q_objb``), which costs ``1/32`` of the dot instead
+    of half of it."""
+    c, g, n = x.shape
+    q = _fp4_values(packed, x.dtype)                                          # [c, o, n]
+    s = e8m0_to_f32(scale)                                                    # [c, o, n/32]
+    if g >= FOLD_SCALE_BELOW:
+        w = (q.reshape(c, q.shape[1], n // 32, 32) * s[..., None].astype(x.dtype)).reshape(q.shape)
+        return jnp.einsum("cgn,con->cgo", x, w)
+    part = jnp.einsum("cgbj,cobj->cgob", x.reshape(c, g, n // 32, 32), q.reshape(c, q.shape[1], n // 32, 32),
+                      preferred_element_type=jnp.float32)
+    return jnp.einsum("cgob,cob->cgo", part, s).astype(x.dtype)
+
+
+def _tile_matmul(x: jax.Array, weight, tiles: jax.Array) -> jax.Array:
+    """``x [c, G, n]`` times expert ``tiles [c]``'s weight: a plain ``[E, n, o]`` array, or stored FP4 ``(packed
+    [E, o, n/2], scale [E, o, n/32])`` → ``[c, G, o]``."""
+    if isinstance(weight, tuple):
+        packed, scale = weight
+        return stored_matmul(x, packed[tiles], scale[tiles])
+    return jnp.einsum("cgn,cno->cgo", x, weight[tiles].astype(x.dtype))
+
+
+def sparse_routed_output(x: jax.Array, idx: jax.Array, weights: jax.Array, experts: dict, swiglu,
+                         chunk_bytes: int = CHUNK_WEIGHT_BYTES) -> jax.Array:
+    """Σ over each token's ``k`` experts of ``weights[t, j] · expert_idx[t, j](x_t)`` — only the chosen experts
+    run. ``x [T, H]``; ``idx`` / ``weights [T, k]`` (router output); ``experts``: ``{"w1", "w3", "w2"}``, each a
+    plain array (``w1`` / ``w3 [E, H, I']``, ``w2 [E, I', H]``) or stored FP4 ``(packed, scale)`` in the
+    ``[E, out, in]`` orientation (``[E, I', H/2]`` / ``[E, H, I'/2]``); ``swiglu(gate, up)`` the activation.
+    Returns FP32 ``[T, H]`` (a partial sum when ``I'`` is a slice of the intermediate width)."""
+    t, h = x.shape
+    w2 = experts["w2"]
+    width = w2[0].shape[2] * 2 if isinstance(w2, tuple) else w2.shape[1]
+    n_experts = w2[0].shape[0] if isinstance(w2, tuple) else w2.shape[0]
+    shape = DispatchShape.build(t, idx.shape[1], n_experts, 3 * h * width * x.dtype.itemsize, chunk_bytes)
+    tile_expert, slot_token, slot_weight = dispatch(idx, weights, shape)
+    rows = jnp.concatenate([x, jnp.zeros((1, h), x.dtype)])                 # row T: the empty slot's zero row
+
+    def run(acc, tiles, tokens, wts):
+        tok = jnp.where(tokens < 0, t, tokens)
+        xs = rows[tok]                                                        # [c, G, H]
+        act = swiglu(_tile_matmul(xs, experts["w1"], tiles), _tile_matmul(xs, experts["w3"], tiles))
+        out = _tile_matmul(act, w2, tiles).astype(jnp.float32) * wts[..., None]
+        return acc.at[tok.reshape(-1)].add(out.reshape(-1, h))
+
+    acc = jnp.zeros((t + 1, h), jnp.float32)
+    if shape.chunks == 1:
+        acc = run(acc, tile_expert, slot_token, slot_weight)
+    else:
+        c = shape.chunk
+
+        def body(i, acc):
+            take = lambda a: jax.lax.dynamic_slice_in_dim(a, i * c, c, axis=0)
+            return run(acc, take(tile_expert), take(slot_token), take(slot_weight))
+
+        acc = jax.lax.fori_loop(0, shape.chunks, body, acc)
+    return acc[:t]
