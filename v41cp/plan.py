@@ -10,7 +10,8 @@ simulated ones), measured from XLA's own cost and memory analysis of the per-dev
 * ``mode="prefill"``: one `v41cp.serving.span_prefill` pass of ``batch`` prompts of ``context`` tokens in the
   topology's layout (model-wide QCP, KVP, operator-local QCP, CED).
 
-Per device, from the compiled program: ``flops``, ``bytes_accessed``, ``argument`` / ``output`` / ``alias`` /
+Per device, from the compiled program: ``flops``, ``bytes_accessed`` (XLA's cost analysis, each ``while`` loop
+counted once per iteration: `v41cp.sharding.hlo_stats.program_cost`), ``argument`` / ``output`` / ``alias`` /
 ``temp`` bytes, the bytes of its collectives (`v41cp.sharding.hlo_stats`); the weights' and the cache's
 bytes; the analytic floor (`floor_flops`) and the ratio; whether weights + cache + temporaries (+ outputs that
 are not aliased) fit the device memory.
@@ -155,7 +156,7 @@ def plan_program(cfg: ModelConfig, mode: str, batch: int, context: int, parallel
                  ced: bool = False, device_memory_gb: float = 141.0) -> dict:
     """Compile the ``mode`` step (see the module docstring) and report its per-device structure. ``parallel``: a
     `v41cp.sharding.topology.ParallelConfig` (None: one device)."""
-    from v41cp.sharding.hlo_stats import collectives
+    from v41cp.sharding.hlo_stats import collectives, program_cost
 
     if mode not in ("decode", "prefill"):
         raise ValueError(f"plan: mode must be 'decode' or 'prefill', got {mode!r}")
@@ -171,8 +172,7 @@ def plan_program(cfg: ModelConfig, mode: str, batch: int, context: int, parallel
         else:
             lowered, cache = _prefill_program(cfg, batch, context, block_tokens, parallel, mesh, params, ced)
     compiled = lowered.compile()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    cost = program_cost(compiled)                    # loop bodies counted once per iteration
     mem = compiled.memory_analysis()
     coll = collectives(compiled.as_text())
     floor = floor_flops(cfg, mode, batch, context, ced)

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from v41cp.config import ModelConfig
 from v41cp.layers.common import declare, dtype_of, zeros_init
 from v41cp.layers.moe_dispatch import sparse_routed_output
-from v41cp.layers.stored_weights import FP4_PAIR_TABLE, decode_fp4, e8m0_to_f32
+from v41cp.layers.stored_weights import decode_fp4, e8m0_to_f32, fp4_values
 from v41cp.sharding.mesh import ATTN_TP
 from v41cp.sharding.rules import ShardingContext, constrain, logical_sharding
 
@@ -85,7 +85,7 @@ def dispatch_weights(p: dict, width: int, rank, dtype) -> dict:
     if 32 * scale.shape[-1] != local:                        # replicated scale blocks over split bytes
         cols = jnp.repeat(e8m0_to_f32(scale), 32, axis=-1)[..., :width]
         cols = jax.lax.dynamic_slice_in_dim(cols, rank * local, local, axis=-1)
-        values = jnp.asarray(FP4_PAIR_TABLE)[packed].reshape(*packed.shape[:-1], local)
+        values = fp4_values(packed, jnp.float32)
         out["w2"] = jnp.swapaxes((values * cols).astype(dtype), 1, 2)
     return out
 

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from v41cp.layers.stored_weights import FP4_PAIR_TABLE, e8m0_to_f32
+from v41cp.layers.stored_weights import e8m0_to_f32, fp4_values
 
 __all__ = ["DispatchShape", "dispatch", "sparse_routed_output", "stored_matmul", "TILE_PADDING",
            "CHUNK_WEIGHT_BYTES", "FOLD_SCALE_BELOW"]
@@ -97,28 +97,25 @@ def dispatch(idx: jax.Array, weights: jax.Array, shape: DispatchShape):
     return tile_expert, slot_token.reshape(shape.tiles, g), slot_weight.reshape(shape.tiles, g)
 
 
-def _fp4_values(packed: jax.Array, dtype) -> jax.Array:
-    """Packed e2m1 bytes ``[..., n/2]`` → code values ``[..., n]`` in ``dtype`` (one table lookup per byte)."""
-    pairs = jnp.asarray(FP4_PAIR_TABLE, dtype)[packed]
-    return pairs.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
-
-
 def stored_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array) -> jax.Array:
     """``x [c, G, n]`` times the FP4 weights of each tile as stored (``packed [c, o, n/2]``, e8m0 ``scale [c, o,
     n/32]``: the release's ``[out, in]`` orientation) → ``[c, G, o]`` in ``x.dtype``.
 
     The code values are exact in ``x.dtype``. Tiles of at least `FOLD_SCALE_BELOW` rows multiply the block scales
     into the decoded weights (one multiply per weight, shared by ``G`` rows); smaller tiles (decode: ``G = 1``)
-    apply them after the per-block dot (``Σ_b s_ob · Σ_j x_bj q_objb``), which costs ``1/32`` of the dot instead
-    of half of it."""
+    apply them after the per-block dot in FP32 (``Σ_b s_ob · Σ_j x_bj q_objb``), which costs ``1/32`` of the dot
+    instead of half of it."""
     c, g, n = x.shape
-    q = _fp4_values(packed, x.dtype)                                          # [c, o, n]
     s = e8m0_to_f32(scale)                                                    # [c, o, n/32]
     if g >= FOLD_SCALE_BELOW:
+        q = fp4_values(packed, x.dtype)                                      # [c, o, n]
         w = (q.reshape(c, q.shape[1], n // 32, 32) * s[..., None].astype(x.dtype)).reshape(q.shape)
         return jnp.einsum("cgn,con->cgo", x, w)
-    part = jnp.einsum("cgbj,cobj->cgob", x.reshape(c, g, n // 32, 32), q.reshape(c, q.shape[1], n // 32, 32),
-                      preferred_element_type=jnp.float32)
+    # few rows per weight: the codes are looked up directly in FP32 (exact), so no per-weight conversion is
+    # paid on a backend without native low-precision dots; the dot accumulates in FP32 either way
+    q = fp4_values(packed, jnp.float32)
+    part = jnp.einsum("cgbj,cobj->cgob", x.astype(jnp.float32).reshape(c, g, n // 32, 32),
+                      q.reshape(c, q.shape[1], n // 32, 32))
     return jnp.einsum("cgob,cob->cgo", part, s).astype(x.dtype)
 
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from v41cp.quant import FP4_TABLE
 
-__all__ = ["e8m0_to_f32", "decode_fp4", "decode_fp8_rows", "FP4_PAIR_TABLE"]
+__all__ = ["e8m0_to_f32", "decode_fp4", "decode_fp8_rows", "FP4_PAIR_TABLE", "fp4_values"]
 
 # packed byte → its two e2m1 values (low nibble first): one lookup per byte, no bit arithmetic
 FP4_PAIR_TABLE = np.stack([FP4_TABLE[np.arange(256) & 15], FP4_TABLE[np.arange(256) >> 4]], axis=-1)
@@ -37,9 +37,20 @@ def _expand_scale(scale: jax.Array, cols: int) -> jax.Array:
     return jnp.repeat(e8m0_to_f32(scale), 32, axis=-1)[..., :cols]
 
 
+def fp4_values(packed: jax.Array, dtype) -> jax.Array:
+    """Packed e2m1 bytes ``[..., n/2]`` → their code values ``[..., n]`` in ``dtype`` (exact in any float type):
+    one gather per byte from `FP4_PAIR_TABLE`, indexed by the bytes themselves (every byte value is in range,
+    so no index arithmetic or conversion is emitted)."""
+    table = jnp.asarray(FP4_PAIR_TABLE, dtype)
+    dims = jax.lax.GatherDimensionNumbers(offset_dims=(packed.ndim,), collapsed_slice_dims=(0,), start_index_map=(0,))
+    pairs = jax.lax.gather(table, packed[..., None], dims, slice_sizes=(1, 2),
+                           mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+    return pairs.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
 def decode_fp4(packed: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     """``[..., out, in/2]`` packed e2m1 bytes × ``[..., out, in/32]`` e8m0 bytes → ``[..., out, in]`` in ``dtype``."""
-    values = jnp.asarray(FP4_PAIR_TABLE)[packed].reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+    values = fp4_values(packed, jnp.float32)
     return (values * _expand_scale(scale, values.shape[-1])).astype(dtype)
 
 

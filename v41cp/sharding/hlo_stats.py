@@ -3,16 +3,26 @@
 `collectives(text)` lists every collective op (all-gather, all-reduce, reduce-scatter, all-to-all,
 collective-permute; async ``-start`` halves counted once) with its result bytes per device and its device
 groups (explicit, iota and mesh-axes replica-group formats); `collective_bytes` sums them, optionally only
-over given groups (`mesh_axis_groups`). Byte counts are of each op's result on one device.
+over given groups (`mesh_axis_groups`). Byte counts are of each op's result on one device; an op inside a
+``while`` loop counts once per iteration (`loop_multipliers`).
+
+`program_cost(compiled)`: XLA's cost analysis of a compiled program (``flops``, ``bytes accessed``) with every
+``while`` loop counted ``known_trip_count`` times — XLA's own analysis counts a loop body once (measured on jax
+0.10: a 10-step ``fori_loop`` of a matmul reports one matmul), so a body's cost is re-analysed on its own and
+added for the remaining iterations. Where XLA already multiplies by the trip count (probed once per backend,
+`_xla_counts_trips`) its figures are used as they are.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import re
 
 import numpy as np
 
-__all__ = ["collectives", "collective_bytes", "replica_groups", "mesh_axis_groups", "ALL_DEVICES"]
+__all__ = ["collectives", "collective_bytes", "replica_groups", "mesh_axis_groups", "ALL_DEVICES", "program_cost",
+           "loop_multipliers"]
 
 ALL_DEVICES = "all"        # replica_groups={}: one group of every device
 
@@ -87,23 +97,192 @@ def mesh_axis_groups(mesh, axes) -> frozenset[frozenset[int]]:
     return frozenset(frozenset(int(x) for x in r) for r in rows)
 
 
+_HEADER = re.compile(r"^(ENTRY )?%(?P<name>[\w.\-]+) \(")
+_WHILE = re.compile(r"\swhile\(.*?condition=%(?P<cond>[\w.\-]+), body=%(?P<body>[\w.\-]+)")
+_CALLEES = re.compile(r"(?:calls|to_apply|true_computation|false_computation)=%([\w.\-]+)|"
+                      r"branch_computations=\{([^}]*)\}")
+
+
+def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
+    """``{computation name: its instruction lines}`` and the entry computation's name."""
+    comps, entry, current = {}, None, None
+    for line in hlo_text.splitlines():
+        m = _HEADER.match(line)
+        if m and line.rstrip().endswith("{"):
+            current = m.group("name")
+            comps[current] = []
+            entry = current if m.group(1) else entry
+        elif current is not None and line.startswith("  "):
+            comps[current].append(line)
+    return comps, entry
+
+
+def _trip_count(line: str) -> int:
+    m = re.search(r"backend_config=(\{.*\})\s*$", line)
+    if m:
+        try:
+            n = json.loads(m.group(1)).get("known_trip_count", {}).get("n")
+            if n is not None:
+                return int(n)
+        except ValueError:
+            pass
+    m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
+    if not m:
+        raise ValueError(f"hlo_stats: a while loop without a known trip count: {line[:200]}")
+    return int(m.group(1))
+
+
+def _loops(comps: dict, name: str) -> list[tuple[str, int]]:
+    """The ``(body, trip count)`` of every while loop run by computation ``name`` itself or by what it calls
+    other than through a loop (fusions, calls, conditionals)."""
+    out, todo, seen = [], [name], set()
+    while todo:
+        c = todo.pop()
+        if c in seen or c not in comps:
+            continue
+        seen.add(c)
+        for line in comps[c]:
+            w = _WHILE.search(line)
+            if w:
+                out.append((w.group("body"), _trip_count(line)))
+                continue
+            for one, many in _CALLEES.findall(line):
+                todo.extend([one] if one else re.findall(r"%([\w.\-]+)", many))
+    return out
+
+
+def loop_multipliers(hlo_text: str) -> dict[str, int]:
+    """How many times each computation runs per program execution (while bodies: their trip counts, nested
+    loops multiplied); computations not reached from the entry are absent."""
+    comps, entry = _computations(hlo_text)
+    mult = {}
+
+    def visit(c, m):
+        todo, seen = [c], set()
+        while todo:
+            x = todo.pop()
+            if x in seen or x not in comps:
+                continue
+            seen.add(x)
+            mult[x] = mult.get(x, 0) + m
+            for line in comps[x]:
+                w = _WHILE.search(line)
+                if w:
+                    visit(w.group("body"), m * _trip_count(line))
+                    continue
+                for one, many in _CALLEES.findall(line):
+                    todo.extend([one] if one else re.findall(r"%([\w.\-]+)", many))
+
+    if entry is not None:
+        visit(entry, 1)
+    return mult
+
+
+def _with_entry(hlo_text: str, name: str) -> str:
+    """The module text with computation ``name`` as its entry (for analysing a loop body on its own)."""
+    out = []
+    for line in hlo_text.splitlines():
+        if line.startswith("HloModule"):
+            out.append("HloModule loop_body_probe")
+            continue
+        if line.startswith("ENTRY "):
+            line = line[len("ENTRY "):]
+        m = _HEADER.match(line)
+        if m and m.group("name") == name and line.rstrip().endswith("{"):
+            line = "ENTRY " + line
+        out.append(line)
+    return "\n".join(out)
+
+
+def _xla_cost_of(hlo_text: str, client) -> dict:
+    from jax._src.lib import _jax
+    from jaxlib import _hlo
+
+    return _jax.hlo_module_cost_analysis(client, _hlo.hlo_module_from_text(hlo_text))
+
+
+@functools.lru_cache(maxsize=None)
+def _xla_counts_trips(platform: str) -> bool:
+    """Whether this backend's cost analysis already multiplies a loop body by its trip count (a probe program:
+    a 4-step loop of one 32×32 matmul)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((32, 32), jnp.float32)
+    probe = jax.jit(lambda x: jax.lax.fori_loop(0, 4, lambda i, a: a @ x, x)).lower(x).compile()
+    cost = probe.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float(cost.get("flops", 0.0)) >= 4 * 2 * 32 ** 3
+
+
+def program_cost(compiled) -> dict:
+    """``{"flops", "bytes accessed"}`` per device of a compiled program, every while loop counted as many times as
+    it runs (see the module docstring)."""
+    import jax
+
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    keys = ("flops", "bytes accessed")
+    total = {k: float(cost.get(k, 0.0)) for k in keys}
+    text = compiled.as_text()
+    comps, entry = _computations(text)
+    if entry is None or not any(_WHILE.search(l) for lines in comps.values() for l in lines):
+        return total
+    client = jax.devices()[0].client
+    if _xla_counts_trips(client.platform):
+        return total
+    memo = {}
+
+    def xla(c):
+        if c not in memo:
+            got = _xla_cost_of(_with_entry(text, c), client)
+            memo[c] = {k: float(got.get(k, 0.0)) for k in keys}
+        return memo[c]
+
+    def corrected(c):
+        # XLA counted each loop body reached from c once; add the remaining iterations (nested: recursively)
+        out = dict(xla(c)) if c != entry else dict(total)
+        for body, trips in _loops(comps, c):
+            inner, once = corrected(body), xla(body)
+            for k in keys:
+                out[k] += trips * inner[k] - once[k]
+        return out
+
+    return corrected(entry)
+
+
 def collectives(hlo_text: str) -> list[dict]:
-    """Every collective of an optimized HLO module: ``{"op", "bytes", "group_size"}``."""
+    """Every collective of an optimized HLO module: ``{"op", "bytes", "group_size"}`` (``bytes``: per program
+    execution, so an op inside a loop counts once per iteration)."""
     found = []
+    comps, _ = _computations(hlo_text)
+    mult = loop_multipliers(hlo_text)
+    for name, lines in comps.items():
+        for line in lines:
+            m = _LINE.search(line)
+            if not m:
+                continue
+            _collective(found, line, m, mult.get(name, 1))
+    if comps:
+        return found
     for line in hlo_text.splitlines():
         m = _LINE.search(line)
-        if not m:
-            continue
-        arrays = _arrays(m.group("shape"))
-        if m.group("start") and m.group("op") != "all-reduce":
-            # async start of a gather / permute / all-to-all / scatter: (operands, results[, u32[] contexts]);
-            # an all-reduce-start lists only its results
-            arrays = [a for a in arrays if a[1] > 0 or len(arrays) == 1]
-            arrays = arrays[len(arrays) // 2:] if len(arrays) > 1 else arrays
-        groups = replica_groups(line)
-        found.append({"op": m.group("op"), "bytes": sum(b for b, _ in arrays), "groups": groups,
-                      "group_size": len(next(iter(groups))) if groups and groups != ALL_DEVICES else None})
+        if m:
+            _collective(found, line, m, 1)
     return found
+
+
+def _collective(found: list, line: str, m, times: int) -> None:
+    """Append the collective on ``line`` (``m``: its `_LINE` match), run ``times`` times per execution."""
+    arrays = _arrays(m.group("shape"))
+    if m.group("start") and m.group("op") != "all-reduce":
+        # async start of a gather / permute / all-to-all / scatter: (operands, results[, u32[] contexts]);
+        # an all-reduce-start lists only its results
+        arrays = [a for a in arrays if a[1] > 0 or len(arrays) == 1]
+        arrays = arrays[len(arrays) // 2:] if len(arrays) > 1 else arrays
+    groups = replica_groups(line)
+    found.append({"op": m.group("op"), "bytes": times * sum(b for b, _ in arrays), "groups": groups,
+                  "group_size": len(next(iter(groups))) if groups and groups != ALL_DEVICES else None})
 
 
 def collective_bytes(hlo_text: str, groups: frozenset | None = None) -> int:
