@@ -12,7 +12,7 @@ window 128, 16 heads) on ``--devices`` simulated CPU devices, attention TP = QCP
 * **whole** — the complete `prefill_span` program (every layer, caches, sampled-row head), over the ``n`` ranks
   and over one device (a one-rank group).
 
-Per program: per-device FLOPs from XLA's cost analysis, the QCP / unsharded ratio, and the result bytes per
+Per program: per-device FLOPs from XLA's cost analysis (loops per iteration: `program_cost`), the QCP / unsharded ratio, and the result bytes per
 device of the collectives (`v41cp.sharding.hlo_stats`) per prefill token, in total and by collective kind.
 ``python benchmarks/qcp_prefill_structure.py --devices 8 --rows 4096``
 """
@@ -53,7 +53,7 @@ def measure(devices: int, rows: int, parts=("reuse", "reindex", "moe"), whole: b
     from v41cp.serving.qcp_rows import QCPRows
     from v41cp.serving.span_prefill import SpanLayout, lower_prefill_span
     from v41cp.sharding import make_mesh
-    from v41cp.sharding.hlo_stats import collective_bytes, collectives
+    from v41cp.sharding.hlo_stats import collective_bytes, collectives, program_cost
     from v41cp.sharding.row_group import RowGroup
     from v41cp.sharding.rules import QCP_RULES, param_shardings
     from v41cp.sharding.topology import ParallelConfig
@@ -74,8 +74,7 @@ def measure(devices: int, rows: int, parts=("reuse", "reindex", "moe"), whole: b
     table = np.arange(nb, dtype=np.int32)[None]
 
     def stats(compiled, tokens: int) -> dict:
-        cost = compiled.cost_analysis()
-        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        cost = program_cost(compiled)                 # loop bodies counted per iteration
         text = compiled.as_text()
         b = collective_bytes(text)
         by_op: dict[str, int] = {}

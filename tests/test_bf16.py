@@ -9,8 +9,9 @@ from v41cp.checkpoint import default_checkpoint, load
 
 
 # Complete selection: a hard top-k flips under BF16 rounding wherever two scores are close, which
-# would measure selection noise rather than arithmetic (observed: 12% of rows at layer 4 with top-4).
-COMPLETE = dict(index_topk=64, candidate_topk_blocks=64, fake_quant=False)
+# would measure selection noise rather than arithmetic (observed: 12% of rows at layer 4 with top-4; MoE top-2
+# of 4 flips gave 1.9e-2 – 3.4e-2 on seeds 4–6, against 6.4e-3 – 8.6e-3 with every expert routed).
+COMPLETE = dict(index_topk=64, candidate_topk_blocks=64, fake_quant=False, num_experts_per_tok=4)
 
 
 def test_bf16_forward_tracks_fp32():
@@ -27,4 +28,4 @@ def test_bf16_forward_tracks_fp32():
     err = rel_err(got, want)
     print(f"\n[bf16 vs fp32, complete selection] logits rel err {err:.2e}")
     # BF16 rounding (8-bit mantissa, ~4e-3) through 6 layers; catches dtype bugs, not ulps
-    assert err < 3e-2
+    assert err < 1.5e-2

@@ -92,7 +92,7 @@ def test_round_trip_equals_oracle_on_one_and_eight_devices(oracle, converted):
 def test_direct_load_onto_mesh_equals_host_load():
     cfg, host = load_released_dir(RELEASED)
     _, sharded = load_released_dir(RELEASED, mesh=make_mesh(tp=4, dp=2))
-    assert sharded["layers_1"]["ffn"]["experts_w1"].sharding.spec[0] == "tp"
+    assert sharded["layers_1"]["ffn"]["experts_w1"].sharding.spec[2] == "tp"     # [E, H, I]: I split
     for a, b in zip(jax.tree.leaves(host), jax.tree.leaves(sharded)):
         np.testing.assert_array_equal(a, np.asarray(b))
 
@@ -240,7 +240,7 @@ def test_keep_quantized_checkpoint_runs_the_same_model(tmp_path):
     got = np.asarray(model.forward(params, cfg, tokens))
     assert rel_err(got, want) <= 1e-6
     _, sharded = load(dst, mesh=make_mesh(tp=4, dp=2))
-    assert sharded["layers_1"]["ffn"]["experts_w1_fp4"].sharding.spec[0] == "tp"
+    assert sharded["layers_1"]["ffn"]["experts_w1_fp4"].sharding.spec[1] == "tp"     # [E, I, H/2]: I split
     # stored bytes are 4x (experts) / 2-4x (Engram) smaller than the dequantized FP32 tree
     kq = sum(x.nbytes for x in jax.tree.leaves(params["layers_1"]["ffn"]) if x.dtype == np.uint8)
     dq = sum(dense["layers_1"]["ffn"][k].nbytes for k in ("experts_w1", "experts_w2", "experts_w3"))

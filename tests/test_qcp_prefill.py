@@ -195,7 +195,7 @@ def test_qcp_per_device_flops_fall_to_one_nth():
     parts = out["parts"]
     assert abs(parts["attention"]["flops_ratio_qcp_vs_unsharded"] - 1 / 8) <= 0.005
     assert abs(parts["indexer"]["flops_ratio_qcp_vs_unsharded"] - 1 / 8) <= 0.005
-    assert 1 / 8 <= parts["moe"]["flops_ratio_qcp_vs_unsharded"] <= 0.14       # the router runs on every row
+    assert 1 / 8 <= parts["moe"]["flops_ratio_qcp_vs_unsharded"] <= 0.14       # the dispatch sorts every row's pairs
     assert 1 / 8 <= out["whole"]["flops_ratio_qcp_vs_unsharded"] <= 0.135
     assert parts["attention"]["qcp"]["collective_bytes_per_token"] == preset("tiny-tp8").head_dim * 4
     assert set(out["whole"]["qcp"]["collectives"]) <= {"all-gather", "all-reduce", "reduce-scatter"}

@@ -5,7 +5,7 @@
 * ``convert SRC DST [--dtype bf16|fp32] [--keep-quantized]`` released layout → orbax in the model's tree.
 * ``generate [--prompt-ids 1,2,3 ...] [--max-new-tokens N] [--devices N] [--json]`` the serving engine.
   ``forward``, ``generate`` and ``bench decode|prefill`` take ``--attention-backend`` / ``--indexer-backend``
-  (``xla`` | ``pallas``) and the topology flags; ``forward`` runs operator-local indexer / attention QCP
+  (``xla`` | ``pallas``), ``--moe-backend`` (``sparse`` | ``dense``) and the topology flags; ``forward`` runs operator-local indexer / attention QCP
   (``--deepseek-v41-{indexer,attention}-query-parallel-size``); ``generate`` / ``bench`` run them, or model-wide
   QCP (``--query-context-parallel-size``), in the engine's span prefill (``--span-prefill``, ``--ced``).
   ``generate --prompt TEXT [--chat]`` takes text (the checkpoint's tokenizer) and streams text back.
@@ -200,8 +200,9 @@ def _capacity_flags(p, max_batch=None, max_context=None) -> None:
 
 
 def _backends(args) -> dict:
-    """The kernel-backend overrides of ``--attention-backend`` / ``--indexer-backend``."""
-    return {"attention_backend": args.attention_backend, "indexer_backend": args.indexer_backend}
+    """The backend overrides of ``--attention-backend`` / ``--indexer-backend`` / ``--moe-backend``."""
+    return {"attention_backend": args.attention_backend, "indexer_backend": args.indexer_backend,
+            "moe_backend": args.moe_backend}
 
 
 def _prefill_options(args) -> dict:
@@ -222,6 +223,9 @@ def _backend_flags(p) -> None:
     for name, what in (("attention", "sparse attention"), ("indexer", "indexer scan + top-k")):
         p.add_argument(f"--{name}-backend", choices=("xla", "pallas"), default="xla",
                        help=f"{what}: the XLA path, or the Pallas kernel (interpret mode off the GPU)")
+    p.add_argument("--moe-backend", choices=("sparse", "dense"), default="sparse",
+                   help="routed experts: each token runs only its top-k experts (dropless, static shapes), or "
+                        "every expert on every token (the reference)")
 
 
 def _parallel(args, kv_parallel_size=None):

@@ -90,13 +90,12 @@ def dispatch_weights(p: dict, width: int, rank, dtype) -> dict:
     return out
 
 
-def moe_partial(cfg: ModelConfig, xt: jax.Array, mask, gate: tuple, stored: dict, shared: tuple, rank, lead) -> jax.Array:
-    """One rank's contribution to the MoE output of ``xt [T, H]`` (every row): the router (replicated), the
-    routed experts over the rank's slice of their intermediate width, the shared expert over its slice; a part
-    whose weights are not split (the width does not divide the group) counts on the ``lead`` rank only. FP32
-    ``[T, H]``; summed over the group it is the layer's output."""
-    w_gate, bias, bias_vl = gate
-    w, idx = route(cfg, xt, w_gate, bias, bias_vl, mask)
+def moe_partial(cfg: ModelConfig, xt: jax.Array, routing: tuple, stored: dict, shared: tuple, rank, lead) -> jax.Array:
+    """One rank's contribution to the MoE output of ``xt [T, H]`` (every row) routed by ``routing`` (`route`'s
+    weights and ids ``[T, k]``): the routed experts over the rank's slice of their intermediate width, the shared
+    expert over its slice; a part whose weights are not split (the width does not divide the group) counts on the
+    ``lead`` rank only. FP32 ``[T, H]``; summed over the group it is the layer's output."""
+    w, idx = routing
     dt = xt.dtype
     width = cfg.moe_intermediate_size
     experts = dispatch_weights(stored, width, rank, dt)
@@ -195,7 +194,7 @@ class MoE(nn.Module):
         if cfg.moe_backend == "sparse" and self.shard is not None:
             out = self._tp_island(xt, mask, gate, stored, shared, {**expert_axes, **shared_axes})
         elif cfg.moe_backend == "sparse":
-            out = moe_partial(cfg, xt, mask, gate, stored, shared, 0, None)
+            out = moe_partial(cfg, xt, route(cfg, xt, *gate, mask), stored, shared, 0, None)
         else:
             w, idx = route(cfg, xt, w_gate, bias, bias_vl, mask)
             dense_w = constrain(dense_route_weights(cfg, w, idx), (None, "experts"), self.shard)
@@ -220,7 +219,8 @@ class MoE(nn.Module):
         def body(xt, mask, gate, expert_leaves, shared_leaves):
             rank = jax.lax.axis_index(group) if group else 0
             lead = (rank == 0) if group else None
-            part = moe_partial(cfg, xt, mask, gate, dict(zip(names, expert_leaves)), tuple(shared_leaves), rank, lead)
+            routing = route(cfg, xt, *gate, mask)                     # replicated: every rank routes every row
+            part = moe_partial(cfg, xt, routing, dict(zip(names, expert_leaves)), tuple(shared_leaves), rank, lead)
             return jax.lax.psum(part, group) if group else part
 
         args = (xt, gate, tuple(stored[n] for n in names), shared) + (() if mask is None else (mask,))
@@ -232,15 +232,16 @@ class MoE(nn.Module):
     def _row_group(self, xt, mask, gate, stored, shared):
         """Model-wide QCP (``shard`` a `RowGroup`): with the expert / shared width split over the group, every rank
         applies its slices to every row (gathered) and the partial outputs are reduce-scattered back to the local
-        rows; a replicated part is counted on one rank. ``xt [C, H]`` → FP32 ``[C, H]``."""
+        rows; a replicated part is counted on one rank. Each rank routes its own rows and the routing (``[C, k]`` weights
+        and ids) is gathered with them. ``xt [C, H]`` → FP32 ``[C, H]``."""
         cfg, grp = self.cfg, self.shard
         width = cfg.moe_intermediate_size
         w2 = stored.get("experts_w2", stored.get("experts_w2_fp4"))
         local_routed = w2.shape[1] if "experts_w2" in stored else 2 * w2.shape[-1]
         gathered = local_routed < width or shared[0].shape[1] < width
+        routing = route(cfg, xt, *gate, mask)                          # each rank routes its own rows
         if not gathered:
-            return moe_partial(cfg, xt, mask, gate, stored, shared, 0, None)
-        xa = grp.gather(xt)
-        ma = None if mask is None else grp.gather(mask)
+            return moe_partial(cfg, xt, routing, stored, shared, 0, None)
+        xa, routing = grp.gather(xt), tuple(grp.gather(r) for r in routing)
         rank = grp.rank()
-        return grp.sum_scatter(moe_partial(cfg, xa, ma, gate, stored, shared, rank, rank == 0))
+        return grp.sum_scatter(moe_partial(cfg, xa, routing, stored, shared, rank, rank == 0))
