@@ -82,3 +82,27 @@ def test_merge_never_counts_padding_and_is_deterministic():
     outs = [np.asarray(merge_topk(vals, ids, 5)[0]) for _ in range(5)]
     for o in outs:
         np.testing.assert_array_equal(o, [[3, 9, 7, -1, -1]])
+
+
+@pytest.mark.parametrize("tile", [1, 3, 16])
+def test_scan_topk_equals_topk_of_the_whole_row(tile):
+    """The running top-k over tiles (ascending ids, ties everywhere, unlisted entries) equals `lax.top_k` of the
+    whole row under the shared tie rule, and its block maxima equal the whole row's."""
+    from v41cp.layers.topk_scan import scan_topk
+
+    rng = np.random.default_rng(tile)
+    rows, n, k, cbs = 5, 48, 7, 4
+    scores = jnp.asarray(rng.integers(0, 4, (rows, n)).astype(np.float32))        # many exact ties
+    ids = jnp.where(jnp.asarray(rng.random((rows, n)) < 0.2), -1, jnp.arange(n)[None])
+    tiles = -(-n // tile)
+    pad = tiles * tile - n
+    sp = jnp.pad(scores, ((0, 0), (0, pad)))
+    ip = jnp.pad(ids, ((0, 0), (0, pad)), constant_values=-1)
+    tile_of = lambda j: (jax.lax.dynamic_slice_in_dim(sp, j * tile, tile, 1), jax.lax.dynamic_slice_in_dim(ip, j * tile, tile, 1))
+    vals, got, maxima = jax.jit(lambda: scan_topk(tile_of, tiles, rows, k, num_blocks=n // cbs, block_size=cbs))()
+    masked = jnp.where(ids >= 0, scores, -jnp.inf)
+    want_v, want_i = jax.lax.top_k(masked, k)
+    want_i = jnp.where(want_v > -jnp.inf, want_i, -1)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want_i))
+    np.testing.assert_array_equal(np.asarray(vals), np.asarray(want_v))
+    np.testing.assert_array_equal(np.asarray(maxima), np.asarray(masked.reshape(rows, -1, cbs).max(-1)))

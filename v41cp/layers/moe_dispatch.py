@@ -78,7 +78,7 @@ class DispatchShape:
 def dispatch(idx: jax.Array, weights: jax.Array, shape: DispatchShape):
     """Router output (``idx`` / ``weights [T, k]``) → ``(tile_expert [tiles] int32, slot_token [tiles, G]
     int32 (−1 = empty), slot_weight [tiles, G] FP32)``: pairs sorted by expert, each expert's pairs in whole
-    tiles of its own (tiles past the last used one: expert ``E − 1``, every slot empty)."""
+    tiles of its own (tiles past the last used one: the last used expert, every slot empty)."""
     t, k = idx.shape
     e, g = shape.experts, shape.tile
     flat = idx.reshape(-1).astype(jnp.int32)
@@ -92,8 +92,10 @@ def dispatch(idx: jax.Array, weights: jax.Array, shape: DispatchShape):
     slot = (tile_end - tiles_e)[sorted_e] * g + jnp.arange(t * k, dtype=jnp.int32) - first[sorted_e]
     slot_token = jnp.full((shape.slots,), -1, jnp.int32).at[slot].set(sorted_tok)
     slot_weight = jnp.zeros((shape.slots,), jnp.float32).at[slot].set(weights.reshape(-1)[order].astype(jnp.float32))
-    tile_expert = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(shape.tiles, dtype=jnp.int32), side="right"),
-                              e - 1).astype(jnp.int32)
+    # each non-empty expert marks its first tile; a running maximum fills its other tiles (and the unused tail)
+    starts = jnp.where(tiles_e > 0, tile_end - tiles_e, shape.tiles)
+    marks = jnp.zeros((shape.tiles,), jnp.int32).at[starts].max(jnp.arange(e, dtype=jnp.int32), mode="drop")
+    tile_expert = jax.lax.cummax(marks)
     return tile_expert, slot_token.reshape(shape.tiles, g), slot_weight.reshape(shape.tiles, g)
 
 
@@ -140,6 +142,8 @@ def sparse_routed_output(x: jax.Array, idx: jax.Array, weights: jax.Array, exper
     width = w2[0].shape[2] * 2 if isinstance(w2, tuple) else w2.shape[1]
     n_experts = w2[0].shape[0] if isinstance(w2, tuple) else w2.shape[0]
     shape = DispatchShape.build(t, idx.shape[1], n_experts, 3 * h * width * x.dtype.itemsize, chunk_bytes)
+    if shape.tile == 1:
+        return _pairwise(x, idx, weights, experts, swiglu, shape)
     tile_expert, slot_token, slot_weight = dispatch(idx, weights, shape)
     rows = jnp.concatenate([x, jnp.zeros((1, h), x.dtype)])                 # row T: the empty slot's zero row
 
@@ -151,6 +155,10 @@ def sparse_routed_output(x: jax.Array, idx: jax.Array, weights: jax.Array, exper
         return acc.at[tok.reshape(-1)].add(out.reshape(-1, h))
 
     acc = jnp.zeros((t + 1, h), jnp.float32)
+    if shape.chunks > 1:                   # a loop carry keeps one mesh-axis variance (inside jax.shard_map)
+        from v41cp.kernels import match_varying
+
+        acc = match_varying([acc, x, idx, weights] + jax.tree.leaves(experts))[0][0]
     if shape.chunks == 1:
         acc = run(acc, tile_expert, slot_token, slot_weight)
     else:
@@ -162,3 +170,34 @@ def sparse_routed_output(x: jax.Array, idx: jax.Array, weights: jax.Array, exper
 
         acc = jax.lax.fori_loop(0, shape.chunks, body, acc)
     return acc[:t]
+
+
+def _pairwise(x, idx, weights, experts, swiglu, shape: DispatchShape) -> jax.Array:
+    """Tiles of one slot (decode): every (token, expert) pair is its own tile, in token-major order — no sort
+    and no scatter; each token's ``k`` outputs are summed in FP32. Chunks of pairs as in the tiled path."""
+    t, h = x.shape
+    k = idx.shape[1]
+    pad = shape.slots - t * k
+    tiles = jnp.pad(idx.reshape(-1).astype(jnp.int32), (0, pad))
+    wts = jnp.pad(weights.reshape(-1).astype(jnp.float32), (0, pad))
+    xs = jnp.pad(jnp.repeat(x, k, axis=0), ((0, pad), (0, 0)))[:, None, :]         # [P, 1, H]
+
+    def run(tiles, xs, wts):
+        act = swiglu(_tile_matmul(xs, experts["w1"], tiles), _tile_matmul(xs, experts["w3"], tiles))
+        return _tile_matmul(act, experts["w2"], tiles)[:, 0].astype(jnp.float32) * wts[:, None]
+
+    if shape.chunks == 1:
+        out = run(tiles, xs, wts)
+    else:
+        c = shape.chunk
+
+        def body(i, out):
+            take = lambda a: jax.lax.dynamic_slice_in_dim(a, i * c, c, axis=0)
+            return jax.lax.dynamic_update_slice_in_dim(out, run(take(tiles), take(xs), take(wts)), i * c, axis=0)
+
+        out = jnp.zeros((shape.slots, h), jnp.float32)
+        from v41cp.kernels import match_varying
+
+        out = match_varying([out, x, idx, weights] + jax.tree.leaves(experts))[0][0]
+        out = jax.lax.fori_loop(0, shape.chunks, body, out)
+    return out[:t * k].reshape(t, k, h).sum(axis=1)

@@ -8,9 +8,10 @@ the otherwise GSPMD-partitioned step:
 
 * writes (`v41cp.serving.paged_cache.write_owned`) — the new compressed entry / index key is computed by
   every rank (replicated) and written only by the owner of its page, at the local row;
-* `select` — index sources score their owned index keys and run the exact distributed top-k
-  (`v41cp.sharding.dist_topk`); the candidate source also the distributed block selection. The result
-  (logical entry ids, −1 padding) is identical on every rank;
+* `select` — index sources score their owned index keys in tiles of pages with a running local top-k and
+  block maxima (`v41cp.layers.topk_scan`: temporaries of one tile, not of the history) and run the exact
+  distributed top-k (`v41cp.sharding.dist_topk`); the candidate source also the distributed block selection.
+  The result (logical entry ids, −1 padding) is identical on every rank;
 * `attend` — query heads of the group (all-gathered over ``cp``, or computed locally with replicated
   query projections), each rank attends the selected entries it owns (+ the replicated SWA window on
   cp rank 0 only), returns (output, LSE) without the sink, merges exactly (``ag_rs`` or ``a2a``), restoring
@@ -33,9 +34,8 @@ from v41cp.kernels import interpret_mode
 from v41cp.kernels.indexer_topk import index_block_maxima, indexer_topk
 from v41cp.kernels.sparse_attention import flatten_store, sparse_attention
 from v41cp.layers.indexer import index_scores
-from v41cp.sharding.dist_topk import (candidate_mask, distributed_candidate_blocks,
-                                      distributed_candidate_blocks_from_maxima, distributed_topk, gather_merge_topk,
-                                      kept_block_mask)
+from v41cp.layers.topk_scan import SCAN_TILE_BYTES, scan_topk, tile_count
+from v41cp.sharding.dist_topk import distributed_candidate_blocks_from_maxima, gather_merge_topk, kept_block_mask
 from v41cp.sharding.lse_merge import apply_sink, merge_a2a, merge_ag_rs, partial_attention
 from v41cp.sharding.mesh import ATTN_TP, CP
 from v41cp.sharding.ownership import owned_positions
@@ -50,13 +50,15 @@ class DCPPlan:
 
     mesh: the ``(dp, tp, cp)`` mesh; ``n`` = its ``cp`` size (KVP = DCP); merge: ``ag_rs`` | ``a2a``;
     q_mode: ``gather`` | ``replicate``; heads_sharded: whether the query heads are split over attention TP
-    (else replicated: the merge all-reduces instead of reduce-scattering).
+    (else replicated: the merge all-reduces instead of reduce-scattering); scan_tile_bytes: the temporaries
+    of one tile of the XLA selection's scan over owned pages (`v41cp.layers.topk_scan`).
     """
 
     mesh: Mesh
     merge: str = "ag_rs"
     q_mode: str = "gather"
     heads_sharded: bool = True
+    scan_tile_bytes: int = SCAN_TILE_BYTES
 
     @property
     def n(self) -> int:
@@ -153,20 +155,39 @@ def select(plan: DCPPlan, cfg: ModelConfig, role: LayerRole, read, ikey_pool, q:
         return topk, out_cand
 
     def body(pool, q, weights, tables, positions, cand):
-        rows, ids = _owned_rows(plan, tables, epb)
-        b = tables.shape[0]
-        keys = read(pool, lambda a: a[rows]).reshape(b, ids.shape[1], -1)            # [B, LT·epb, Di]
+        # the owned pages in tiles with a running top-k (`v41cp.layers.topk_scan`): temporaries of one tile
+        rows, ids = _owned_rows(plan, tables, epb)                                    # [B, LT], [B, LT·epb]
+        b, lt = rows.shape
         visible = (positions + 1) // role.ratio
         ids = jnp.where(ids < visible[:, None], ids, -1)
-        scores = index_scores(q[:, None], weights[:, None], keys)[:, 0]
-        scores = jnp.where(ids >= 0, scores, -jnp.inf)
+        hi, di = q.shape[1], q.shape[2]
+        per, tiles = tile_count(lt * epb, epb, b * 4 * (2 * di + 3 * hi), plan.scan_tile_bytes)
+        pad = per * tiles - lt
+        rows = jnp.pad(rows, ((0, 0), (0, pad)))
+        ids = jnp.pad(ids, ((0, 0), (0, pad * epb)), constant_values=-1)
+        cbs = cfg.candidate_block_size
+        nb = -(-g // cbs)
+        keep = None
+        if role.uses_candidates:
+            keep = jnp.pad(kept_block_mask(cand, nb), ((0, 0), (0, 1)))
+
+        def score_tile(j):
+            r = jax.lax.dynamic_slice_in_dim(rows, j * per, per, axis=1)
+            i = jax.lax.dynamic_slice_in_dim(ids, j * per * epb, per * epb, axis=1)
+            keys = read(pool, lambda a: a[r]).reshape(b, per * epb, -1)              # [B, tile, Di]
+            scores = index_scores(q[:, None], weights[:, None], keys)[:, 0]
+            if keep is not None:
+                i = jnp.where(jnp.take_along_axis(keep, jnp.where(i >= 0, i // cbs, nb), axis=-1), i, -1)
+            return scores, i
+
+        vals, gid, maxima = scan_topk(score_tile, tiles, b, k, num_blocks=nb if role.candidate_source else None,
+                                      block_size=cbs, carry_like=_local(pool))
         out_cand = cand
         if role.candidate_source:
-            out_cand = distributed_candidate_blocks(scores, ids, visible, cfg.candidate_topk_blocks,
-                                                    cfg.candidate_block_size, g, CP)
-        elif role.uses_candidates:
-            scores = jnp.where(candidate_mask(cand, ids, cfg.candidate_block_size, g), scores, -jnp.inf)
-        topk, _ = distributed_topk(scores, ids, k, CP)
+            out_cand = distributed_candidate_blocks_from_maxima(
+                maxima, jnp.broadcast_to(jnp.arange(nb, dtype=jnp.int32), (b, nb)), visible,
+                cfg.candidate_topk_blocks, cbs, g, CP)
+        topk, _ = gather_merge_topk(vals, gid, k, CP)
         return topk, out_cand
 
     if cand_blocks is None:

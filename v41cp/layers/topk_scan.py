@@ -1,0 +1,82 @@
+"""Memory-bounded selection: score keys tile by tile with a running top-k (and running candidate-block maxima),
+so no intermediate grows with the history — only with one tile.
+
+`scan_topk(score_tile, tiles, k, ...)`: ``score_tile(j)`` scores the ``j``-th tile of every row's keys →
+``(scores [R, T] FP32, logical ids [R, T] int32)`` (−1 = no entry; its score is ignored). The tiles must list
+each row's entries in ascending logical id (tile ``j`` after tile ``j − 1``), as the pages of a block table and
+a rank's owned pages do. Then one ``lax.top_k`` over ``[running k | tile]`` per tile keeps the shared tie rule
+exactly: among equal scores the running entries (smaller ids, themselves in id order among ties) come first,
+then the tile's in id order — the result equals ``lax.top_k`` over the whole row. With ``num_blocks`` it also keeps
+the running maximum per candidate block (``id // block_size``), the candidate source's block scores.
+
+Tiles run in a ``lax.fori_loop`` (one compiled body; `v41cp.sharding.hlo_stats.program_cost` counts it per
+iteration) when there are several, straight-line when one. `tile_count` picks the tile from a byte budget.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["scan_topk", "tile_count", "SCAN_TILE_BYTES"]
+
+SCAN_TILE_BYTES = 256 << 20          # temporaries of one tile (decoded keys + per-head scores), all rows
+
+
+def tile_count(entries: int, unit: int, bytes_per_entry: int, budget: int | None = None) -> tuple[int, int]:
+    """(units per tile, tiles) covering ``entries`` in whole ``unit``s (e.g. pages of ``unit`` entries) with at most
+    ``budget`` bytes (default `SCAN_TILE_BYTES`) of temporaries per tile (``bytes_per_entry``: for all rows
+    together); balanced tiles."""
+    budget = SCAN_TILE_BYTES if budget is None else budget
+    units = -(-entries // unit)
+    per = max(1, budget // max(1, bytes_per_entry * unit))
+    tiles = -(-units // per)
+    return -(-units // tiles), tiles
+
+
+def _merge(vals, gid, scores, ids, k):
+    ids = ids.astype(jnp.int32)
+    scores = jnp.where(ids >= 0, scores.astype(jnp.float32), -jnp.inf)
+    both_v = jnp.concatenate([vals, scores], axis=-1)
+    both_i = jnp.concatenate([gid, ids], axis=-1)
+    top, idx = jax.lax.top_k(both_v, k)
+    got = jnp.take_along_axis(both_i, idx, axis=-1)
+    return top, jnp.where(top > -jnp.inf, got, -1)
+
+
+def _block_max(maxima, scores, ids, block_size):
+    rows, nb1 = maxima.shape
+    bid = jnp.where(ids >= 0, ids // block_size, nb1 - 1)
+    return maxima.at[jnp.arange(rows)[:, None], bid].max(jnp.where(ids >= 0, scores, -jnp.inf).astype(jnp.float32))
+
+
+def scan_topk(score_tile, tiles: int, rows: int, k: int, *, num_blocks: int | None = None, block_size: int = 1,
+              carry_like=None):
+    """Running top-``k`` over ``tiles`` tiles (see the module docstring) of ``rows`` rows → ``(vals [R, k] FP32
+    (−inf padding), ids [R, k] int32 (−1 padding), block maxima [R, num_blocks] FP32 or None)``.
+    ``carry_like``: an array whose mesh-axis variance the running state takes (inside ``jax.shard_map``)."""
+    vals = jnp.full((rows, k), -jnp.inf, jnp.float32)
+    gid = jnp.full((rows, k), -1, jnp.int32)
+    maxima = None if num_blocks is None else jnp.full((rows, num_blocks + 1), -jnp.inf, jnp.float32)
+    state = (vals, gid, maxima)
+    if carry_like is not None:
+        from v41cp.kernels import match_varying
+
+        leaves, tree = jax.tree.flatten(state)
+        leaves = match_varying(leaves + [carry_like])[0][:-1]
+        state = jax.tree.unflatten(tree, leaves)
+
+    def step(j, state):
+        vals, gid, maxima = state
+        scores, ids = score_tile(j)
+        if maxima is not None:
+            maxima = _block_max(maxima, scores, ids, block_size)
+        vals, gid = _merge(vals, gid, scores, ids, k)
+        return vals, gid, maxima
+
+    if tiles == 1:
+        state = step(0, state)
+    else:
+        state = jax.lax.fori_loop(0, tiles, step, state)
+    vals, gid, maxima = state
+    return vals, gid, None if maxima is None else maxima[:, :num_blocks]
