@@ -8,7 +8,7 @@ window 128, 16 heads) on ``--devices`` simulated CPU devices, attention TP = QCP
   row) and under QCP (each rank its zigzag rows): *attention* = a Reuse layer's `Attention` (projections,
   window + selected-entry attention, ring writes), *indexer* = a Reindex layer minus that Reuse layer (the
   same attention plus the index projections, scores and top-k), *moe* = the `MoE` FFN (rows gathered, each rank
-  its experts / shared-expert slice, reduce-scatter);
+  its slice of every expert's and the shared expert's width, reduce-scatter);
 * **whole** — the complete `prefill_span` program (every layer, caches, sampled-row head), over the ``n`` ranks
   and over one device (a one-rank group).
 

@@ -12,7 +12,7 @@ rows backend and the shard the modules get:
 * **model-wide QCP** (``query_parallel=True``, N = attention TP): one ``jax.shard_map`` over attention TP. Each
   rank holds its rows of the per-request zigzag plan from the embedding to the final norm; the modules' shard is
   the `v41cp.sharding.row_group.RowGroup` (attention replicated — a rank attends its own rows with every head
-  against the complete history, no partial attention is merged —; vocab, experts, MLP width and Engram rows
+  against the complete history, no partial attention is merged —; vocab, expert / MLP widths and Engram rows
   split: split lookups and gather → local slice → reduce-scatter) and the rows backend is
   `v41cp.serving.qcp_rows.QCPRows` (window KV, compressor pairs and entries all-gathered to span order, so a
   rank boundary is never a pairing or cache boundary; every rank writes the same cache rows, owner-masked when

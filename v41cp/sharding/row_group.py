@@ -3,7 +3,7 @@ span prefill's ``jax.shard_map`` over attention TP, where each rank holds its ro
 (`v41cp.sharding.query_shard`).
 
 A `RowGroup` is handed to the model's modules as their ``shard`` (`v41cp.model.Transformer`). Under `QCP_RULES`
-attention is replicated (a rank attends its own rows with every head); vocab, experts, MLP width and Engram rows
+attention is replicated (a rank attends its own rows with every head); vocab, expert / MLP widths and Engram rows
 stay split over the group, so:
 
 * `local_shape` — the rank's slice of a parameter (`v41cp.layers.common.declare` declares that shape);
