@@ -100,6 +100,11 @@ def moe_partial(cfg: ModelConfig, xt: jax.Array, routing: tuple, stored: dict, s
     width = cfg.moe_intermediate_size
     experts = dispatch_weights(stored, width, rank, dt)
     local = experts["w2"][0].shape[-1] * 2 if isinstance(experts["w2"], tuple) else experts["w2"].shape[1]
+    local_in = experts["w1"][0].shape[1] if isinstance(experts["w1"], tuple) else experts["w1"].shape[2]
+    if local_in != local:
+        raise ValueError(f"MoE: the expert width splits unevenly over the group (w1 slice {local_in}, w2 slice "
+                         f"{local} of moe_intermediate_size={width}); use a TP size that divides "
+                         f"moe_intermediate_size / 2")
     if cfg.moe_backend == "sparse":
         act = lambda g, u: swiglu_clamped(g, u, cfg.swiglu_limit, dt)
         routed = sparse_routed_output(xt, idx, w, experts, act)
