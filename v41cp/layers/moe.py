@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from v41cp.config import ModelConfig
 from v41cp.layers.common import declare, dtype_of, zeros_init
-from v41cp.layers.moe_dispatch import sparse_routed_output
+from v41cp.layers.moe_dispatch import expert_width, sparse_routed_output
 from v41cp.layers.stored_weights import decode_fp4, e8m0_to_f32, fp4_values
 from v41cp.sharding.mesh import ATTN_TP
 from v41cp.sharding.rules import ShardingContext, constrain, logical_sharding
@@ -99,7 +99,7 @@ def moe_partial(cfg: ModelConfig, xt: jax.Array, routing: tuple, stored: dict, s
     dt = xt.dtype
     width = cfg.moe_intermediate_size
     experts = dispatch_weights(stored, width, rank, dt)
-    local = experts["w2"][0].shape[-1] * 2 if isinstance(experts["w2"], tuple) else experts["w2"].shape[1]
+    local = expert_width(experts)[1]
     local_in = experts["w1"][0].shape[1] if isinstance(experts["w1"], tuple) else experts["w1"].shape[2]
     if local_in != local:
         raise ValueError(f"MoE: the expert width splits unevenly over the group (w1 slice {local_in}, w2 slice "

@@ -31,7 +31,7 @@ import numpy as np
 
 from v41cp.layers.stored_weights import e8m0_to_f32, fp4_values
 
-__all__ = ["DispatchShape", "dispatch", "sparse_routed_output", "stored_matmul", "TILE_PADDING",
+__all__ = ["DispatchShape", "dispatch", "sparse_routed_output", "stored_matmul", "expert_width", "TILE_PADDING",
            "CHUNK_WEIGHT_BYTES", "FOLD_SCALE_BELOW"]
 
 TILE_PADDING = 1.0625           # worst-case padded slots ≤ 1.0625 × pairs (or G = 1)
@@ -44,7 +44,6 @@ FOLD_SCALE_BELOW = 16           # tiles of fewer rows apply FP4 block scales aft
 class DispatchShape:
     """Static dispatch geometry: ``pairs = T·k``, ``tile`` slots per tile, ``tiles`` (= ``chunks · chunk``)."""
 
-    tokens: int
     pairs: int
     experts: int
     tile: int
@@ -72,7 +71,7 @@ class DispatchShape:
         need = capacity(tile)
         per_chunk = max(1, chunk_bytes // max(1, tile_weight_bytes))
         chunks = -(-need // per_chunk)
-        return cls(tokens, pairs, experts, tile, -(-need // chunks), chunks)
+        return cls(pairs, experts, tile, -(-need // chunks), chunks)
 
 
 def dispatch(idx: jax.Array, weights: jax.Array, shape: DispatchShape):
@@ -130,6 +129,40 @@ def _tile_matmul(x: jax.Array, weight, tiles: jax.Array) -> jax.Array:
     return jnp.einsum("cgn,cno->cgo", x, weight[tiles].astype(x.dtype))
 
 
+def expert_width(experts: dict) -> tuple[int, int]:
+    """(experts ``E``, intermediate width ``I'``) of `sparse_routed_output`'s ``experts`` (read from ``w2``)."""
+    w2 = experts["w2"]
+    return (w2[0].shape[0], 2 * w2[0].shape[2]) if isinstance(w2, tuple) else (w2.shape[0], w2.shape[1])
+
+
+def _expert_ffn(xs: jax.Array, tiles: jax.Array, experts: dict, swiglu) -> jax.Array:
+    """Tile rows ``xs [c, G, H]`` through expert ``tiles [c]``: SwiGLU of ``w1`` / ``w3``, then ``w2`` → FP32
+    ``[c, G, H]``."""
+    act = swiglu(_tile_matmul(xs, experts["w1"], tiles), _tile_matmul(xs, experts["w3"], tiles))
+    return _tile_matmul(act, experts["w2"], tiles).astype(jnp.float32)
+
+
+def _loop_carry(init: jax.Array, *operands) -> jax.Array:
+    """``init`` varying over the mesh axes the operands vary over (a ``fori_loop`` carry inside ``jax.shard_map``
+    keeps one variance; a no-op outside)."""
+    from v41cp.kernels import match_varying
+
+    return match_varying([init, *jax.tree.leaves(operands)])[0][0]
+
+
+def _chunked(shape: DispatchShape, run, init: jax.Array, operands: tuple, like) -> jax.Array:
+    """``run(acc, *chunk)`` over the ``shape.chunks`` chunks of ``operands`` (leading axis ``tiles``): straight-line
+    for one chunk, else a ``fori_loop``."""
+    if shape.chunks == 1:
+        return run(init, *operands)
+    c = shape.chunk
+
+    def body(i, acc):
+        return run(acc, *(jax.lax.dynamic_slice_in_dim(a, i * c, c, axis=0) for a in operands), offset=i * c)
+
+    return jax.lax.fori_loop(0, shape.chunks, body, _loop_carry(init, like))
+
+
 def sparse_routed_output(x: jax.Array, idx: jax.Array, weights: jax.Array, experts: dict, swiglu,
                          chunk_bytes: int = CHUNK_WEIGHT_BYTES) -> jax.Array:
     """Σ over each token's ``k`` experts of ``weights[t, j] · expert_idx[t, j](x_t)`` — only the chosen experts
@@ -138,66 +171,30 @@ def sparse_routed_output(x: jax.Array, idx: jax.Array, weights: jax.Array, exper
     ``[E, out, in]`` orientation (``[E, I', H/2]`` / ``[E, H, I'/2]``); ``swiglu(gate, up)`` the activation.
     Returns FP32 ``[T, H]`` (a partial sum when ``I'`` is a slice of the intermediate width)."""
     t, h = x.shape
-    w2 = experts["w2"]
-    width = w2[0].shape[2] * 2 if isinstance(w2, tuple) else w2.shape[1]
-    n_experts = w2[0].shape[0] if isinstance(w2, tuple) else w2.shape[0]
+    n_experts, width = expert_width(experts)
     shape = DispatchShape.build(t, idx.shape[1], n_experts, 3 * h * width * x.dtype.itemsize, chunk_bytes)
+    like = (x, idx, weights, experts)
     if shape.tile == 1:
-        return _pairwise(x, idx, weights, experts, swiglu, shape)
+        # tiles of one slot (decode): every (token, expert) pair is its own tile, in token-major order — no sort
+        # and no scatter; each token's k outputs are summed in FP32
+        k, pad = idx.shape[1], shape.slots - t * idx.shape[1]
+        tiles = jnp.pad(idx.reshape(-1).astype(jnp.int32), (0, pad))
+        wts = jnp.pad(weights.reshape(-1).astype(jnp.float32), (0, pad))
+        xs = jnp.pad(jnp.repeat(x, k, axis=0), ((0, pad), (0, 0)))[:, None, :]          # [P, 1, H]
+
+        def pairs(out, tiles, xs, wts, offset=0):
+            y = _expert_ffn(xs, tiles, experts, swiglu)[:, 0] * wts[:, None]
+            return jax.lax.dynamic_update_slice_in_dim(out, y, offset, axis=0)
+
+        out = _chunked(shape, pairs, jnp.zeros((shape.slots, h), jnp.float32), (tiles, xs, wts), like)
+        return out[:t * k].reshape(t, k, h).sum(axis=1)
     tile_expert, slot_token, slot_weight = dispatch(idx, weights, shape)
     rows = jnp.concatenate([x, jnp.zeros((1, h), x.dtype)])                 # row T: the empty slot's zero row
 
-    def run(acc, tiles, tokens, wts):
+    def tiles_run(acc, tiles, tokens, wts, offset=0):
         tok = jnp.where(tokens < 0, t, tokens)
-        xs = rows[tok]                                                        # [c, G, H]
-        act = swiglu(_tile_matmul(xs, experts["w1"], tiles), _tile_matmul(xs, experts["w3"], tiles))
-        out = _tile_matmul(act, w2, tiles).astype(jnp.float32) * wts[..., None]
+        out = _expert_ffn(rows[tok], tiles, experts, swiglu) * wts[..., None]
         return acc.at[tok.reshape(-1)].add(out.reshape(-1, h))
 
-    acc = jnp.zeros((t + 1, h), jnp.float32)
-    if shape.chunks > 1:                   # a loop carry keeps one mesh-axis variance (inside jax.shard_map)
-        from v41cp.kernels import match_varying
-
-        acc = match_varying([acc, x, idx, weights] + jax.tree.leaves(experts))[0][0]
-    if shape.chunks == 1:
-        acc = run(acc, tile_expert, slot_token, slot_weight)
-    else:
-        c = shape.chunk
-
-        def body(i, acc):
-            take = lambda a: jax.lax.dynamic_slice_in_dim(a, i * c, c, axis=0)
-            return run(acc, take(tile_expert), take(slot_token), take(slot_weight))
-
-        acc = jax.lax.fori_loop(0, shape.chunks, body, acc)
+    acc = _chunked(shape, tiles_run, jnp.zeros((t + 1, h), jnp.float32), (tile_expert, slot_token, slot_weight), like)
     return acc[:t]
-
-
-def _pairwise(x, idx, weights, experts, swiglu, shape: DispatchShape) -> jax.Array:
-    """Tiles of one slot (decode): every (token, expert) pair is its own tile, in token-major order — no sort
-    and no scatter; each token's ``k`` outputs are summed in FP32. Chunks of pairs as in the tiled path."""
-    t, h = x.shape
-    k = idx.shape[1]
-    pad = shape.slots - t * k
-    tiles = jnp.pad(idx.reshape(-1).astype(jnp.int32), (0, pad))
-    wts = jnp.pad(weights.reshape(-1).astype(jnp.float32), (0, pad))
-    xs = jnp.pad(jnp.repeat(x, k, axis=0), ((0, pad), (0, 0)))[:, None, :]         # [P, 1, H]
-
-    def run(tiles, xs, wts):
-        act = swiglu(_tile_matmul(xs, experts["w1"], tiles), _tile_matmul(xs, experts["w3"], tiles))
-        return _tile_matmul(act, experts["w2"], tiles)[:, 0].astype(jnp.float32) * wts[:, None]
-
-    if shape.chunks == 1:
-        out = run(tiles, xs, wts)
-    else:
-        c = shape.chunk
-
-        def body(i, out):
-            take = lambda a: jax.lax.dynamic_slice_in_dim(a, i * c, c, axis=0)
-            return jax.lax.dynamic_update_slice_in_dim(out, run(take(tiles), take(xs), take(wts)), i * c, axis=0)
-
-        out = jnp.zeros((shape.slots, h), jnp.float32)
-        from v41cp.kernels import match_varying
-
-        out = match_varying([out, x, idx, weights] + jax.tree.leaves(experts))[0][0]
-        out = jax.lax.fori_loop(0, shape.chunks, body, out)
-    return out[:t * k].reshape(t, k, h).sum(axis=1)

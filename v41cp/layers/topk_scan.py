@@ -18,6 +18,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from v41cp.sharding.dist_topk import local_block_maxima
+
 __all__ = ["scan_topk", "tile_count", "SCAN_TILE_BYTES"]
 
 SCAN_TILE_BYTES = 256 << 20          # temporaries of one tile (decoded keys + per-head scores), all rows
@@ -44,12 +46,6 @@ def _merge(vals, gid, scores, ids, k):
     return top, jnp.where(top > -jnp.inf, got, -1)
 
 
-def _block_max(maxima, scores, ids, block_size):
-    rows, nb1 = maxima.shape
-    bid = jnp.where(ids >= 0, ids // block_size, nb1 - 1)
-    return maxima.at[jnp.arange(rows)[:, None], bid].max(jnp.where(ids >= 0, scores, -jnp.inf).astype(jnp.float32))
-
-
 def scan_topk(score_tile, tiles: int, rows: int, k: int, *, num_blocks: int | None = None, block_size: int = 1,
               carry_like=None):
     """Running top-``k`` over ``tiles`` tiles (see the module docstring) of ``rows`` rows → ``(vals [R, k] FP32
@@ -57,7 +53,7 @@ def scan_topk(score_tile, tiles: int, rows: int, k: int, *, num_blocks: int | No
     ``carry_like``: an array whose mesh-axis variance the running state takes (inside ``jax.shard_map``)."""
     vals = jnp.full((rows, k), -jnp.inf, jnp.float32)
     gid = jnp.full((rows, k), -1, jnp.int32)
-    maxima = None if num_blocks is None else jnp.full((rows, num_blocks + 1), -jnp.inf, jnp.float32)
+    maxima = None if num_blocks is None else jnp.full((rows, num_blocks), -jnp.inf, jnp.float32)
     state = (vals, gid, maxima)
     if carry_like is not None:
         from v41cp.kernels import match_varying
@@ -70,7 +66,7 @@ def scan_topk(score_tile, tiles: int, rows: int, k: int, *, num_blocks: int | No
         vals, gid, maxima = state
         scores, ids = score_tile(j)
         if maxima is not None:
-            maxima = _block_max(maxima, scores, ids, block_size)
+            maxima = jnp.maximum(maxima, local_block_maxima(scores, ids, block_size, num_blocks))
         vals, gid = _merge(vals, gid, scores, ids, k)
         return vals, gid, maxima
 
@@ -78,5 +74,4 @@ def scan_topk(score_tile, tiles: int, rows: int, k: int, *, num_blocks: int | No
         state = step(0, state)
     else:
         state = jax.lax.fori_loop(0, tiles, step, state)
-    vals, gid, maxima = state
-    return vals, gid, None if maxima is None else maxima[:, :num_blocks]
+    return state

@@ -35,7 +35,8 @@ from v41cp.kernels.indexer_topk import index_block_maxima, indexer_topk
 from v41cp.kernels.sparse_attention import flatten_store, sparse_attention
 from v41cp.layers.indexer import index_scores
 from v41cp.layers.topk_scan import SCAN_TILE_BYTES, scan_topk, tile_count
-from v41cp.sharding.dist_topk import distributed_candidate_blocks_from_maxima, gather_merge_topk, kept_block_mask
+from v41cp.sharding.dist_topk import (distributed_blocks, distributed_candidate_blocks_from_maxima, entries_in_kept,
+                                      gather_merge_topk, kept_block_mask)
 from v41cp.sharding.lse_merge import apply_sink, merge_a2a, merge_ag_rs, partial_attention
 from v41cp.sharding.mesh import ATTN_TP, CP
 from v41cp.sharding.ownership import owned_positions
@@ -167,9 +168,7 @@ def select(plan: DCPPlan, cfg: ModelConfig, role: LayerRole, read, ikey_pool, q:
         ids = jnp.pad(ids, ((0, 0), (0, pad * epb)), constant_values=-1)
         cbs = cfg.candidate_block_size
         nb = -(-g // cbs)
-        keep = None
-        if role.uses_candidates:
-            keep = jnp.pad(kept_block_mask(cand, nb), ((0, 0), (0, 1)))
+        keep = kept_block_mask(cand, nb) if role.uses_candidates else None
 
         def score_tile(j):
             r = jax.lax.dynamic_slice_in_dim(rows, j * per, per, axis=1)
@@ -177,16 +176,14 @@ def select(plan: DCPPlan, cfg: ModelConfig, role: LayerRole, read, ikey_pool, q:
             keys = read(pool, lambda a: a[r]).reshape(b, per * epb, -1)              # [B, tile, Di]
             scores = index_scores(q[:, None], weights[:, None], keys)[:, 0]
             if keep is not None:
-                i = jnp.where(jnp.take_along_axis(keep, jnp.where(i >= 0, i // cbs, nb), axis=-1), i, -1)
+                i = jnp.where(entries_in_kept(keep, i, cbs), i, -1)
             return scores, i
 
         vals, gid, maxima = scan_topk(score_tile, tiles, b, k, num_blocks=nb if role.candidate_source else None,
                                       block_size=cbs, carry_like=_local(pool))
         out_cand = cand
         if role.candidate_source:
-            out_cand = distributed_candidate_blocks_from_maxima(
-                maxima, jnp.broadcast_to(jnp.arange(nb, dtype=jnp.int32), (b, nb)), visible,
-                cfg.candidate_topk_blocks, cbs, g, CP)
+            out_cand = distributed_blocks(maxima, visible, cfg.candidate_topk_blocks, cbs, CP)
         topk, _ = gather_merge_topk(vals, gid, k, CP)
         return topk, out_cand
 

@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 
 __all__ = ["local_topk", "merge_topk", "distributed_topk", "gather_merge_topk", "local_block_maxima", "merge_blocks",
-           "distributed_candidate_blocks", "distributed_candidate_blocks_from_maxima", "candidate_mask",
-           "kept_block_mask"]
+           "distributed_candidate_blocks", "distributed_candidate_blocks_from_maxima", "distributed_blocks",
+           "candidate_mask", "entries_in_kept", "kept_block_mask"]
 
 
 def local_topk(scores: jax.Array, ids: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -101,8 +101,8 @@ def distributed_candidate_blocks(scores: jax.Array, ids: jax.Array, visible_len:
     this rank's masked scores ``[B, Gl]`` of entries ``ids [B, Gl]``; ``num_entries`` = the history capacity
     in entries (the reference's ``G``). Communicates ``N·B·kb`` (block max, block id) pairs."""
     nb = -(-num_entries // block_size)
-    return _distributed_blocks(local_block_maxima(scores, ids, block_size, nb), visible_len, topk_blocks,
-                               block_size, axis)
+    return distributed_blocks(local_block_maxima(scores, ids, block_size, nb), visible_len, topk_blocks,
+                              block_size, axis)
 
 
 def distributed_candidate_blocks_from_maxima(maxima: jax.Array, block_ids: jax.Array, visible_len: jax.Array,
@@ -111,12 +111,14 @@ def distributed_candidate_blocks_from_maxima(maxima: jax.Array, block_ids: jax.A
     """As `distributed_candidate_blocks`, from this rank's partial block maxima ``maxima [B, C]`` of logical
     blocks ``block_ids [B, C]`` (−1 = none; e.g. the indexer kernel's block maxima)."""
     nb = -(-num_entries // block_size)
-    return _distributed_blocks(local_block_maxima(maxima, block_ids, 1, nb), visible_len, topk_blocks,
-                               block_size, axis)
+    return distributed_blocks(local_block_maxima(maxima, block_ids, 1, nb), visible_len, topk_blocks,
+                              block_size, axis)
 
 
-def _distributed_blocks(local: jax.Array, visible_len: jax.Array, topk_blocks: int, block_size: int,
-                        axis: str) -> jax.Array:
+def distributed_blocks(local: jax.Array, visible_len: jax.Array, topk_blocks: int, block_size: int,
+                       axis: str) -> jax.Array:
+    """Inside shard_map over ``axis``: this rank's partial block maxima over every block ``local [B, nb]`` (−inf =
+    none here) → the kept block ids ``[B, kb]``, as `distributed_candidate_blocks`."""
     nb = local.shape[1]
     kb = min(topk_blocks, nb)
     local = _pin(local, visible_len, block_size)
@@ -129,8 +131,14 @@ def _distributed_blocks(local: jax.Array, visible_len: jax.Array, topk_blocks: i
 
 def candidate_mask(blocks: jax.Array, ids: jax.Array, block_size: int, num_entries: int) -> jax.Array:
     """Whether entries ``ids [B, G]`` (−1 = none) lie in the kept ``blocks [B, kb]`` → bool ``[B, G]``."""
-    nb = -(-num_entries // block_size)
-    keep = jnp.pad(kept_block_mask(blocks, nb), ((0, 0), (0, 1)))
+    return entries_in_kept(kept_block_mask(blocks, -(-num_entries // block_size)), ids, block_size)
+
+
+def entries_in_kept(keep: jax.Array, ids: jax.Array, block_size: int) -> jax.Array:
+    """Whether entries ``ids [B, G]`` (−1 = none: False) lie in a kept block of ``keep [B, nb]`` (`kept_block_mask`,
+    built once when several id tiles are tested) → bool ``[B, G]``."""
+    nb = keep.shape[1]
+    keep = jnp.pad(keep, ((0, 0), (0, 1)))
     return jnp.take_along_axis(keep, jnp.where(ids >= 0, ids // block_size, nb), axis=-1)
 
 

@@ -16,7 +16,6 @@ added for the remaining iterations. Where XLA already multiplies by the trip cou
 from __future__ import annotations
 
 import functools
-import json
 import re
 
 import numpy as np
@@ -118,37 +117,29 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
 
 
 def _trip_count(line: str) -> int:
-    m = re.search(r"backend_config=(\{.*\})\s*$", line)
-    if m:
-        try:
-            n = json.loads(m.group(1)).get("known_trip_count", {}).get("n")
-            if n is not None:
-                return int(n)
-        except ValueError:
-            pass
     m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
     if not m:
         raise ValueError(f"hlo_stats: a while loop without a known trip count: {line[:200]}")
     return int(m.group(1))
 
 
-def _loops(comps: dict, name: str) -> list[tuple[str, int]]:
-    """The ``(body, trip count)`` of every while loop run by computation ``name`` itself or by what it calls
-    other than through a loop (fusions, calls, conditionals)."""
-    out, todo, seen = [], [name], set()
+def _reach(comps: dict, name: str) -> tuple[list[str], list[tuple[str, int]]]:
+    """What computation ``name`` runs each time it runs: the computations it reaches other than through a loop
+    (itself, fusions, calls, conditionals) and the ``(body, trip count)`` of the while loops among them."""
+    reached, loops, todo = [], [], [name]
     while todo:
         c = todo.pop()
-        if c in seen or c not in comps:
+        if c in reached or c not in comps:
             continue
-        seen.add(c)
+        reached.append(c)
         for line in comps[c]:
             w = _WHILE.search(line)
             if w:
-                out.append((w.group("body"), _trip_count(line)))
+                loops.append((w.group("body"), _trip_count(line)))
                 continue
             for one, many in _CALLEES.findall(line):
                 todo.extend([one] if one else re.findall(r"%([\w.\-]+)", many))
-    return out
+    return reached, loops
 
 
 def loop_multipliers(hlo_text: str) -> dict[str, int]:
@@ -158,20 +149,11 @@ def loop_multipliers(hlo_text: str) -> dict[str, int]:
     mult = {}
 
     def visit(c, m):
-        todo, seen = [c], set()
-        while todo:
-            x = todo.pop()
-            if x in seen or x not in comps:
-                continue
-            seen.add(x)
+        reached, loops = _reach(comps, c)
+        for x in reached:
             mult[x] = mult.get(x, 0) + m
-            for line in comps[x]:
-                w = _WHILE.search(line)
-                if w:
-                    visit(w.group("body"), m * _trip_count(line))
-                    continue
-                for one, many in _CALLEES.findall(line):
-                    todo.extend([one] if one else re.findall(r"%([\w.\-]+)", many))
+        for body, trips in loops:
+            visit(body, m * trips)
 
     if entry is not None:
         visit(entry, 1)
@@ -242,7 +224,7 @@ def program_cost(compiled) -> dict:
     def corrected(c):
         # XLA counted each loop body reached from c once; add the remaining iterations (nested: recursively)
         out = dict(xla(c)) if c != entry else dict(total)
-        for body, trips in _loops(comps, c):
+        for body, trips in _reach(comps, c)[1]:
             inner, once = corrected(body), xla(body)
             for k in keys:
                 out[k] += trips * inner[k] - once[k]
