@@ -23,8 +23,15 @@ def test_bf16_forward_tracks_fp32():
     assert params16["head"].dtype == np.float32
     tokens = np.random.default_rng(4).integers(3, cfg32.vocab_size, (1, 24))
     want = np.asarray(model.forward(params32, cfg32, tokens))
-    got = model.forward(params16, cfg16, tokens)
+    got, _, inter = model.forward_debug(params16, cfg16, tokens)
     assert got.dtype == jnp.float32 and bool(jnp.isfinite(got).all())
+    # the index scores are stored as the reference stores them at this dtype: BF16 values (rounded dot, weighted
+    # ReLU and head sum; the per-point match with the port is tests/test_oracle_model.py)
+    for role in cfg16.layer_roles:
+        if role.is_index_source:
+            scores = np.asarray(inter[f"layers_{role.index}"]["attn"]["index_scores"][0])
+            finite = scores[np.isfinite(scores)]
+            assert finite.size and np.array_equal(finite, np.asarray(jnp.asarray(finite, jnp.bfloat16), np.float32))
     err = rel_err(got, want)
     print(f"\n[bf16 vs fp32, complete selection] logits rel err {err:.2e}")
     # BF16 rounding (8-bit mantissa, ~4e-3) through 6 layers; catches dtype bugs, not ulps

@@ -104,3 +104,62 @@ def test_short_and_batched_sequences_match_oracle(oracle, batch, seq):
     err = rel_err(logits, ref["logits"])
     print(f"\n[oracle tiny-dense B={batch} S={seq}] logits rel err {err:.3e}")
     assert err <= 1e-4 and rel_err(hidden, ref["hidden"]) <= 1e-4
+
+
+def test_bf16_index_scores_equal_the_oracle_on_its_operands(oracle):
+    """At the released dtype (BF16) the port rounds the per-head dot, the weighted ReLU and the head sum to BF16.
+    On the port's own index-score operands (queries, keys, weights of every index layer of a BF16 run), the one
+    selection numerics (`index_scores`) and the kernels' scan (`score_rows`, XLA reference and Pallas interpret)
+    give the port's scores bit for bit, so the top-k sets are the port's on every row whose k-th and (k+1)-th
+    scores differ. Scoring the same operands without the rounding differs on many entries (the test can fail)."""
+    import jax.numpy as jnp
+
+    from v41cp.kernels.indexer_topk import dense_pages, index_scan_reference, indexer_topk
+    from v41cp.layers.indexer import index_scores, topk_select
+
+    out = oracle.run("model", "--preset", "tiny-sparse", "--fake-quant", "on", "--dtype", "bfloat16")
+    cfg, _, ref = load_export(out)
+    assert cfg.dtype == "bfloat16"
+    bf16 = lambda a: jnp.asarray(a, jnp.bfloat16)
+    compared = unrounded_diff = scored = 0
+    for role in cfg.layer_roles:
+        if not role.is_index_source:
+            continue
+        q, k, w, want = (ref[f"index_{n}_{role.index}"] for n in ("queries", "keys", "weights", "scores"))
+        assert np.array_equal(np.asarray(bf16(q), np.float32), q)           # the operands are BF16 values
+        allowed = np.isfinite(want)
+        got = np.where(allowed, np.asarray(index_scores(bf16(q), bf16(w), bf16(k))), -np.inf)
+        np.testing.assert_array_equal(got, want, err_msg=f"layer {role.index}")
+        # the kernels' scan on the same operands: the full-sequence keys as one page per request
+        b, s, hi, di = q.shape
+        store, pages, page_ids = dense_pages(bf16(k), k.shape[1])
+        rows = lambda a: np.repeat(np.asarray(a), s, axis=0)
+        visible = np.full(b * s, k.shape[1], np.int32)
+        kernel_scores, _ = index_scan_reference(bf16(q).reshape(b * s, hi, di), bf16(w).reshape(b * s, hi), store,
+                                                None, rows(pages), rows(page_ids), visible, None, k.shape[1], 1)
+        kernel_scores = np.asarray(kernel_scores).reshape(want.shape)[..., :k.shape[1]]
+        np.testing.assert_array_equal(np.where(allowed, kernel_scores, -np.inf), want,
+                                      err_msg=f"layer {role.index}, kernel reference")
+        if role.index == 1:       # Pallas interpret mode: the same scan as the kernel runs it (one layer: time)
+            ids, vals = indexer_topk(bf16(q).reshape(b * s, hi, di), bf16(w).reshape(b * s, hi), store,
+                                     rows(pages), rows(page_ids), visible, k.shape[1], epb=k.shape[1],
+                                     backend="pallas")
+            dense = np.full((b * s, k.shape[1] + 1), -np.inf, np.float32)
+            np.put_along_axis(dense, np.where(np.asarray(ids) >= 0, np.asarray(ids), k.shape[1]), np.asarray(vals),
+                              axis=1)
+            np.testing.assert_array_equal(np.where(allowed, dense[:, :-1].reshape(want.shape), -np.inf), want)
+        kk = min(cfg.index_topk, k.shape[1])
+        gap = boundary_gap(want, kk)
+        mine = selection_sets(np.asarray(topk_select(jnp.asarray(got), kk)[0]))
+        theirs = selection_sets(np.asarray(topk_select(jnp.asarray(want), kk)[0]))
+        clear = [i for i, g in enumerate(gap) if g > 0]
+        assert all(mine[i] == theirs[i] for i in clear)
+        compared += len(clear)
+        unrounded = np.asarray(index_scores(jnp.asarray(q), jnp.asarray(w), jnp.asarray(k)))
+        unrounded = np.asarray(bf16(unrounded), np.float32)
+        unrounded_diff += int((unrounded[allowed] != want[allowed]).sum())
+        scored += int(allowed.sum())
+    print(f"\n[oracle tiny-sparse bf16] {scored} scores equal bit for bit, {compared} rows' sets compared; "
+          f"without the intermediate rounding {unrounded_diff} scores differ")
+    assert compared >= 100
+    assert unrounded_diff > scored // 10

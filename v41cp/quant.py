@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["pow2ceil", "e2m1_magnitude_code", "fake_quant", "fp8_block32", "nvfp4_block16", "mxfp4_block32", "FAKE_QUANT",
+__all__ = ["round_through", "pow2ceil", "e2m1_magnitude_code", "fake_quant", "fp8_block32", "nvfp4_block16", "mxfp4_block32", "FAKE_QUANT",
            "E2M1_LEVELS", "FP4_TABLE"]
 
 E2M1_LEVELS = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
@@ -27,6 +27,14 @@ E2M1_LEVELS = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 FP4_TABLE = np.concatenate([E2M1_LEVELS, np.float32(0.0) - E2M1_LEVELS]).astype(np.float32)
 FP4_TABLE[8] = 0.0
 _E2M1_MIDPOINTS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)
+
+
+def round_through(x: jax.Array, dtype) -> jax.Array:
+    """FP32 ``x`` rounded to ``dtype`` and back (round to nearest even) — a value the reference stores in ``dtype``
+    at that point; the identity when ``dtype`` is FP32."""
+    if jnp.dtype(dtype) == jnp.float32:
+        return x
+    return x.astype(dtype).astype(jnp.float32)
 
 
 def pow2ceil(x: jax.Array) -> jax.Array:

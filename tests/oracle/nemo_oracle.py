@@ -11,8 +11,13 @@ writes plain files that the JAX test-suite reads (no pickle anywhere):
   reference.safetensors  input_ids [B,S], logits [B,S,V], hidden [L,B,S,hc,H] (block inputs),
                          engram_hashes [B,S,n_engram,heads], token_map [vocab],
                          topk_<layer> [B,S,K] (selected compressed positions, ascending, -1 = none),
-                         candidates_<layer> [B,S,G] (candidate source only)
+                         candidates_<layer> [B,S,G] (candidate source only),
+                         index_{queries,keys,weights,scores}_<layer> the index-score operands
+                         [B,S,H,D] / [B,G,D] / [B,S,H] and the masked scores [B,S,G] it selects from
+                         (values of the run's dtype, stored as FP32)
   timing.json            forward wall time (first and steady-state)
+
+``model --dtype bfloat16`` runs the port in BF16 (the released dtype).
 
 ``quant`` sub-command: quantize_cache of random tensors incl. e2m1 rounding ties and zero blocks,
 into ``quant.safetensors`` (input_<fmt>, output_<fmt>).
@@ -65,6 +70,22 @@ def synthetic_tokenizer(vocab: int):
     return tok, fast
 
 
+class _EinsumRecorder:
+    """Stands in for the ``torch`` module inside the port's attention module: records the operands of the
+    index-score einsum (queries ``[B,S,H,D]``, keys ``[B,G,D]``) into ``rec`` and otherwise is ``torch``."""
+
+    def __init__(self, rec):
+        self._rec = rec
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def einsum(self, equation, *operands):
+        if equation == "bshd,btd->bsht":
+            self._rec["queries"], self._rec["keys"] = (o.detach().clone() for o in operands)
+        return torch.einsum(equation, *operands)
+
+
 def parse_overrides(items):
     out = {}
     for item in items or []:
@@ -73,22 +94,22 @@ def parse_overrides(items):
     return out
 
 
-def build_model(text: dict, seed: int, tokenizer):
+def build_model(text: dict, seed: int, tokenizer, dtype: str = "float32"):
     from nemo_automodel.components.models.common import BackendConfig
     from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config, DeepseekV41TextConfig
     from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
 
     kw = {k: (list(v) if isinstance(v, tuple) else v) for k, v in text.items()}
-    kw.update(dtype="float32", dspark_target_layer_ids=[],
+    kw.update(dtype=dtype, dspark_target_layer_ids=[],
               rope_scaling={"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
                             "original_max_position_embeddings": 65536})
     cfg = DeepseekV41Config(text_config=DeepseekV41TextConfig(**kw), vision_config={"num_hidden_layers": 0},
-                            dtype="float32")
+                            dtype=dtype)
     backend = BackendConfig(attn="eager", linear="torch", rms_norm="torch_fp32", experts="torch",
                             dispatcher="torch", enable_hf_state_dict_adapter=True)
     torch.manual_seed(seed)
     model = DeepseekV41ForCausalLM(cfg, backend=backend, tokenizer=tokenizer)
-    model.initialize_weights(buffer_device=torch.device("cpu"), dtype=torch.float32)
+    model.initialize_weights(buffer_device=torch.device("cpu"), dtype=getattr(torch, dtype))
     # Non-trivial values where the port initialises constants (sinks 0, norms 1, biases 0),
     # so that the comparison exercises them.
     g = torch.Generator().manual_seed(seed + 17)
@@ -152,18 +173,38 @@ def cmd_model(args):
         from nemo_automodel.components.models.deepseek_v41.engram import _compressed_token_map
         token_map, compressed = _compressed_token_map(fast)
         text["engram_compressed_vocab_size"] = compressed
-    model = build_model(text, args.seed, fast)
+    model = build_model(text, args.seed, fast, args.dtype)
     dequantized = None
     if args.weights:
         dequantized = load_released_weights(model, args.weights)
 
-    captured = {}
+    captured, scoring = {}, {}
     original = attention._Indexer.forward
 
     def spy(self, *a, **kw):
-        state = original(self, *a, **kw)
+        # the port's own index-score operands and scores, seen without changing its code: its module-level
+        # `torch` is a proxy that records the einsum's operands, `Tensor.topk` records the tensor it selects
+        # from (the last call is the selection over the masked scores), `weights_proj`'s output is hooked
+        rec = {}
+        topk, module_torch = torch.Tensor.topk, attention.torch
+
+        def recording_topk(t, *ta, **tkw):
+            rec["scores"] = t.detach().clone()
+            return topk(t, *ta, **tkw)
+
+        hook = self.weights_proj.register_forward_hook(lambda _m, _i, out: rec.__setitem__("proj", out.detach().clone()))
+        attention.torch, torch.Tensor.topk = _EinsumRecorder(rec), recording_topk
+        try:
+            state = original(self, *a, **kw)
+        finally:
+            attention.torch, torch.Tensor.topk = module_torch, topk
+            hook.remove()
         captured[self._layer] = (state.topk_indices.clone(), None if state.candidates is None
                                  else state.candidates.clone())
+        if "queries" in rec:
+            # the port scales the projection by this factor in its own dtype right after the projection
+            rec["weights"] = rec.pop("proj") * (self.head_dim ** -0.5 * self.num_heads ** -0.5)
+            scoring[self._layer] = rec
         return state
 
     for name, module in model.named_modules():
@@ -190,6 +231,8 @@ def cmd_model(args):
         ref["token_map"] = torch.tensor(token_map, dtype=torch.int64)
     for layer, (topk, cand) in captured.items():
         ref[f"topk_{layer}"] = topk.to(torch.int64)
+        for name, value in scoring.get(layer, {}).items():
+            ref[f"index_{name}_{layer}"] = value.float()
         if cand is not None and layer == text["candidate_source_layer_id"]:
             ref[f"candidates_{layer}"] = cand.to(torch.uint8)
     save_file({k: v.contiguous() for k, v in ref.items()}, os.path.join(args.out, "reference.safetensors"))
@@ -198,7 +241,7 @@ def cmd_model(args):
     if dequantized is not None:
         save_file(dequantized, os.path.join(args.out, "dequantized.safetensors"))
     cfg_out = {k: (list(v) if isinstance(v, tuple) else v) for k, v in text.items()}
-    cfg_out["dtype"] = "float32"
+    cfg_out["dtype"] = args.dtype
     with open(os.path.join(args.out, "config.json"), "w") as f:
         json.dump({"model_type": "deepseek_v41", "text_config": cfg_out}, f, indent=1)
     tok.save(os.path.join(args.out, "tokenizer.json"))
@@ -308,6 +351,8 @@ def main(argv=None):
                                      "through the port's from_hf instead of the seeded random weights")
     m.add_argument("--set", action="append", help="override a config field: key=<json value>")
     m.add_argument("--fake-quant", choices=("on", "off"), default="on")
+    m.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the port's dtype (bfloat16: the released one, FP32 islands as the port keeps them)")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--batch", type=int, default=1)
     m.add_argument("--seq", type=int, default=40)

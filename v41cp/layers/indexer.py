@@ -16,10 +16,10 @@ import jax.numpy as jnp
 from v41cp.config import LayerRole, ModelConfig
 from v41cp.layers.common import RMSNorm, declare, dtype_of
 from v41cp.layers.rope import apply_rope
-from v41cp.quant import mxfp4_block32
+from v41cp.quant import mxfp4_block32, round_through
 from v41cp.sharding.operator_qcp import indexer_query_parallel_applies, interleaved_island
 
-__all__ = ["Indexer", "index_query", "index_scores", "kept_candidate_entries", "kernel_select_rows",
+__all__ = ["Indexer", "index_query", "index_scores", "score_terms", "score_total", "kept_candidate_entries", "kernel_select_rows",
            "select_candidate_blocks", "select_positions", "select_scored", "topk_select",
            "query_parallel_select", "query_parallel_select_rows"]
 
@@ -79,15 +79,32 @@ def index_scores(q: jax.Array, weights: jax.Array, keys: jax.Array) -> jax.Array
     layout (the full sequence, a cached step, a rank's owned pages in the distributed top-k): every path
     selects exactly the same entries, ties and near-ties included. Exact zeros are returned as +0 (a
     ReLU-zero times a negative weight would be −0, which `lax.top_k` ranks below +0 and a max may or may not
-    keep)."""
+    keep).
+
+    Queries in a reduced dtype (BF16, the released model) round where the reference stores that dtype
+    (`score_terms`): the per-head dot, the weighted ReLU and the head sum; FP32 queries round nowhere."""
     qf = jnp.moveaxis(q.astype(jnp.float32), -1, 0)                                  # [E,B,S,H]
     kf = jnp.moveaxis(keys.astype(jnp.float32), -1, 0)                               # [E,B,G]
     term = lambda qe, ke: qe[..., None] * ke[:, None, None, :]                      # [B,S,H,G]
     # the carries start from the first term (not from zeros) so that they keep the operands' sharding type
     raw, _ = jax.lax.scan(lambda acc, qk: (acc + term(*qk), None), term(qf[0], kf[0]), (qf[1:], kf[1:]))
-    contrib = jnp.moveaxis(jax.nn.relu(raw) * weights.astype(jnp.float32)[..., None], 2, 0)    # [H,B,S,G]
+    contrib = jnp.moveaxis(score_terms(raw, weights[..., None], q.dtype), 2, 0)      # [H,B,S,G]
     scores, _ = jax.lax.scan(lambda acc, c: (acc + c, None), contrib[0], contrib[1:])
-    return jnp.where(scores == 0, 0.0, scores)
+    return score_total(scores, q.dtype)
+
+
+def score_terms(raw: jax.Array, weights: jax.Array, dtype) -> jax.Array:
+    """Per-head terms ``ReLU(raw) · weight`` in FP32 from FP32 dots ``raw``, rounded where the reference stores
+    ``dtype`` (NeMo's V4.1 indexer, eager and TileLang alike: the dot → ``dtype``, ReLU, × the ``dtype`` weight →
+    ``dtype``; `v41cp.quant.round_through`, the identity for FP32). ``weights`` broadcasts against ``raw``."""
+    w = weights.astype(jnp.float32)
+    return round_through(jax.nn.relu(round_through(raw, dtype)) * w, dtype)
+
+
+def score_total(total: jax.Array, dtype) -> jax.Array:
+    """The head sum (FP32) → the score: rounded to ``dtype`` as the reference stores it, exact zeros as +0."""
+    total = round_through(total, dtype)
+    return jnp.where(total == 0, 0.0, total)
 
 
 def select_positions(cfg: ModelConfig, role: LayerRole, wq_b, w_proj, x, qr, angles, keys, positions, candidates):

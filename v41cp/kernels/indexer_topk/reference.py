@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from v41cp.kernels.dequant import load_rows_split, split_channels
+from v41cp.layers.indexer import score_terms, score_total
 
 __all__ = ["entry_layout", "score_rows", "index_scan_reference"]
 
@@ -30,11 +31,12 @@ def entry_layout(pages, page_ids, visible, block_mask, epb: int, cbs: int, entri
 
 def score_rows(q_e, q_o, w, k_e, k_o, ok, precision):
     """Scores ``[T]`` of keys (split channels ``[T, Di/2]``) for one query (``q_e / q_o [Hi, Di/2]``, weights
-    ``w [Hi]``): ``Σ_h ReLU(q_h · k) · w_h`` in FP32 (exact zeros as +0), −inf where not ``ok``."""
+    ``w [Hi]``): ``Σ_h ReLU(q_h · k) · w_h`` in FP32 (exact zeros as +0), −inf where not ``ok``. BF16 queries
+    round where the reference does (`v41cp.layers.indexer.score_terms` / `score_total`)."""
     raw = (jnp.dot(q_e, k_e.T, precision=precision, preferred_element_type=jnp.float32)
            + jnp.dot(q_o, k_o.T, precision=precision, preferred_element_type=jnp.float32))
-    s = jnp.sum(jnp.maximum(raw, 0.0) * w[:, None], axis=0)
-    return jnp.where(ok, jnp.where(s == 0, 0.0, s), -jnp.inf)
+    s = jnp.sum(score_terms(raw, w[:, None], q_e.dtype), axis=0)
+    return jnp.where(ok, score_total(s, q_e.dtype), -jnp.inf)
 
 
 def index_scan_reference(q, w, store, fmt, pages, page_ids, visible, block_mask, epb: int, cbs: int):
