@@ -90,8 +90,9 @@ def _reference(sparse: bool):
     return _run(*_model(sparse))
 
 
-# every group size, both merge backends and both query modes (compiles are the suite's cost)
-@pytest.mark.parametrize("n,merge,q_mode", [(2, "ag_rs", "gather"), (4, "a2a", "gather"), (8, "ag_rs", "replicate")])
+# every group size, every merge mode and both query modes (compiles are the suite's cost)
+@pytest.mark.parametrize("n,merge,q_mode", [(2, "ag_rs", "gather"), (4, "a2a", "gather"), (8, "heads", "replicate"),
+                                            (4, "heads", "gather")])
 def test_dcp_decode_equals_single_device(n, merge, q_mode):
     cfg, params = _model(False)
     par = ParallelConfig(tp_size=8, kv_parallel_size=n, decode_context_parallel_size=n, dcp_merge=merge, dcp_q=q_mode)
@@ -128,7 +129,7 @@ def _compiled_text(cfg, params, plan, max_blocks):
     return decode_step.lower(params, cache, meta, cfg, plan).compile().as_text(), cache
 
 
-@pytest.mark.parametrize("merge,q_mode", [("ag_rs", "gather"), ("a2a", "replicate")])
+@pytest.mark.parametrize("merge,q_mode", [("ag_rs", "gather"), ("a2a", "replicate"), ("heads", "gather")])
 def test_compiled_step_structure(merge, q_mode):
     """KVP=4 inside TP=8: the step's collective bytes are identical for history capacities 8 and 64 blocks
     (history is never gathered); the bytes over the cp groups equal the analytical Q-gather + top-k / block

@@ -28,6 +28,8 @@ import json
 import sys
 import time
 
+from v41cp.sharding.topology import DCP_MERGES
+
 
 def _load_cfg(args):
     from v41cp.config import ModelConfig, preset
@@ -474,7 +476,9 @@ def _topology_flags(p) -> None:
     p.add_argument("--kv-parallel-size", type=int, default=1, help="KVP: ranks sharing one request's global pages")
     p.add_argument("--decode-context-parallel-size", type=int,
                    help="DCP group size (must equal --kv-parallel-size; default: equal to it)")
-    p.add_argument("--dcp-merge", choices=("ag_rs", "a2a"), default="ag_rs", help="DCP merge backend")
+    p.add_argument("--dcp-merge", choices=DCP_MERGES, default="ag_rs",
+                   help="DCP decode attention: ag_rs / a2a merge partials over owned entries; heads gathers the "
+                        "selected records and splits the query heads (attention work / N)")
     p.add_argument("--dcp-q", choices=("gather", "replicate"), default="gather",
                    help="DCP queries: all-gather heads per layer, or replicated query projections")
     q = p.add_argument_group("query context parallelism (prefill; 1 = off, else the attention TP size)")

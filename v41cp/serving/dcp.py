@@ -41,15 +41,17 @@ from v41cp.sharding.lse_merge import apply_sink, merge_a2a, merge_ag_rs, partial
 from v41cp.sharding.mesh import ATTN_TP, CP
 from v41cp.sharding.ownership import owned_positions
 from v41cp.sharding.topology import ParallelConfig
+from v41cp.serving.records import record_bytes
 
-__all__ = ["DCPPlan", "select", "attend", "gather_history", "collective_plan"]
+__all__ = ["DCPPlan", "select", "attend", "gather_history", "gather_owned_records", "collective_plan"]
 
 
 @dataclass(frozen=True)
 class DCPPlan:
     """Static DCP layout of one decode step (hashable: a jit static argument).
 
-    mesh: the ``(dp, tp, cp)`` mesh; ``n`` = its ``cp`` size (KVP = DCP); merge: ``ag_rs`` | ``a2a``;
+    mesh: the ``(dp, tp, cp)`` mesh; ``n`` = its ``cp`` size (KVP = DCP); merge: ``ag_rs`` | ``a2a`` (partials
+    over owned entries, LSE merge) | ``heads`` (selected records gathered, each rank its own heads);
     q_mode: ``gather`` | ``replicate``; heads_sharded: whether the query heads are split over attention TP
     (else replicated: the merge all-reduces instead of reduce-scattering); scan_tile_bytes: the temporaries
     of one tile of the XLA selection's scan over owned pages (`v41cp.layers.topk_scan`).
@@ -135,7 +137,8 @@ def select(plan: DCPPlan, cfg: ModelConfig, role: LayerRole, read, ikey_pool, q:
     candidate source ``[B, kb]`` or the input ``cand_blocks``). ``G = MB · epb`` as in the reference.
     """
     epb = _local(ikey_pool).shape[1]
-    g = tables.shape[1] * epb
+    mb = tables.shape[1]
+    g = mb * epb
     k = min(cfg.index_topk, g)
 
     def kernel_body(pool, q, weights, tables, positions, cand):
@@ -187,10 +190,41 @@ def select(plan: DCPPlan, cfg: ModelConfig, role: LayerRole, read, ikey_pool, q:
         topk, _ = gather_merge_topk(vals, gid, k, CP)
         return topk, out_cand
 
+    def kept_body(pool, q, weights, tables, positions, cand):
+        # a Reindex layer inside the candidate blocks scores only the kept blocks' entries it owns — not its whole
+        # history: the kept block ids (replicated, ascending) are cut into tiles of whole blocks for the running
+        # top-k, each entry read from this rank's pool where its page is owned (−1 elsewhere)
+        r = jax.lax.axis_index(CP)
+        b, kb = cand.shape
+        cbs = cfg.candidate_block_size
+        visible = (positions + 1) // role.ratio
+        kept = jnp.sort(jnp.where(cand >= 0, cand, jnp.iinfo(jnp.int32).max), axis=1)     # ascending, padding last
+        hi, di = q.shape[1], q.shape[2]
+        per, tiles = tile_count(kb * cbs, cbs, b * 4 * (2 * di + 3 * hi), plan.scan_tile_bytes)
+        kept = jnp.pad(kept, ((0, 0), (0, per * tiles - kb)), constant_values=jnp.iinfo(jnp.int32).max)
+
+        def score_tile(j):
+            blocks = jax.lax.dynamic_slice_in_dim(kept, j * per, per, axis=1)             # [B, per]
+            real = blocks < -(-g // cbs)
+            ids = (jnp.where(real, blocks, 0)[..., None] * cbs + jnp.arange(cbs)).reshape(b, -1)
+            page = jnp.take_along_axis(tables, jnp.clip(ids // epb, 0, mb - 1), axis=1)
+            ok = jnp.repeat(real, cbs, axis=1) & (ids < visible[:, None]) & (ids < g)
+            ok &= (page >= 0) & (page % plan.n == r)
+            local, off = jnp.where(ok, page // plan.n, 0), jnp.where(ok, ids % epb, 0)
+            keys = read(pool, lambda a: a[local, off])                                  # [B, per·cbs, Di]
+            return index_scores(q[:, None], weights[:, None], keys)[:, 0], jnp.where(ok, ids, -1)
+
+        vals, gid, _ = scan_topk(score_tile, tiles, b, k, carry_like=_local(pool))
+        topk, _ = gather_merge_topk(vals, gid, k, CP)
+        return topk, cand
+
     if cand_blocks is None:
         cand_blocks = jnp.zeros((tables.shape[0], 0), jnp.int32)
     spec = jax.tree.map(lambda _: P(CP), ikey_pool)
-    body = kernel_body if cfg.indexer_backend == "pallas" else body
+    if cfg.indexer_backend == "pallas":
+        body = kernel_body
+    elif role.uses_candidates:
+        body = kept_body
     return plan.shard_map(body, (spec, P(), P(), P(), P(), P()), (P(), P()), cfg.indexer_backend)(
         ikey_pool, q, weights, tables, positions, cand_blocks)
 
@@ -207,6 +241,37 @@ def attend(plan: DCPPlan, read, q: jax.Array, ring: jax.Array, ring_valid: jax.A
     n = plan.n
     epb = _local(ckv_pool).shape[1]
     mb = tables.shape[1]
+
+    def heads_body(q, ring, ring_valid, topk, pool, tables, sink):
+        # no partials: the selected entries' records come from their owners (one exact all-reduce of the stored
+        # bytes, each entry non-zero on its owner only), and each rank attends its own query heads over the whole
+        # window and every selected entry — attention work ÷ N, history-independent traffic
+        r = jax.lax.axis_index(CP)
+        if plan.q_mode == "replicate":                 # heads replicated over cp: this rank's slice
+            q = jax.lax.dynamic_slice_in_dim(q, r * (q.shape[1] // n), q.shape[1] // n, axis=1)
+        keys, valid = ring, ring_valid
+        b, w = valid.shape
+        if topk.shape[-1]:
+            page = jnp.take_along_axis(tables, jnp.clip(topk // epb, 0, mb - 1), axis=1)
+            own = (topk >= 0) & (page >= 0) & (page % n == r)
+            local, off = jnp.where(own, page // n, 0), jnp.where(own, topk % epb, 0)
+            records = gather_owned_records(pool, own, local, off)                    # [B, K, ·] as stored
+            sel = (topk >= 0) & (page >= 0)
+        if backend == "pallas":
+            stores = [ring.reshape(b * w, -1)]
+            indices = [jnp.where(valid, jnp.arange(b)[:, None] * w + jnp.arange(w), -1)]
+            if topk.shape[-1]:
+                kk = topk.shape[-1]
+                stores.append(flatten_store(records))
+                indices.append(jnp.where(sel, jnp.arange(b)[:, None] * kk + jnp.arange(kk), -1))
+            o, lse = sparse_attention(q, stores, indices, backend="pallas")
+        else:
+            if topk.shape[-1]:
+                picked = read(records, lambda a: a)                                 # [B, K, D]
+                keys = jnp.concatenate([ring, picked.astype(ring.dtype)], axis=1)
+                valid = jnp.concatenate([valid, sel], axis=1)
+            o, lse = partial_attention(q, keys, valid)
+        return apply_sink(o, lse, sink).astype(q.dtype)
 
     def body(q, ring, ring_valid, topk, pool, tables, sink):
         r = jax.lax.axis_index(CP)
@@ -240,8 +305,27 @@ def attend(plan: DCPPlan, read, q: jax.Array, ring: jax.Array, ring_valid: jax.A
 
     sink_spec = P(*plan.out_spec[1:2])
     spec = jax.tree.map(lambda _: P(CP), ckv_pool)
+    body = heads_body if plan.merge == "heads" else body
     return plan.shard_map(body, (plan.q_spec, P(), P(), P(), spec, P(), sink_spec), plan.out_spec, backend)(
         q, ring, ring_valid, topk, ckv_pool, tables, sink)
+
+
+def gather_owned_records(pool, own: jax.Array, local: jax.Array, off: jax.Array):
+    """Inside a ``cp`` island: the stored leaves of selected entries ``[B, K, ·]`` on every rank, from their owners.
+
+    ``own [B, K]`` marks the entries this rank owns (each selected entry on exactly one rank), at local block
+    ``local`` / offset ``off``. Each rank contributes its own entries and zeros elsewhere; one all-reduce over
+    ``cp`` sums them — exact, bytes as stored (value stores move as same-width unsigned words, so a −0 stays −0)."""
+
+    def one(a):
+        picked = jnp.where(own[..., None], a[local, off], jnp.zeros((), a.dtype))
+        if jnp.issubdtype(a.dtype, jnp.floating):
+            words = jnp.dtype(f"uint{8 * a.dtype.itemsize}")
+            picked = jax.lax.bitcast_convert_type(picked, words)
+            return jax.lax.bitcast_convert_type(jax.lax.psum(picked, CP), a.dtype)
+        return jax.lax.psum(picked, CP)
+
+    return jax.tree.map(one, pool)
 
 
 def collective_plan(cfg: ModelConfig, plan: DCPPlan, max_batch: int, max_blocks: int, block_tokens: int) -> dict:
@@ -255,17 +339,24 @@ def collective_plan(cfg: ModelConfig, plan: DCPPlan, max_batch: int, max_blocks:
     item = jnp.dtype(cfg.dtype).itemsize
     hg = cfg.num_attention_heads // plan.mesh.shape["tp"] if plan.heads_sharded else cfg.num_attention_heads
     out = {"q_gather": 0, "topk_candidates": 0, "block_candidates": 0, "merge": 0}
+    record = record_bytes("nvfp4", d) if cfg.fake_quant else d * item
     for role in cfg.layer_roles:
         if role.ratio == 0:
             continue
-        if plan.heads_sharded and plan.q_mode == "gather":
-            out["q_gather"] += b * hg * d * item
-        if plan.merge == "a2a":
-            out["merge"] += n * b * (hg // n) * (d + 1) * 4
-        elif plan.heads_sharded:
-            out["merge"] += n * b * hg * 4 + b * (hg // n) * d * 4
+        if plan.merge == "heads":      # the selected entries' records, all-reduced; no query gather, no merge
+            # a Reuse layer gathers exactly its source layer's records (same selection, same pool): XLA merges the
+            # two identical all-reduces into one
+            if role.kind != "reuse":
+                out["merge"] += b * min(cfg.index_topk, max_blocks * block_tokens // role.ratio) * record
         else:
-            out["merge"] += n * b * hg * 4 + b * hg * d * 4
+            if plan.heads_sharded and plan.q_mode == "gather":
+                out["q_gather"] += b * hg * d * item
+            if plan.merge == "a2a":
+                out["merge"] += n * b * (hg // n) * (d + 1) * 4
+            elif plan.heads_sharded:
+                out["merge"] += n * b * hg * 4 + b * (hg // n) * d * 4
+            else:
+                out["merge"] += n * b * hg * 4 + b * hg * d * 4
         if role.is_index_source:
             g = max_blocks * block_tokens // role.ratio
             out["topk_candidates"] += 2 * b * n * min(cfg.index_topk, g) * 4

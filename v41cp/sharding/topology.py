@@ -12,7 +12,8 @@ Restrictions (seed "Configuration"; cp-survey §2.5):
 * ``query_context_parallel_size`` is 1 or the attention TP size, and with it KVP is 1 or equal to QCP;
 * the operator-local indexer / attention QCP sizes are 1 or the attention TP size, and neither combines with
   model-wide QCP;
-* the ``a2a`` merge splits the query heads over the group: ``num_attention_heads`` must divide by attention TP;
+* the ``a2a`` merge and the ``heads`` mode split the query heads over the group: ``num_attention_heads`` must
+  divide by attention TP;
 * prefill and decode run in separate rounds and prefill is eager (the engine's only mode).
 """
 
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 __all__ = ["ParallelConfig", "DCP_MERGES", "DCP_Q_MODES"]
 
-DCP_MERGES = ("ag_rs", "a2a")
+DCP_MERGES = ("ag_rs", "a2a", "heads")
 DCP_Q_MODES = ("gather", "replicate")
 
 
@@ -38,7 +39,9 @@ class ParallelConfig:
     prefill attention (1 = off, else the attention TP size; not combinable with model-wide QCP), applied from
     ``indexer_query_min_tokens`` query rows and from ``attention_query_min_tokens`` (global layers) /
     ``attention_query_swa_min_tokens`` (SWA-only layers) rows.
-    dcp_merge: ``ag_rs`` (all-gather LSE + reduce-scatter outputs) or ``a2a`` (one packed all-to-all).
+    dcp_merge: ``ag_rs`` (all-gather LSE + reduce-scatter outputs) or ``a2a`` (one packed all-to-all) merge
+    partial attention over owned entries; ``heads`` gathers the selected entries' records from their owners
+    instead (one all-reduce of ``B·K`` records) and each rank attends only its own query heads (no merge).
     dcp_q: ``gather`` (all-gather query heads per layer) or ``replicate`` (query projections replicated
     over the group, queries computed locally).
     """
@@ -101,8 +104,8 @@ class ParallelConfig:
 
     def validate_model(self, cfg) -> None:
         """Model-dependent restrictions (raise ValueError naming the value)."""
-        if self.kv_parallel_size > 1 and self.dcp_merge == "a2a" and cfg.num_attention_heads % self.tp_size:
-            raise ValueError(f"topology: the a2a DCP merge splits query heads over attention TP, but "
+        if self.kv_parallel_size > 1 and self.dcp_merge in ("a2a", "heads") and cfg.num_attention_heads % self.tp_size:
+            raise ValueError(f"topology: the {self.dcp_merge} DCP merge splits query heads over attention TP, but "
                              f"num_attention_heads={cfg.num_attention_heads} does not divide by tp_size={self.tp_size}")
 
     def make_mesh(self, devices=None):
