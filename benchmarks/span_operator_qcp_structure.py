@@ -6,8 +6,9 @@ One span-prefill pass (`v41cp.serving.span_prefill.lower_prefill_span`) of ``--r
 * ``tp`` — plain TP: every rank computes every row with its heads;
 * ``operator_qcp`` — operator-local indexer and attention QCP on every layer they apply to (row thresholds 1).
 
-Per program: the count and the per-device result bytes of every collective (`v41cp.sharding.hlo_stats`). And the
-exchanges the seed describes for operator-local QCP, computed from the shapes:
+Per program: the count and the per-device result bytes of every collective (`v41cp.sharding.hlo_stats`), and of
+those written in the QCP islands (``island_*``: the partitioner's TP collectives left out). And the exchanges the
+seed describes for operator-local QCP, computed from the shapes:
 
 * attention QCP, per layer: two all-to-alls of the query rows and of the outputs, each
   ``⌈R/N⌉ · Hq · D · itemsize`` bytes per device (a rank's row block with every head), and the all-gather of the
@@ -66,9 +67,12 @@ def main() -> None:
                                  layout).compile().as_text()
         cs = collectives(hlo)
         ops = sorted({c["op"] for c in cs})
+        isl = [c for c in cs if "shard_map" in c["name"]]          # written in the QCP islands
         out[name] = {"count": dict(Counter(c["op"] for c in cs)),
                      "bytes": {k: sum(c["bytes"] for c in cs if c["op"] == k) for k in ops},
-                     "total_bytes": sum(c["bytes"] for c in cs)}
+                     "total_bytes": sum(c["bytes"] for c in cs),
+                     "island_count": dict(Counter(c["op"] for c in isl)),
+                     "island_bytes": {k: sum(c["bytes"] for c in isl if c["op"] == k) for k in sorted({c["op"] for c in isl})}}
         if layout.operator is not None:
             roles = cfg.layer_roles
             layers = {"attention": [r.index for r in roles
@@ -85,7 +89,8 @@ def main() -> None:
     qcp = out["operator_qcp"]
     out.update({
         "devices": n, "rows": rows, "layers": layers, "expected_exchange_bytes": expected,
-        "exchange_bytes_per_row": (qcp["bytes"].get("all-to-all", 0) + qcp["bytes"].get("all-gather", 0)) / rows,
+        "exchange_bytes_per_row": (qcp["island_bytes"].get("all-to-all", 0)
+                                   + qcp["island_bytes"].get("all-gather", 0)) / rows,
         "extra_bytes_per_row_vs_tp": (qcp["total_bytes"] - out["tp"]["total_bytes"]) / rows,
     })
     print(json.dumps(out, indent=1))

@@ -28,8 +28,6 @@ import json
 import sys
 import time
 
-from v41cp.sharding.topology import DCP_MERGES
-
 
 def _load_cfg(args):
     from v41cp.config import ModelConfig, preset
@@ -476,7 +474,8 @@ def _topology_flags(p) -> None:
     p.add_argument("--kv-parallel-size", type=int, default=1, help="KVP: ranks sharing one request's global pages")
     p.add_argument("--decode-context-parallel-size", type=int,
                    help="DCP group size (must equal --kv-parallel-size; default: equal to it)")
-    p.add_argument("--dcp-merge", choices=DCP_MERGES, default="ag_rs",
+    # the values of v41cp.sharding.topology.DCP_MERGES (not imported here: jax must start after --devices is read)
+    p.add_argument("--dcp-merge", choices=("ag_rs", "a2a", "heads"), default="ag_rs",
                    help="DCP decode attention: ag_rs / a2a merge partials over owned entries; heads gathers the "
                         "selected records and splits the query heads (attention work / N)")
     p.add_argument("--dcp-q", choices=("gather", "replicate"), default="gather",

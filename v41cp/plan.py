@@ -14,11 +14,12 @@ Per device, from the compiled program: ``flops``, ``bytes_accessed`` (XLA's cost
 counted once per iteration: `v41cp.sharding.hlo_stats.program_cost`), ``argument`` / ``output`` / ``alias`` /
 ``temp`` bytes, the bytes of its collectives (`v41cp.sharding.hlo_stats`); the weights' and the cache's
 bytes; the analytic floor (`floor_flops`) and the ratio; whether weights + cache + temporaries (+ outputs that
-are not aliased) fit the device memory.
+are not aliased) fit the device memory; the dot FLOPs by source operation (loop-aware; where the FLOPs go).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import flax.linen as nn
@@ -153,10 +154,11 @@ def _prefill_program(cfg, batch, context, block_tokens, parallel, mesh, params, 
 
 
 def plan_program(cfg: ModelConfig, mode: str, batch: int, context: int, parallel=None, *, block_tokens: int = 16,
-                 ced: bool = False, device_memory_gb: float = 141.0) -> dict:
+                 ced: bool = False, device_memory_gb: float = 141.0, top_ops: int = 20) -> dict:
     """Compile the ``mode`` step (see the module docstring) and report its per-device structure. ``parallel``: a
-    `v41cp.sharding.topology.ParallelConfig` (None: one device)."""
-    from v41cp.sharding.hlo_stats import collectives, program_cost
+    `v41cp.sharding.topology.ParallelConfig` (None: one device). ``top_ops``: how many source operations the
+    dot-FLOP breakdown lists (`v41cp.sharding.hlo_stats.dot_flops_by_op`, largest first)."""
+    from v41cp.sharding.hlo_stats import collectives, dot_flops_by_op, program_cost
 
     if mode not in ("decode", "prefill"):
         raise ValueError(f"plan: mode must be 'decode' or 'prefill', got {mode!r}")
@@ -174,7 +176,9 @@ def plan_program(cfg: ModelConfig, mode: str, batch: int, context: int, parallel
     compiled = lowered.compile()
     cost = program_cost(compiled)                    # loop bodies counted once per iteration
     mem = compiled.memory_analysis()
-    coll = collectives(compiled.as_text())
+    text = compiled.as_text()
+    coll = collectives(text)
+    dots = dot_flops_by_op(text)
     floor = floor_flops(cfg, mode, batch, context, ced)
     per = {
         "flops_per_device": float(cost.get("flops", 0.0)),
@@ -192,8 +196,10 @@ def plan_program(cfg: ModelConfig, mode: str, batch: int, context: int, parallel
     floor_dev = floor["total"] / devices
     return {
         "mode": mode, "batch": batch, "context": context, "devices": devices, "block_tokens": block_tokens,
-        "ced": ced, **per,
+        "ced": ced, "parallel": dataclasses.asdict(parallel) if parallel is not None else None, **per,
         "collectives": {op: sum(c["bytes"] for c in coll if c["op"] == op) for op in sorted({c["op"] for c in coll})},
+        "dot_flops_per_device": sum(dots.values()),
+        "dot_flops_per_device_by_op": dict(list(dots.items())[:top_ops]),
         "floor_flops_per_device": floor_dev,
         "floor_parts_per_device": {k: v / devices for k, v in floor.items() if k != "total"},
         "flops_over_floor": per["flops_per_device"] / floor_dev if floor_dev else None,

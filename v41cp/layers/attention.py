@@ -151,9 +151,9 @@ class Attention(nn.Module):
         dt = dtype_of(cfg.dtype)
         nh, d = cfg.num_attention_heads, cfg.head_dim
         b, s, _ = x.shape
-        wq_a = declare(self, "wq_a", (cfg.hidden_size, cfg.q_lora_rank), ("embed", "q_lora"), dt)
+        wq_a = declare(self, "wq_a", (cfg.hidden_size, cfg.q_lora_rank), ("embed", "q_latent"), dt)
         wq_b = declare(self, "wq_b", (cfg.q_lora_rank, nh, d), ("q_lora", "heads", "head_dim"), dt)
-        wkv = declare(self, "wkv", (cfg.hidden_size, d), ("embed", "head_dim"), dt)
+        wkv = declare(self, "wkv", (cfg.hidden_size, d), ("embed", "kv_dim"), dt)
         g_in = nh // cfg.o_groups * d
         wo_a = declare(self, "wo_a", (cfg.o_groups, g_in, cfg.o_lora_rank), ("o_groups", None, "o_lora"), dt)
         wo_b = declare(self, "wo_b", (cfg.o_groups, cfg.o_lora_rank, cfg.hidden_size),

@@ -21,7 +21,7 @@ import re
 import numpy as np
 
 __all__ = ["collectives", "collective_bytes", "replica_groups", "mesh_axis_groups", "ALL_DEVICES", "program_cost",
-           "loop_multipliers"]
+           "loop_multipliers", "dot_flops_by_op"]
 
 ALL_DEVICES = "all"        # replica_groups={}: one group of every device
 
@@ -234,8 +234,9 @@ def program_cost(compiled) -> dict:
 
 
 def collectives(hlo_text: str) -> list[dict]:
-    """Every collective of an optimized HLO module: ``{"op", "bytes", "group_size"}`` (``bytes``: per program
-    execution, so an op inside a loop counts once per iteration)."""
+    """Every collective of an optimized HLO module: ``{"op", "bytes", "groups", "group_size", "name"}`` (``bytes``:
+    per program execution, so an op inside a loop counts once per iteration; ``name``: the source operation's name
+    stack, "" for one the partitioner inserted without one)."""
     found = []
     comps, _ = _computations(hlo_text)
     mult = loop_multipliers(hlo_text)
@@ -263,13 +264,70 @@ def _collective(found: list, line: str, m, times: int) -> None:
         arrays = [a for a in arrays if a[1] > 0 or len(arrays) == 1]
         arrays = arrays[len(arrays) // 2:] if len(arrays) > 1 else arrays
     groups = replica_groups(line)
+    name = re.search(r'op_name="([^"]*)"', line)
     found.append({"op": m.group("op"), "bytes": times * sum(b for b, _ in arrays), "groups": groups,
-                  "group_size": len(next(iter(groups))) if groups and groups != ALL_DEVICES else None})
+                  "group_size": len(next(iter(groups))) if groups and groups != ALL_DEVICES else None,
+                  "name": name.group(1) if name else ""})
 
 
-def collective_bytes(hlo_text: str, groups: frozenset | None = None) -> int:
+def collective_bytes(hlo_text: str, groups: frozenset | None = None, within: str | None = None) -> int:
     """Total result bytes of the collectives (optionally only those over exactly ``groups``, e.g.
-    `mesh_axis_groups(mesh, "cp")`)."""
+    `mesh_axis_groups(mesh, "cp")`, and only those whose source name contains ``within``, e.g. ``"shard_map"``:
+    the collectives written in a map, not the ones the partitioner inserts)."""
     def match(g):
         return g == groups or (g == ALL_DEVICES and groups is not None and len(groups) == 1)
-    return sum(c["bytes"] for c in collectives(hlo_text) if groups is None or match(c["groups"]))
+    return sum(c["bytes"] for c in collectives(hlo_text) if (groups is None or match(c["groups"]))
+               and (within is None or within in c["name"]))
+
+
+_DEF = re.compile(r"^\s*(?:ROOT )?%(?P<name>[\w.\-]+) = (?P<shape>\S+?)(?:\{[^}]*\})? (?P<op>[\w\-]+)\((?P<args>[^)]*)\)")
+_OP_NAME = re.compile(r'op_name="(?P<name>[^"]*)"')
+
+
+def _dims(shape: str) -> list[int]:
+    m = _ARRAY.search(shape)
+    return [int(d) for d in m.group(2).split(",") if d] if m else []
+
+
+def dot_flops_by_op(hlo_text: str, depth: int = 3) -> dict[str, float]:
+    """FLOPs of every ``dot`` of a compiled program (2 · result elements · contracted elements, each loop body
+    counted once per iteration: `loop_multipliers`), summed by the source operation's name — the jit / shard_map
+    name stack with ``layers_<i>`` as ``layers_*`` and its last ``depth`` components kept, so the same operation
+    of every layer adds up. Sorted by FLOPs, largest first. (Dots only: elementwise work is not in it.)"""
+    comps, _ = _computations(hlo_text)
+    mult = loop_multipliers(hlo_text)
+    caller = {}                                 # a fused computation's dots carry their fusion's name
+    for lines in comps.values():
+        for line in lines:
+            name = _OP_NAME.search(line)
+            for callee in re.findall(r"calls=%([\w.\-]+)", line):
+                if name:
+                    caller.setdefault(callee, name.group("name"))
+    out: dict[str, float] = {}
+    for comp, lines in comps.items():
+        times = mult.get(comp, 0)
+        if not times:
+            continue
+        shapes = {}
+        for line in lines:
+            m = _DEF.match(line)
+            if m is None:
+                continue
+            shapes[m.group("name")] = m.group("shape")
+            if m.group("op") != "dot":
+                continue
+            lhs = re.findall(r"%([\w.\-]+)", m.group("args"))[0]
+            contract = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", line)
+            lhs_dims = _dims(shapes.get(lhs, ""))
+            k = int(np.prod([lhs_dims[int(i)] for i in contract.group(1).split(",") if i])) if contract else 1
+            flops = 2.0 * float(np.prod(_dims(m.group("shape")))) * k * times
+            name = _OP_NAME.search(line)
+            # (the CPU backend's library fusions carry no name: such a dot is labelled by its shapes)
+            rhs = re.findall(r"%([\w.\-]+)", m.group("args"))[1:2]
+            shape_label = f"(unnamed) {shapes.get(lhs, '?')} x {shapes.get(rhs[0], '?') if rhs else '?'}"
+            name = name.group("name") if name else caller.get(comp, shape_label)
+            label = re.sub(r"layers_\d+", "layers_*", name)
+            parts = [p for p in label.split("/") if not p.startswith(("jit(", "shard_map", "dot_general"))]
+            label = "/".join(parts[-depth:]) if name != shape_label else shape_label
+            out[label] = out.get(label, 0.0) + flops
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
