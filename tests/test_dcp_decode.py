@@ -160,7 +160,7 @@ def test_compiled_step_structure(merge, q_mode):
 def test_kvp_engine_with_ced_and_chunked_prefill_equals_single_device():
     """The engine under KVP = DCP = 4 (chunked, CED-narrowed prefill through the owner-masked cached path,
     then DCP decode; two requests, one reusing the other's pages after it finishes) == the one-device engine,
-    with the XLA path and with the Pallas kernels (interpret mode) in the DCP islands."""
+    with the XLA path and with the Pallas kernels (interpret mode) in the DCP islands (ag_rs and heads)."""
     from v41cp.serving.engine import Capacity, Engine, SamplingParams
 
     cfg, params = _model(False)
@@ -170,9 +170,11 @@ def test_kvp_engine_with_ced_and_chunked_prefill_equals_single_device():
                "late": rng.integers(3, cfg.vocab_size, 11).tolist()}
     out = []
     kvp4 = ParallelConfig(tp_size=8, kv_parallel_size=4, decode_context_parallel_size=4)
+    heads4 = ParallelConfig(tp_size=8, kv_parallel_size=4, decode_context_parallel_size=4, dcp_merge="heads")
     kernels = cfg.replace(attention_backend="pallas", indexer_backend="pallas")
-    # one device (XLA path); KVP 4 (XLA path); KVP 4 with the Pallas kernels inside the DCP islands
-    for c, par in ((cfg, None), (cfg, kvp4), (kernels, kvp4)):
+    # one device (XLA path); KVP 4 (XLA path); KVP 4 with the Pallas kernels inside the DCP islands, merging partials
+    # and in the heads mode (the kernel over the gathered selected records, one query head per rank)
+    for c, par in ((cfg, None), (cfg, kvp4), (kernels, kvp4), (kernels, heads4)):
         eng = Engine(params, c, cap, parallel=par)
         eng.submit("long", prompts["long"], SamplingParams(max_new_tokens=12, stop_on_eos=False))
         eng.submit("short", prompts["short"], SamplingParams(max_new_tokens=2, stop_on_eos=False))

@@ -41,21 +41,30 @@ def swiglu_clamped(gate: jax.Array, up: jax.Array, limit: float, dtype) -> jax.A
     return (jax.nn.silu(g) * u).astype(dtype)
 
 
+# the router's weight [H, E]: its expert columns are split over attention TP (``router_out``), so no rank computes
+# every logit; the top-k sees them gathered
+GATE_AXES = ("embed", "router_out")
+
+
 def route_scores(x: jax.Array, w_gate: jax.Array, bias: jax.Array, bias_vl: jax.Array,
-                 image_mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                 image_mask: jax.Array | None = None, gather=None) -> tuple[jax.Array, jax.Array]:
     """Router scores of ``x [T,H]``: ``(scores [T,E], selection scores [T,E])`` FP32 — sqrtsoftplus of the gate
-    logits, and the same plus the noaux_tc selection bias (what the top-k ranks)."""
+    logits, and the same plus the noaux_tc selection bias (what the top-k ranks). ``gather``: inside a map whose
+    ranks hold column slices of ``w_gate``, the function that assembles the ``[T, E]`` logits from the local
+    ``[T, E / N]`` (each logit is computed whole on one rank: exact)."""
     logits = jnp.einsum("th,he->te", x.astype(jnp.float32), w_gate.astype(jnp.float32),
                         precision=jax.lax.Precision.HIGHEST)
+    if gather is not None:
+        logits = gather(logits)
     scores = jnp.sqrt(jax.nn.softplus(logits))
     sel_bias = bias[None, :] if image_mask is None else jnp.where(image_mask[:, None], bias_vl, bias)
     return scores, scores + sel_bias
 
 
 def route(cfg: ModelConfig, x: jax.Array, w_gate: jax.Array, bias: jax.Array, bias_vl: jax.Array,
-          image_mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """Router for ``x [T,H]`` → (weights ``[T,k]`` FP32, expert ids ``[T,k]``)."""
-    scores, ranked = route_scores(x, w_gate, bias, bias_vl, image_mask)
+          image_mask: jax.Array | None = None, gather=None) -> tuple[jax.Array, jax.Array]:
+    """Router for ``x [T,H]`` → (weights ``[T,k]`` FP32, expert ids ``[T,k]``); ``gather`` as `route_scores`."""
+    scores, ranked = route_scores(x, w_gate, bias, bias_vl, image_mask, gather)
     _, idx = jax.lax.top_k(ranked, cfg.num_experts_per_tok)
     w = jnp.take_along_axis(scores, idx, axis=-1)
     if cfg.norm_topk_prob and cfg.num_experts_per_tok > 1:
@@ -179,7 +188,7 @@ class MoE(nn.Module):
         cfg = self.cfg
         dt = dtype_of(cfg.dtype)
         e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        w_gate = declare(self, "gate_weight", (h, e), ("embed", None), dt)
+        w_gate = declare(self, "gate_weight", (h, e), GATE_AXES, dt)
         bias = declare(self, "gate_bias", (e,), (None,), jnp.float32, zeros_init)
         bias_vl = declare(self, "gate_bias_vl", (e,), (None,), jnp.float32, zeros_init)
         stored, expert_axes = self._experts(dt)
@@ -220,16 +229,19 @@ class MoE(nn.Module):
         rows = P(dp, None)
         names = sorted(stored)
         shared_names = ("shared_w1", "shared_w3", "shared_w2")
+        gate_spec = logical_sharding(gate[0].shape, GATE_AXES, mesh, ctx.rules).spec
+        split = gate_spec[1] is not None                         # the router's expert columns split over the group
 
         def body(xt, mask, gate, expert_leaves, shared_leaves):
             rank = jax.lax.axis_index(group) if group else 0
             lead = (rank == 0) if group else None
-            routing = route(cfg, xt, *gate, mask)                     # replicated: every rank routes every row
+            gather = (lambda lg: jax.lax.all_gather(lg, gate_spec[1], axis=1, tiled=True)) if split else None
+            routing = route(cfg, xt, *gate, mask, gather)             # every rank routes every row
             part = moe_partial(cfg, xt, routing, dict(zip(names, expert_leaves)), tuple(shared_leaves), rank, lead)
             return jax.lax.psum(part, group) if group else part
 
         args = (xt, gate, tuple(stored[n] for n in names), shared) + (() if mask is None else (mask,))
-        in_specs = (rows, (P(), P(), P()), tuple(spec(n) for n in names), tuple(spec(n) for n in shared_names)) + \
+        in_specs = (rows, (gate_spec, P(), P()), tuple(spec(n) for n in names), tuple(spec(n) for n in shared_names)) + \
             (() if mask is None else (P(dp),))
         return jax.shard_map(lambda x, g, e, s, *m: body(x, m[0] if m else None, g, e, s), mesh=mesh,
                              in_specs=in_specs, out_specs=rows)(*args)

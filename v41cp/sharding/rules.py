@@ -36,9 +36,10 @@ class AxisRules:
 # Attention tensor parallelism: heads, the expert and shared-expert intermediate widths (tensor-parallel MoE:
 # every rank holds every expert's slice), vocab and Engram rows over ("tp", "cp").
 # (Attention TP is the mesh-axis pair ("tp", "cp"); see `v41cp.sharding.mesh`.)
-# The q-LoRA down projection's output columns (``q_latent``, a projection every token runs whatever its heads) are
-# split too, so no rank computes it whole: its norm reduces partial sums and ``wq_b`` sees the gathered latent
-# ([rows, q_lora] per layer). Not split (measured on the span-prefill program, TP 4, 22 rows): the window-KV
+# The q-LoRA down projection's output columns (``q_latent``) and the router's expert columns (``router_out``) —
+# projections every token runs whatever its heads — are split too, so no rank computes them whole: the q norm
+# reduces partial sums and ``wq_b`` sees the gathered latent ([rows, q_lora] per layer); the top-k sees the
+# gathered logits ([rows, experts]). Not split (measured on the span-prefill program, TP 4, 22 rows): the window-KV
 # projection (``kv_dim``) and Engram's key/value projection (``engram_out``) — the partitioner reshards their
 # split outputs through the cache writes / the stream reshape with dozens of collectives per layer (3.5–4× the
 # pass's bytes).
@@ -46,6 +47,7 @@ _AT = ("tp", "cp")
 TP_RULES = AxisRules((
     ("batch", "dp"), ("heads", _AT), ("o_groups", _AT), ("index_heads", _AT), ("moe_mlp", _AT),
     ("mlp", _AT), ("vocab", _AT), ("engram_rows", _AT), ("q_latent", _AT),
+    ("router_out", _AT),
 ))
 # DCP with replicated query projections: the query heads of attention and indexer are split over the
 # outer ``tp`` part only, so every rank of a context-parallel group computes its group's query heads
@@ -55,10 +57,10 @@ REPLICATED_Q_RULES = AxisRules(tuple((k, "tp" if k in ("heads", "index_heads") e
 # query / weight projections are replicated (everything else as in TP_RULES).
 INDEXER_QCP_RULES = AxisRules(tuple((k, None if k == "index_heads" else v) for k, v in TP_RULES.rules))
 # Model-wide QCP: a rank attends its own rows with every head, so attention and indexer query / output
-# projections (the q-LoRA down projection too) are replicated; expert / MLP widths, vocab and Engram rows stay
+# projections (the q-LoRA down projection and the router too) are replicated; expert / MLP widths, vocab and Engram rows stay
 # split over attention TP (MoE, embedding, head and Engram run as gather → local slice → reduce-scatter,
 # `v41cp.serving.span_prefill`).
-QCP_RULES = AxisRules(tuple((k, None if k in ("heads", "o_groups", "index_heads", "q_latent") else v)
+QCP_RULES = AxisRules(tuple((k, None if k in ("heads", "o_groups", "index_heads", "q_latent", "router_out") else v)
                             for k, v in TP_RULES.rules))
 
 
