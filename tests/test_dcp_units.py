@@ -40,10 +40,12 @@ def test_topology_errors_name_the_value(kwargs, match):
 
 
 def test_topology_model_and_device_errors():
-    par = ParallelConfig(tp_size=8, kv_parallel_size=8, decode_context_parallel_size=8, dcp_merge="a2a")
-    with pytest.raises(ValueError, match="num_attention_heads=4 does not divide by tp_size=8"):
-        par.validate_model(preset("tiny"))
-    par.validate_model(preset("tiny-tp8"))
+    for merge in ("a2a", "heads"):
+        par = ParallelConfig(tp_size=8, kv_parallel_size=8, decode_context_parallel_size=8, dcp_merge=merge)
+        with pytest.raises(ValueError, match=f"the {merge} DCP merge .* num_attention_heads=4 does not divide by "
+                                             "tp_size=8"):
+            par.validate_model(preset("tiny"))
+        par.validate_model(preset("tiny-tp8"))
     with pytest.raises(ValueError, match="16 devices, but 8"):
         ParallelConfig(tp_size=16).make_mesh()
     mesh = ParallelConfig(tp_size=8, kv_parallel_size=4, decode_context_parallel_size=4).make_mesh()
