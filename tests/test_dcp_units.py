@@ -39,6 +39,18 @@ def test_topology_errors_name_the_value(kwargs, match):
         ParallelConfig(**kwargs)
 
 
+def test_cli_merge_choices_are_the_topology_merges():
+    """`--dcp-merge` lists `DCP_MERGES` literally (the CLI must not import jax before it reads --devices)."""
+    import argparse
+
+    from v41cp.__main__ import _topology_flags
+    from v41cp.sharding.topology import DCP_MERGES
+
+    p = argparse.ArgumentParser()
+    _topology_flags(p)
+    assert tuple(next(a for a in p._actions if a.dest == "dcp_merge").choices) == DCP_MERGES
+
+
 def test_topology_model_and_device_errors():
     for merge in ("a2a", "heads"):
         par = ParallelConfig(tp_size=8, kv_parallel_size=8, decode_context_parallel_size=8, dcp_merge=merge)

@@ -19,8 +19,8 @@ from v41cp.layers.rope import apply_rope
 from v41cp.quant import mxfp4_block32, round_through
 from v41cp.sharding.operator_qcp import indexer_query_parallel_applies, interleaved_island
 
-__all__ = ["Indexer", "index_query", "index_scores", "score_terms", "score_total", "kept_candidate_entries", "kernel_select_rows",
-           "select_candidate_blocks", "select_positions", "select_scored", "topk_select",
+__all__ = ["Indexer", "index_query", "index_scores", "score_terms", "score_total", "kept_candidate_entries",
+           "kernel_select_rows", "select_candidate_blocks", "select_positions", "select_scored", "topk_select",
            "query_parallel_select", "query_parallel_select_rows"]
 
 

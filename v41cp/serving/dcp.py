@@ -118,6 +118,21 @@ def _owned_pages(plan: DCPPlan, tables: jax.Array):
     return pos, ok, jnp.where(ok, v // n, 0)
 
 
+def _entry_owners(plan: DCPPlan, tables: jax.Array, ids: jax.Array, epb: int):
+    """Inside a ``cp`` island: where logical entries ``ids [B, X]`` (−1 = none) live → (``there``: the entry's page
+    is allocated, ``own``: this rank owns it, its local block and offset — 0 where not owned)."""
+    page = jnp.take_along_axis(tables, jnp.clip(ids // epb, 0, tables.shape[1] - 1), axis=1)
+    there = (ids >= 0) & (page >= 0)
+    own = there & (page % plan.n == jax.lax.axis_index(CP))
+    return there, own, jnp.where(own, page // plan.n, 0), jnp.where(own, ids % epb, 0)
+
+
+def _window_slots(valid: jax.Array) -> jax.Array:
+    """Kernel slots of the window rows ``[B, W]`` in the flattened ring store (−1 where not ``valid``)."""
+    b, w = valid.shape
+    return jnp.where(valid, jnp.arange(b)[:, None] * w + jnp.arange(w), -1)
+
+
 def _owned_rows(plan: DCPPlan, tables: jax.Array, epb: int):
     """This rank's owned table positions → (local block rows ``[B, LT]``, entry ids ``[B, LT·epb]`` with −1 for
     positions outside the table or unallocated)."""
@@ -137,8 +152,7 @@ def select(plan: DCPPlan, cfg: ModelConfig, role: LayerRole, read, ikey_pool, q:
     candidate source ``[B, kb]`` or the input ``cand_blocks``). ``G = MB · epb`` as in the reference.
     """
     epb = _local(ikey_pool).shape[1]
-    mb = tables.shape[1]
-    g = mb * epb
+    g = tables.shape[1] * epb
     k = min(cfg.index_topk, g)
 
     def kernel_body(pool, q, weights, tables, positions, cand):
@@ -194,7 +208,6 @@ def select(plan: DCPPlan, cfg: ModelConfig, role: LayerRole, read, ikey_pool, q:
         # a Reindex layer inside the candidate blocks scores only the kept blocks' entries it owns — not its whole
         # history: the kept block ids (replicated, ascending) are cut into tiles of whole blocks for the running
         # top-k, each entry read from this rank's pool where its page is owned (−1 elsewhere)
-        r = jax.lax.axis_index(CP)
         b, kb = cand.shape
         cbs = cfg.candidate_block_size
         visible = (positions + 1) // role.ratio
@@ -207,12 +220,10 @@ def select(plan: DCPPlan, cfg: ModelConfig, role: LayerRole, read, ikey_pool, q:
             blocks = jax.lax.dynamic_slice_in_dim(kept, j * per, per, axis=1)             # [B, per]
             real = blocks < -(-g // cbs)
             ids = (jnp.where(real, blocks, 0)[..., None] * cbs + jnp.arange(cbs)).reshape(b, -1)
-            page = jnp.take_along_axis(tables, jnp.clip(ids // epb, 0, mb - 1), axis=1)
-            ok = jnp.repeat(real, cbs, axis=1) & (ids < visible[:, None]) & (ids < g)
-            ok &= (page >= 0) & (page % plan.n == r)
-            local, off = jnp.where(ok, page // plan.n, 0), jnp.where(ok, ids % epb, 0)
+            ids = jnp.where(jnp.repeat(real, cbs, axis=1) & (ids < visible[:, None]) & (ids < g), ids, -1)
+            _, own, local, off = _entry_owners(plan, tables, ids, epb)
             keys = read(pool, lambda a: a[local, off])                                  # [B, per·cbs, Di]
-            return index_scores(q[:, None], weights[:, None], keys)[:, 0], jnp.where(ok, ids, -1)
+            return index_scores(q[:, None], weights[:, None], keys)[:, 0], jnp.where(own, ids, -1)
 
         vals, gid, _ = scan_topk(score_tile, tiles, b, k, carry_like=_local(pool))
         topk, _ = gather_merge_topk(vals, gid, k, CP)
@@ -240,26 +251,21 @@ def attend(plan: DCPPlan, read, q: jax.Array, ring: jax.Array, ring_valid: jax.A
     sparse-attention kernel, reading the window and its own pool shard in place (records decoded in-kernel)."""
     n = plan.n
     epb = _local(ckv_pool).shape[1]
-    mb = tables.shape[1]
 
     def heads_body(q, ring, ring_valid, topk, pool, tables, sink):
         # no partials: the selected entries' records come from their owners (one exact all-reduce of the stored
         # bytes, each entry non-zero on its owner only), and each rank attends its own query heads over the whole
         # window and every selected entry — attention work ÷ N, history-independent traffic
-        r = jax.lax.axis_index(CP)
         if plan.q_mode == "replicate":                 # heads replicated over cp: this rank's slice
-            q = jax.lax.dynamic_slice_in_dim(q, r * (q.shape[1] // n), q.shape[1] // n, axis=1)
+            hr = q.shape[1] // n
+            q = jax.lax.dynamic_slice_in_dim(q, jax.lax.axis_index(CP) * hr, hr, axis=1)
         keys, valid = ring, ring_valid
         b, w = valid.shape
         if topk.shape[-1]:
-            page = jnp.take_along_axis(tables, jnp.clip(topk // epb, 0, mb - 1), axis=1)
-            own = (topk >= 0) & (page >= 0) & (page % n == r)
-            local, off = jnp.where(own, page // n, 0), jnp.where(own, topk % epb, 0)
+            sel, own, local, off = _entry_owners(plan, tables, topk, epb)
             records = gather_owned_records(pool, own, local, off)                    # [B, K, ·] as stored
-            sel = (topk >= 0) & (page >= 0)
         if backend == "pallas":
-            stores = [ring.reshape(b * w, -1)]
-            indices = [jnp.where(valid, jnp.arange(b)[:, None] * w + jnp.arange(w), -1)]
+            stores, indices = [ring.reshape(b * w, -1)], [_window_slots(valid)]
             if topk.shape[-1]:
                 kk = topk.shape[-1]
                 stores.append(flatten_store(records))
@@ -274,19 +280,15 @@ def attend(plan: DCPPlan, read, q: jax.Array, ring: jax.Array, ring_valid: jax.A
         return apply_sink(o, lse, sink).astype(q.dtype)
 
     def body(q, ring, ring_valid, topk, pool, tables, sink):
-        r = jax.lax.axis_index(CP)
         if plan.heads_sharded and plan.q_mode == "gather":
             q = jax.lax.all_gather(q, CP, axis=1, tiled=True)                        # heads of the cp group
         keys = ring
-        valid = ring_valid & (r == 0)                  # the replicated window counts on cp rank 0 only
+        valid = ring_valid & (jax.lax.axis_index(CP) == 0)   # the replicated window counts on cp rank 0 only
         if topk.shape[-1]:                             # selected entries this rank owns: local block, offset
-            page = jnp.take_along_axis(tables, jnp.clip(topk // epb, 0, mb - 1), axis=1)
-            own = (topk >= 0) & (page >= 0) & (page % n == r)
-            local, off = jnp.where(own, page // n, 0), jnp.where(own, topk % epb, 0)
+            _, own, local, off = _entry_owners(plan, tables, topk, epb)
         if backend == "pallas":
             b, w = valid.shape
-            stores = [ring.reshape(b * w, -1)]
-            indices = [jnp.where(valid, jnp.arange(b)[:, None] * w + jnp.arange(w), -1)]
+            stores, indices = [ring.reshape(b * w, -1)], [_window_slots(valid)]
             if topk.shape[-1]:
                 stores.append(flatten_store(pool))
                 indices.append(jnp.where(own, local * epb + off, -1))

@@ -31,6 +31,8 @@ _DTYPE_BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8"
                 "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "s4": 0.5, "u4": 0.5, "f4e2m1fn": 0.5}
 _LINE = re.compile(r"=\s*(?P<shape>.+?)\s+(?P<op>" + "|".join(_OPS) + r")(?P<start>-start)?\(")
 _ARRAY = re.compile(r"\b([a-z0-9]+)\[([0-9,]*)\]")
+_OP_NAME = re.compile(r'op_name="(?P<name>[^"]*)"')
+_DEF = re.compile(r"^\s*(?:ROOT )?%(?P<name>[\w.\-]+) = (?P<shape>\S+?)(?:\{[^}]*\})? (?P<op>[\w\-]+)\((?P<args>[^)]*)\)")
 
 
 def _arrays(shape_text: str) -> list[tuple[int, int]]:
@@ -264,10 +266,10 @@ def _collective(found: list, line: str, m, times: int) -> None:
         arrays = [a for a in arrays if a[1] > 0 or len(arrays) == 1]
         arrays = arrays[len(arrays) // 2:] if len(arrays) > 1 else arrays
     groups = replica_groups(line)
-    name = re.search(r'op_name="([^"]*)"', line)
+    name = _OP_NAME.search(line)
     found.append({"op": m.group("op"), "bytes": times * sum(b for b, _ in arrays), "groups": groups,
                   "group_size": len(next(iter(groups))) if groups and groups != ALL_DEVICES else None,
-                  "name": name.group(1) if name else ""})
+                  "name": name.group("name") if name else ""})
 
 
 def collective_bytes(hlo_text: str, groups: frozenset | None = None, within: str | None = None) -> int:
@@ -279,9 +281,6 @@ def collective_bytes(hlo_text: str, groups: frozenset | None = None, within: str
     return sum(c["bytes"] for c in collectives(hlo_text) if (groups is None or match(c["groups"]))
                and (within is None or within in c["name"]))
 
-
-_DEF = re.compile(r"^\s*(?:ROOT )?%(?P<name>[\w.\-]+) = (?P<shape>\S+?)(?:\{[^}]*\})? (?P<op>[\w\-]+)\((?P<args>[^)]*)\)")
-_OP_NAME = re.compile(r'op_name="(?P<name>[^"]*)"')
 
 
 def _dims(shape: str) -> list[int]:
@@ -316,18 +315,18 @@ def dot_flops_by_op(hlo_text: str, depth: int = 3) -> dict[str, float]:
             shapes[m.group("name")] = m.group("shape")
             if m.group("op") != "dot":
                 continue
-            lhs = re.findall(r"%([\w.\-]+)", m.group("args"))[0]
+            operands = re.findall(r"%([\w.\-]+)", m.group("args"))
             contract = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", line)
-            lhs_dims = _dims(shapes.get(lhs, ""))
+            lhs_dims = _dims(shapes.get(operands[0], ""))
             k = int(np.prod([lhs_dims[int(i)] for i in contract.group(1).split(",") if i])) if contract else 1
             flops = 2.0 * float(np.prod(_dims(m.group("shape")))) * k * times
             name = _OP_NAME.search(line)
-            # (the CPU backend's library fusions carry no name: such a dot is labelled by its shapes)
-            rhs = re.findall(r"%([\w.\-]+)", m.group("args"))[1:2]
-            shape_label = f"(unnamed) {shapes.get(lhs, '?')} x {shapes.get(rhs[0], '?') if rhs else '?'}"
-            name = name.group("name") if name else caller.get(comp, shape_label)
-            label = re.sub(r"layers_\d+", "layers_*", name)
-            parts = [p for p in label.split("/") if not p.startswith(("jit(", "shard_map", "dot_general"))]
-            label = "/".join(parts[-depth:]) if name != shape_label else shape_label
+            name = name.group("name") if name else caller.get(comp)
+            if name is None:         # the CPU backend's library fusions carry no name: labelled by their shapes
+                label = "(unnamed) " + " x ".join(shapes.get(o, "?") for o in operands[:2])
+            else:
+                parts = [p for p in re.sub(r"layers_\d+", "layers_*", name).split("/")
+                         if not p.startswith(("jit(", "shard_map", "dot_general"))]
+                label = "/".join(parts[-depth:])
             out[label] = out.get(label, 0.0) + flops
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
