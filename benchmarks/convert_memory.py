@@ -3,18 +3,19 @@
 Writes a synthetic DeepSeek-V4.1-shaped checkpoint in the release's formats (FP8 32x32-block dense
 weights, FP4 experts, FP8 Engram rows, e8m0 scales, BF16 / FP32 rest; random payloads written directly
 in the stored formats, one shard per layer), then runs ``python -m v41cp convert`` in a child process
-and reads the child's peak RSS; then restores the result onto 8 simulated devices (tp=8) in another
-child and times it. Prints one JSON object. The bound checked (issue 3):
+and reads the child's peak RSS (serially, and with ``--workers`` processes side by side); then restores the
+result onto 8 simulated devices (tp=8) in another child and times it; then loads the released directory
+straight onto the 8 devices (each device reading its own shards; dequantized BF16, and ``keep_quantized``)
+with its throughput and peak RSS. Prints one JSON object. The bound checked (issue 3):
 peak RSS < 3 x largest tensor + 1 GiB.
 
-    python benchmarks/convert_memory.py [--workdir DIR] [--dtype bf16|fp32] [--keep]
+    python benchmarks/convert_memory.py [--workdir DIR] [--dtype bf16|fp32] [--workers N] [--keep]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
 import shutil
 import subprocess
 import sys
@@ -102,6 +103,33 @@ print(json.dumps({"restore_s": round(dt, 2), "sharded": sharded}))
 """
 
 
+LOAD_RELEASED = """
+import json, os, resource, sys, time
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import jax
+from v41cp.checkpoint import load_released_dir
+from v41cp.sharding import make_mesh
+mesh = make_mesh(tp=8)
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+cfg, params, report = load_released_dir(sys.argv[1], mesh=mesh, report=True, keep_quantized=sys.argv[2] == "1",
+                                        dtype="bfloat16")
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({**report.to_dict(), "baseline_rss_bytes": base, "peak_rss_bytes": peak,
+                  "peak_rss_above_baseline_bytes": peak - base}))
+"""
+
+
+def _load_released(path: Path, keep_quantized: bool) -> dict:
+    """Load the released-layout checkpoint straight onto an 8-device (simulated) tp mesh in a fresh process: each
+    device reads its own shards. On CPU the devices' memory is the process's: the peak RSS above the runtime's
+    baseline is the placed device bytes (replicas may share one host buffer) plus the loader's own overhead."""
+    res = subprocess.run([sys.executable, "-c", LOAD_RELEASED, str(path), "1" if keep_quantized else "0"],
+                         capture_output=True, text=True)
+    if res.returncode:
+        raise SystemExit(f"released load failed:\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
 def _time_restore(path: Path) -> dict:
     """Restore the converted checkpoint onto an 8-device (simulated) tp mesh in a fresh process."""
     res = subprocess.run([sys.executable, "-c", RESTORE, str(path)], capture_output=True, text=True)
@@ -115,6 +143,7 @@ def main():
     p.add_argument("--workdir", help="where to write (default: a temporary directory, removed afterwards)")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     p.add_argument("--keep", action="store_true")
+    p.add_argument("--workers", type=int, default=2, help="conversion worker processes for the parallel run")
     args = p.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="v41cp-bench-"))
     try:
@@ -122,25 +151,39 @@ def main():
         t0 = time.perf_counter()
         info = write_synthetic(src)
         t_write = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        res = subprocess.run([sys.executable, "-m", "v41cp", "convert", str(src), str(dst), "--dtype", args.dtype,
-                              "--json"], capture_output=True, text=True)
-        wall = time.perf_counter() - t0
-        if res.returncode:
-            raise SystemExit(f"convert failed:\n{res.stderr[-3000:]}")
-        summary = json.loads(res.stdout.strip().splitlines()[-1])
-        peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+        runs = {}
+        for workers in (1, args.workers):
+            out = dst.with_name(f"converted-w{workers}")
+            t0 = time.perf_counter()
+            res = subprocess.run([sys.executable, "-m", "v41cp", "convert", str(src), str(out), "--dtype", args.dtype,
+                                  "--workers", str(workers), "--json"], capture_output=True, text=True)
+            wall = time.perf_counter() - t0
+            if res.returncode:
+                raise SystemExit(f"convert failed:\n{res.stderr[-3000:]}")
+            summary = json.loads(res.stdout.strip().splitlines()[-1])
+            runs[workers] = {"wall_s": round(wall, 2), "reported_s": summary["seconds"],
+                             "throughput_source_MBps": round(info["bytes"] / 1e6 / summary["seconds"], 1),
+                             "peak_rss_bytes": summary["peak_rss_bytes"],
+                             "peak_worker_rss_bytes": summary["peak_worker_rss_bytes"]}
+            if workers != 1:
+                shutil.rmtree(out, ignore_errors=True)
+        dst = dst.with_name("converted-w1")
+        serial = runs[1]
+        peak = max(serial["peak_rss_bytes"], serial["peak_worker_rss_bytes"])
         restore = _time_restore(dst)
+        direct = {kq: _load_released(src, kq) for kq in (False, True)}
         bound = 3 * info["largest_tensor_bytes"] + 2**30
         print(json.dumps({
             "source_bytes": info["bytes"], "source_tensors": info["tensors"],
             "largest_tensor_bytes": info["largest_tensor_bytes"], "dtype": args.dtype,
-            "converted_bytes": summary["bytes_written"], "convert_wall_s": round(wall, 2),
-            "convert_reported_s": summary["seconds"],
-            "throughput_source_MBps": round(info["bytes"] / 1e6 / summary["seconds"], 1),
+            "converted_bytes": summary["bytes_written"], "convert_wall_s": serial["wall_s"],
+            "convert_reported_s": serial["reported_s"], "throughput_source_MBps": serial["throughput_source_MBps"],
             "peak_rss_bytes": peak, "peak_rss_GiB": round(peak / 2**30, 3),
             "bound_bytes": bound, "within_bound": peak < bound, "synthetic_write_s": round(t_write, 2),
+            f"convert_workers_{args.workers}": runs[args.workers],
+            "convert_parallel_speedup": round(serial["reported_s"] / runs[args.workers]["reported_s"], 2),
             "restore_8dev_s": restore["restore_s"], "restore_8dev_sharded_params": restore["sharded"],
+            "released_direct_8dev": direct[False], "released_direct_8dev_keep_quantized": direct[True],
         }))
     finally:
         if not args.keep:

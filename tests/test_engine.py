@@ -139,24 +139,30 @@ def test_ced_narrowed_prefill_equals_full_prefill(tiny):
 
 
 def test_engine_on_tp_mesh_equals_single_device(tiny):
-    """Plain TP: 4 devices (the tiny model's 4 heads / experts), same tokens and logits as one device."""
+    """Plain TP over 2 and 4 devices (the tiny model's 4 heads / experts): the selection's scoring split over the
+    TP ranks (`DCPPlan.split_selection`: replicated pages, exact distributed top-k) gives the single device's
+    tokens and logits — prompts around page and compression boundaries, and a 3-token prompt whose one page
+    leaves every other rank owning nothing."""
     from v41cp.sharding import make_mesh
 
     cfg, params = tiny
-    mesh = make_mesh(tp=4, devices=jax.devices()[:4])
-    prompts = {"a": [5, 6, 7, 8, 9, 10, 11], "b": list(range(20, 37))}
-    engines = [Engine(params, cfg, CAP), Engine(params, cfg, CAP, mesh=mesh)]
-    assert engines[1].params["layers_1"]["attn"]["wq_b"].sharding.spec[1] == "tp"
+    prompts = {"a": [5, 6, 7], "b": list(range(20, 37)), "c": list(range(40, 70))}
+    engines = [Engine(params, cfg, CAP)] + [Engine(params, cfg, CAP, mesh=make_mesh(tp=n, devices=jax.devices()[:n]))
+                                            for n in (2, 4)]
+    assert engines[2].params["layers_1"]["attn"]["wq_b"].sharding.spec[1] == "tp"
+    assert [e.step_plan.n for e in engines[1:]] == [2, 4] and engines[2].step_plan.replicated_pages
     for e in engines:
         for rid, p in prompts.items():
-            e.submit(rid, p, SamplingParams(max_new_tokens=4, stop_on_eos=False))
+            e.submit(rid, p, SamplingParams(max_new_tokens=5, stop_on_eos=False))
     while engines[0].pending:
         for e in engines:
             e.step()
         for rid in prompts:
-            a, b = engines[1].requests[rid].last_logits, engines[0].requests[rid].last_logits
-            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max())
-    assert [engines[1].result(r)["output_ids"] for r in prompts] == [engines[0].result(r)["output_ids"] for r in prompts]
+            want = engines[0].requests[rid].last_logits
+            for e in engines[1:]:
+                np.testing.assert_allclose(e.requests[rid].last_logits, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    for e in engines[1:]:
+        assert [e.result(r)["output_ids"] for r in prompts] == [engines[0].result(r)["output_ids"] for r in prompts]
 
 
 def test_engine_rejects_when_the_queue_is_full(tiny):

@@ -2,7 +2,7 @@
 
 * ``info``    config summary and the per-layer role table.
 * ``forward`` next-token predictions for a prompt of token ids (full-sequence forward).
-* ``convert SRC DST [--dtype bf16|fp32] [--keep-quantized]`` released layout → orbax in the model's tree.
+* ``convert SRC DST [--dtype bf16|fp32] [--keep-quantized] [--workers N]`` released layout → orbax in the model's tree.
 * ``generate [--prompt-ids 1,2,3 ...] [--max-new-tokens N] [--devices N] [--json]`` the serving engine.
   ``forward``, ``generate`` and ``bench decode|prefill`` take ``--attention-backend`` / ``--indexer-backend``
   (``xla`` | ``pallas``), ``--moe-backend`` (``sparse`` | ``dense``) and the topology flags; ``forward`` runs operator-local indexer / attention QCP
@@ -133,7 +133,7 @@ def cmd_convert(args) -> int:
     from v41cp.checkpoint import convert
 
     summary = convert(args.src, args.dst, dtype=args.dtype, progress=not args.json, overwrite=args.overwrite,
-                      keep_quantized=args.keep_quantized)
+                      keep_quantized=args.keep_quantized, workers=args.workers)
     if args.json:
         print(json.dumps(summary))
     else:
@@ -149,9 +149,12 @@ def _engine(args, capacity):
     from v41cp.serving.engine import Engine
 
     parallel = _parallel(args)
-    cfg, params = open_checkpoint(args.checkpoint or default_checkpoint(), fake_quant=not args.no_fake_quant,
-                                  progress=_progress(args), **_backends(args))
-    return cfg, Engine(params, cfg, capacity, parallel=parallel)
+    mesh = parallel.make_mesh() if parallel is not None else None
+    # straight onto the mesh: each device reads only its own shard of every parameter
+    cfg, params = open_checkpoint(args.checkpoint or default_checkpoint(), mesh=mesh,
+                                  rules=parallel.rules() if parallel is not None else None,
+                                  fake_quant=not args.no_fake_quant, progress=_progress(args), **_backends(args))
+    return cfg, Engine(params, cfg, capacity, mesh=mesh, parallel=parallel)
 
 
 def _progress(args) -> bool:
@@ -520,6 +523,8 @@ def main(argv=None) -> int:
     c.add_argument("--dtype", choices=("bf16", "fp32"), help="storage dtype of the backbone (default: the config's)")
     c.add_argument("--keep-quantized", action="store_true",
                    help="keep routed experts FP4 and Engram tables FP8 (decoded inside the forward)")
+    c.add_argument("--workers", type=int, default=1, help="subtrees converted at once, each in its own process "
+                   "(host memory grows about linearly with it)")
     c.add_argument("--overwrite", action="store_true")
     c.add_argument("--json", action="store_true", help="print the summary as JSON (no progress bar)")
     g = sub.add_parser("generate", help="generate tokens with the serving engine")

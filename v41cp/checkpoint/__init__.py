@@ -1,7 +1,9 @@
 """Checkpoints: the released layout (read and validated from headers, decoded tensor by tensor),
 the name mapping to the model's tree, conversion to orbax, and sharded restore.
 
-* `ReleasedCheckpoint` / `load_released_dir` — the released DeepSeek-V4.1 layout (FP8 / FP4 / BF16 / FP32);
+* `ReleasedCheckpoint` — the released DeepSeek-V4.1 layout (FP8 / FP4 / BF16 / FP32), whole tensors or one
+  shard's region (`read_shard`);
+* `load_released_dir` / `place_released` — straight onto a mesh, each device reading only its own shard;
 * `params_from_released` — a mapping of released names to unquantized arrays → parameter tree;
 * `convert` / `load` — orbax checkpoint in the model's own tree, restored onto a mesh;
 * `write_released` — write a parameter-name mapping in the release's quantized layout.
@@ -11,13 +13,14 @@ from pathlib import Path
 
 from v41cp.checkpoint.names import CheckpointError, IGNORED_PREFIXES, params_from_released, released_to_tree
 from v41cp.checkpoint.orbax_io import convert, load
+from v41cp.checkpoint.placement import LoadReport, load_released_dir, place_released
 from v41cp.checkpoint.released import ReleasedCheckpoint, load_config_dir
 from v41cp.checkpoint.safetensors_io import ReleasedFiles, SafetensorsFile, write_safetensors
 from v41cp.checkpoint.writer import write_released
 
 __all__ = ["CheckpointError", "IGNORED_PREFIXES", "params_from_released", "released_to_tree", "convert", "load",
-           "ReleasedCheckpoint", "load_config_dir", "load_released_dir", "ReleasedFiles", "SafetensorsFile",
-           "write_safetensors", "write_released", "default_checkpoint", "default_released_checkpoint",
+           "ReleasedCheckpoint", "load_config_dir", "load_released_dir", "place_released", "LoadReport", "ReleasedFiles",
+           "SafetensorsFile", "write_safetensors", "write_released", "default_checkpoint", "default_released_checkpoint",
            "open_checkpoint"]
 
 _CHECKPOINTS = Path(__file__).resolve().parents[2] / "checkpoints"
@@ -33,36 +36,6 @@ def default_checkpoint() -> str:
 def default_released_checkpoint() -> str:
     """The embedded tiny checkpoint in the released (quantized) layout: ``checkpoints/tiny-v41-released``."""
     return str(_CHECKPOINTS / "tiny-v41-released")
-
-
-def load_released_dir(path, mesh=None, rules=None, progress: bool = False, **overrides):
-    """(config, parameter tree) straight from a released-layout directory, without converting.
-
-    Without ``mesh`` the leaves are NumPy arrays; with a mesh each tensor is placed with its
-    ``NamedSharding`` as soon as it is decoded (host memory: one subtree at a time). ``progress``: a
-    progress bar over the subtrees on stderr.
-    """
-    from tqdm import tqdm
-
-    ckpt = ReleasedCheckpoint(path, **overrides)
-    if mesh is None and not progress:
-        return ckpt.cfg, ckpt.params()
-    import jax
-
-    from v41cp.model import abstract_params
-    from v41cp.sharding.rules import TP_RULES, param_shardings
-
-    shardings = param_shardings(abstract_params(ckpt.cfg), mesh, rules or TP_RULES) if mesh is not None else None
-    params: dict = {}
-    for name, sub in tqdm(ckpt.subtrees(), desc="load", unit="subtree", total=len(ckpt.subtree_names),
-                          disable=not progress):
-        if shardings is not None:
-            sub = jax.device_put(sub, {k: shardings[k] for k in sub} if name == "top" else shardings[name])
-        if name == "top":
-            params.update(sub)
-        else:
-            params[name] = sub
-    return ckpt.cfg, params
 
 
 def open_checkpoint(path, mesh=None, rules=None, progress: bool = False, **overrides):

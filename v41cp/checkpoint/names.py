@@ -11,12 +11,12 @@ Every error names the offending key and, for shape/dtype problems, the expected 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Mapping, NamedTuple
 
 import flax.linen as nn
-import jax.numpy as jnp
 import numpy as np
 
+from v41cp.checkpoint.layouts import GroupsIn, GroupsOut, HeadsOut, Layout, PaddedRows, Same, Stacked, Transposed
 from v41cp.config import ModelConfig
 
 __all__ = ["CheckpointError", "Source", "params_from_released", "released_to_tree", "IGNORED_PREFIXES", "insert"]
@@ -31,37 +31,13 @@ class CheckpointError(ValueError):
 
 
 class Source(NamedTuple):
-    """Where a parameter comes from: released tensor ``keys``, combined by ``fn``. ``raw`` sources take the
-    stored bytes (FP4 / FP8 payloads and e8m0 scales, as uint8) instead of decoded values (``keep_quantized``)."""
+    """Where a parameter comes from: released tensor ``keys``, combined by ``fn`` (a `Layout`: whole arrays or one
+    shard's region). ``raw`` sources take the stored bytes (FP4 / FP8 payloads and e8m0 scales, as uint8) instead
+    of decoded values (``keep_quantized``)."""
 
     keys: tuple[str, ...]
-    fn: Callable
+    fn: Layout
     raw: bool = False
-
-
-def _stack(*arrays):
-    xp = np if all(isinstance(a, np.ndarray) for a in arrays) else jnp
-    return xp.stack(arrays)
-
-
-def _t(a):
-    return a.T
-
-
-def _stack_t(*arrays):
-    """Stack per-expert ``[out, in]`` weights into ``[E, in, out]`` (NumPy on the host; jnp under tracing)."""
-    xp = np if all(isinstance(a, np.ndarray) for a in arrays) else jnp
-    return xp.stack([a.T for a in arrays])
-
-
-def _pad_rows(a, n: int):
-    """Append ``n`` zero rows (Engram tables are padded to `ENGRAM_ROW_ALIGN` rows in the tree)."""
-    xp = np if isinstance(a, np.ndarray) else jnp
-    return xp.concatenate([a, xp.zeros((n, *a.shape[1:]), a.dtype)]) if n else a
-
-
-def _ident(a):
-    return a
 
 
 def released_to_tree(cfg: ModelConfig) -> dict[tuple[str, ...], Source]:
@@ -69,61 +45,58 @@ def released_to_tree(cfg: ModelConfig) -> dict[tuple[str, ...], Source]:
     nh, d, g = cfg.num_attention_heads, cfg.head_dim, cfg.o_groups
     ih, idim = cfg.index_n_heads, cfg.index_head_dim
     m: dict[tuple[str, ...], Source] = {
-        ("embed",): Source(("embed.weight",), _ident),
-        ("head",): Source(("head.weight",), _t),
-        ("norm", "weight"): Source(("norm.weight",), _ident),
+        ("embed",): Source(("embed.weight",), Same()),
+        ("head",): Source(("head.weight",), Transposed()),
+        ("norm", "weight"): Source(("norm.weight",), Same()),
     }
     for role in cfg.layer_roles:
         i = role.index
         L, R = f"layers_{i}", f"layers.{i}"
         add = lambda path, keys, fn, raw=False: m.__setitem__((L, *path), Source(tuple(f"{R}.{k}" for k in keys), fn, raw))
         for site in ("attn", "ffn"):
-            add((f"{site}_norm", "weight"), (f"{site}_norm.weight",), _ident)
+            add((f"{site}_norm", "weight"), (f"{site}_norm.weight",), Same())
             for part in ("fn", "base", "scale"):
-                add((f"hc_{site}", part), (f"hc_{site}_{part}",), _ident)
-        add(("attn", "wq_a"), ("attn.wq_a.weight",), _t)
-        add(("attn", "q_norm", "weight"), ("attn.q_norm.weight",), _ident)
-        add(("attn", "wq_b"), ("attn.wq_b.weight",),
-            lambda a: a.reshape(nh, d, -1).transpose(2, 0, 1))
-        add(("attn", "wkv"), ("attn.wkv.weight",), _t)
-        add(("attn", "kv_norm", "weight"), ("attn.kv_norm.weight",), _ident)
-        add(("attn", "wo_a"), ("attn.wo_a.weight",),
-            lambda a: a.reshape(g, cfg.o_lora_rank, -1).transpose(0, 2, 1))
-        add(("attn", "wo_b"), ("attn.wo_b.weight",), lambda a: a.T.reshape(g, cfg.o_lora_rank, -1))
-        add(("attn", "attn_sink"), ("attn.attn_sink",), _ident)
+                add((f"hc_{site}", part), (f"hc_{site}_{part}",), Same())
+        add(("attn", "wq_a"), ("attn.wq_a.weight",), Transposed())
+        add(("attn", "q_norm", "weight"), ("attn.q_norm.weight",), Same())
+        add(("attn", "wq_b"), ("attn.wq_b.weight",), HeadsOut(nh, d))
+        add(("attn", "wkv"), ("attn.wkv.weight",), Transposed())
+        add(("attn", "kv_norm", "weight"), ("attn.kv_norm.weight",), Same())
+        add(("attn", "wo_a"), ("attn.wo_a.weight",), GroupsIn(g, cfg.o_lora_rank))
+        add(("attn", "wo_b"), ("attn.wo_b.weight",), GroupsOut(g, cfg.o_lora_rank))
+        add(("attn", "attn_sink"), ("attn.attn_sink",), Same())
         if role.is_kv_source:
-            add(("attn", "compressor", "wkv"), ("attn.compressor.wkv.weight",), _t)
-            add(("attn", "compressor", "norm", "weight"), ("attn.compressor.norm.weight",), _ident)
+            add(("attn", "compressor", "wkv"), ("attn.compressor.wkv.weight",), Transposed())
+            add(("attn", "compressor", "norm", "weight"), ("attn.compressor.norm.weight",), Same())
             if role.ratio > 1:
-                add(("attn", "compressor", "wgate"), ("attn.compressor.wgate.weight",), _t)
-            add(("attn", "indexer", "wk"), ("attn.indexer.wk.weight",), _t)
-            add(("attn", "indexer", "k_norm", "weight"), ("attn.indexer.k_norm.weight",), _ident)
+                add(("attn", "compressor", "wgate"), ("attn.compressor.wgate.weight",), Transposed())
+            add(("attn", "indexer", "wk"), ("attn.indexer.wk.weight",), Transposed())
+            add(("attn", "indexer", "k_norm", "weight"), ("attn.indexer.k_norm.weight",), Same())
         if role.is_index_source:
-            add(("attn", "indexer", "wq_b"), ("attn.indexer.wq_b.weight",),
-                lambda a: a.reshape(ih, idim, -1).transpose(2, 0, 1))
-            add(("attn", "indexer", "weights_proj"), ("attn.indexer.weights_proj.weight",), _t)
-        add(("ffn", "gate_weight"), ("ffn.gate.weight",), _t)
-        add(("ffn", "gate_bias"), ("ffn.gate.bias",), _ident)
-        add(("ffn", "gate_bias_vl"), ("ffn.gate.bias_vl",), _ident)
+            add(("attn", "indexer", "wq_b"), ("attn.indexer.wq_b.weight",), HeadsOut(ih, idim))
+            add(("attn", "indexer", "weights_proj"), ("attn.indexer.weights_proj.weight",), Transposed())
+        add(("ffn", "gate_weight"), ("ffn.gate.weight",), Transposed())
+        add(("ffn", "gate_bias"), ("ffn.gate.bias",), Same())
+        add(("ffn", "gate_bias_vl"), ("ffn.gate.bias_vl",), Same())
         for w in ("w1", "w2", "w3"):
             experts = tuple(f"ffn.experts.{e}.{w}.weight" for e in range(cfg.n_routed_experts))
             if cfg.keep_quantized:
-                add(("ffn", f"experts_{w}_fp4"), experts, _stack, True)
-                add(("ffn", f"experts_{w}_scale"), tuple(k.replace(".weight", ".scale") for k in experts), _stack, True)
+                add(("ffn", f"experts_{w}_fp4"), experts, Stacked(), True)
+                add(("ffn", f"experts_{w}_scale"), tuple(k.replace(".weight", ".scale") for k in experts), Stacked(), True)
             else:
-                add(("ffn", f"experts_{w}"), experts, _stack_t)
-            add(("ffn", f"shared_{w}"), (f"ffn.shared_experts.{w}.weight",), _t)
+                add(("ffn", f"experts_{w}"), experts, Stacked(transpose=True))
+            add(("ffn", f"shared_{w}"), (f"ffn.shared_experts.{w}.weight",), Transposed())
         if role.engram_slot >= 0:
-            pad_rows = cfg.engram_table_rows(role.engram_slot) - cfg.engram_num_embeddings[role.engram_slot]
-            pad = lambda a, n=pad_rows: _pad_rows(a, n)
+            rows = cfg.engram_num_embeddings[role.engram_slot]
+            pad = PaddedRows(rows, cfg.engram_table_rows(role.engram_slot) - rows)
             if cfg.keep_quantized:
                 add(("engram", "embed_fp8"), ("engram.embed.weight",), pad, True)
                 add(("engram", "embed_scale"), ("engram.embed.scale",), pad, True)
             else:
                 add(("engram", "embed"), ("engram.embed.weight",), pad)
-            add(("engram", "wkv"), ("engram.wkv.weight",), _t)
-            add(("engram", "q_weight"), ("engram.q_weight",), _ident)
-            add(("engram", "k_weight"), ("engram.k_weight",), _ident)
+            add(("engram", "wkv"), ("engram.wkv.weight",), Transposed())
+            add(("engram", "q_weight"), ("engram.q_weight",), Same())
+            add(("engram", "k_weight"), ("engram.k_weight",), Same())
     return m
 
 

@@ -14,7 +14,8 @@ Layout of a converted checkpoint directory::
 `convert` writes into ``DST.partial-<pid>`` and renames it to ``DST`` only after the manifest is
 written, so a failed conversion never leaves a directory that looks complete. Parameters are decoded
 one at a time and saved in parts: orbax's save holds a second copy of what it writes, so host memory
-stays near ``2 · max(PART_BYTES, largest parameter)`` plus the runtime, whatever the model size. `load` restores
+stays near ``2 · max(PART_BYTES, largest parameter)`` plus the runtime, whatever the model size; with
+``workers > 1`` subtrees convert in parallel processes, each within that bound. `load` restores
 every subtree with ``NamedSharding``s derived from the logical axis rules, so each device reads only
 its own shard.
 """
@@ -22,9 +23,11 @@ its own shard.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import shutil
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -75,15 +78,63 @@ def _nest(flat: dict[str, np.ndarray]) -> dict:
     return tree
 
 
+_SOURCE: dict[str, ReleasedCheckpoint] = {}     # the source checkpoint of a conversion worker process
+
+
+def _open_source(src: str, overrides: dict[str, Any]) -> None:
+    """Worker initializer: open (and validate) the source once per worker process."""
+    _SOURCE["ckpt"] = ReleasedCheckpoint(src, **overrides)
+
+
+def _convert_subtree(name: str, tmp: str, ckpt: ReleasedCheckpoint | None = None) -> tuple[list[list[str]], int, int]:
+    """Decode subtree ``name`` one parameter at a time and save it in parts of at most `PART_BYTES` under
+    ``tmp/params/name/<k>``: (each part's parameter paths, tensors, bytes written)."""
+    ckpt = ckpt or _SOURCE["ckpt"]
+    ckptr = _checkpointer()
+    parts: list[list[str]] = []
+    part: dict = {}
+    size = n_tensors = n_bytes = 0
+
+    def flush():
+        nonlocal part, size
+        if part:
+            ckptr.save(Path(tmp) / "params" / name / str(len(parts)), part)
+            parts.append(["/".join(p) for p in _paths(part)])
+            part, size = {}, 0
+
+    for path, leaf in ckpt.leaves(name):
+        if size and size + leaf.nbytes > PART_BYTES:
+            flush()
+        insert(part, path, leaf)
+        size += leaf.nbytes
+        n_tensors += 1
+        n_bytes += leaf.nbytes
+        del leaf
+    flush()
+    return parts, n_tensors, n_bytes
+
+
+def _peak_rss() -> dict[str, int]:
+    """Peak resident memory of this process and of its largest finished child (a conversion worker), bytes."""
+    import resource
+    import sys
+
+    unit = 1 if sys.platform == "darwin" else 1024           # ru_maxrss: bytes on macOS, KiB on Linux
+    return {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit,
+            "peak_worker_rss_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * unit}
+
+
 def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | None = None, progress: bool = True,
-            overwrite: bool = False, keep_quantized: bool = False) -> dict[str, Any]:
+            overwrite: bool = False, keep_quantized: bool = False, workers: int = 1) -> dict[str, Any]:
     """Convert a released-layout checkpoint ``src`` into an orbax checkpoint ``dst``.
 
     ``dtype`` (``"bfloat16"`` / ``"float32"``, default: the source config's) is the storage dtype of
     the backbone; FP32 islands (mHC, sink, router biases, compressor, head) stay FP32. Quantized
     weights (FP8 blocks, FP4 experts, FP8 Engram rows) are dequantized, except with ``keep_quantized``:
     then routed experts stay packed FP4 and Engram tables FP8 (with their e8m0 scales), and the model
-    decodes them inside the jitted forward. Returns a summary: tensors, bytes read and written, seconds.
+    decodes them inside the jitted forward. ``workers > 1`` converts that many subtrees at once, each in a
+    process of its own (host memory: about ``workers`` times one worker's). Returns a summary: tensors, bytes
+    read and written, seconds, peak resident memory of this process and of the largest worker.
     """
     from tqdm import tqdm
 
@@ -99,34 +150,29 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | None
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    ckptr = _checkpointer()
     n_tensors = n_bytes = 0
     try:
         names = ckpt.subtree_names
         parts: dict[str, list[list[str]]] = {}
-        bar = tqdm(names, desc="convert", unit="subtree", disable=not progress)
-        for name in bar:
-            parts[name] = []
-            part: dict = {}
-            size = 0
-
-            def flush():
-                nonlocal part, size
-                if part:
-                    ckptr.save(tmp / "params" / name / str(len(parts[name])), part)
-                    parts[name].append(["/".join(p) for p in _paths(part)])
-                    part, size = {}, 0
-
-            for path, leaf in ckpt.leaves(name):
-                if size and size + leaf.nbytes > PART_BYTES:
-                    flush()
-                insert(part, path, leaf)
-                size += leaf.nbytes
-                n_tensors += 1
-                n_bytes += leaf.nbytes
-                del leaf
-            flush()
-            bar.set_postfix(GB=f"{n_bytes / 1e9:.2f}")
+        bar = tqdm(total=len(names), desc="convert", unit="subtree", disable=not progress)
+        if workers > 1:
+            ctx = multiprocessing.get_context("spawn")          # a fresh interpreter: no forked XLA runtime
+            with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_open_source,
+                                     initargs=(str(src), overrides)) as pool:
+                done = pool.map(_convert_subtree, names, [str(tmp)] * len(names))
+                for name, (sub_parts, tensors, nbytes) in zip(names, done):
+                    parts[name] = sub_parts
+                    n_tensors, n_bytes = n_tensors + tensors, n_bytes + nbytes
+                    bar.update()
+                    bar.set_postfix(GB=f"{n_bytes / 1e9:.2f}")
+        else:
+            for name in names:
+                parts[name], tensors, nbytes = _convert_subtree(name, str(tmp), ckpt)
+                n_tensors, n_bytes = n_tensors + tensors, n_bytes + nbytes
+                bar.update()
+                bar.set_postfix(GB=f"{n_bytes / 1e9:.2f}")
+        bar.close()
+        ckptr = _checkpointer()
         dspark = ckpt.dspark_tensors()
         if dspark:
             ckptr.save(tmp / "params" / "dspark", _nest(dspark))
@@ -143,7 +189,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | None
         summary = {"format_version": FORMAT_VERSION, "source": src.name, "subtrees": names, "parts": parts,
                    "dspark_tensors": len(dspark), "tensors": n_tensors, "bytes_read": ckpt.nbytes,
                    "bytes_written": n_bytes, "dtype": ckpt.cfg.dtype, "keep_quantized": keep_quantized,
-                   "seconds": round(seconds, 3)}
+                   "workers": workers, "seconds": round(seconds, 3), **_peak_rss()}
         (tmp / "manifest.json").write_text(json.dumps(summary, indent=1))
         if dst.exists():
             shutil.rmtree(dst)

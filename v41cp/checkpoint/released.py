@@ -22,14 +22,15 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import flax.linen as nn
 import jax
 import numpy as np
 
-from v41cp.checkpoint.formats import (block_scale_shape, dequant_fp4_rows, dequant_fp8_blocks, dequant_fp8_rows,
-                                      row_scale_shape)
+from v41cp.checkpoint.formats import (FP4_TABLE, block_scale_shape, dequant_fp4_rows, dequant_fp8_blocks,
+                                      dequant_fp8_rows, row_scale_shape)
+from v41cp.checkpoint.layouts import index_arrays
 from v41cp.checkpoint.names import CheckpointError, IGNORED_PREFIXES, insert, released_to_tree, role_note
 from v41cp.checkpoint.safetensors_io import ReleasedFiles, SafetensorsError
 from v41cp.config import ConfigError, ModelConfig
@@ -39,6 +40,14 @@ __all__ = ["ReleasedCheckpoint", "load_config_dir"]
 log = logging.getLogger(__name__)
 
 _FLOAT = ("F32", "BF16", "F16")
+
+
+def _take(array: np.ndarray, ids: np.ndarray, axis: int) -> np.ndarray:
+    """``array`` at ascending ``ids`` along ``axis``: a view when they are contiguous (a shard's usual case)."""
+    if len(ids) == 0 or ids[-1] - ids[0] + 1 == len(ids):
+        start = int(ids[0]) if len(ids) else 0
+        return array[(slice(None),) * axis + (slice(start, start + len(ids)),)]
+    return np.take(array, ids, axis=axis)
 
 
 def load_config_dir(path: str | os.PathLike, **overrides: Any) -> ModelConfig:
@@ -179,52 +188,56 @@ class ReleasedCheckpoint:
         """``top`` (embed, head, norm) then ``layers_0`` … in order."""
         return ["top"] + [f"layers_{i}" for i in range(self.cfg.num_hidden_layers)]
 
-    def read_into(self, key: str, out: np.ndarray) -> None:
-        """Decode tensor ``key`` into ``out`` (its logical shape, any dtype, may be a strided view), in row
-        chunks of about 4M elements: FP32 temporaries stay bounded whatever the tensor's size."""
-        raw = self.files.read(key)
+    def read_region(self, key: str, index: Sequence[np.ndarray], dtype, raw: bool = False) -> np.ndarray:
+        """Elements ``index`` (one ascending int array per axis, in the logical shape) of stored tensor ``key``:
+        decoded to ``dtype``, or (``raw``) the stored bytes as uint8. Only those elements are read from the
+        memory map; quantized tensors are decoded in row chunks of about 4M elements, so FP32 temporaries stay
+        bounded whatever the region's size."""
+        data = self.files.read(key)
         scale_key = key[: -len(".weight")] + ".scale"
-        rows = out.shape[0]
-        width = int(np.prod(out.shape[1:], dtype=np.int64)) or 1
-        step = max(32, (4 * 2**20 // width) // 32 * 32)
-        if scale_key not in self.files:
-            for a in range(0, rows, step):
-                out[a:a + step] = raw[a:a + step]
-            return
-        scale = self.files.read(scale_key)
+        if raw or scale_key not in self.files:
+            if raw:
+                data = data.view(np.uint8)
+            for axis, ids in enumerate(index):
+                data = _take(data, ids, axis)
+            return np.array(data, np.uint8 if raw else dtype)
+        rows, cols = index
+        scale = np.asarray(self.files.read(scale_key), np.float32)
         fp4 = self.files.tensors[key].dtype == "I8"
         rowwise = fp4 or ".engram.embed." in key
-        decode = dequant_fp4_rows if fp4 else dequant_fp8_rows if rowwise else dequant_fp8_blocks
-        for a in range(0, rows, step):
-            b = min(rows, a + step)
-            s = scale[a:b] if rowwise else scale[a // 32: -(-b // 32)]
-            out[a:b] = decode(raw[a:b], s)
+        out = np.empty((len(rows), len(cols)), dtype)
+        step = max(32, (4 * 2**20 // max(1, len(cols))) // 32 * 32)
+        if fp4:                                             # two codes per byte, even column in the low nibble
+            packed_cols = np.unique(cols // 2)
+            local = np.searchsorted(packed_cols, cols // 2)
+            high = (cols % 2 == 1)[None, :]
+        for a in range(0, len(rows), step):
+            r = rows[a: a + step]
+            if fp4:
+                byte = _take(_take(data.view(np.uint8), r, 0), packed_cols, 1)[:, local]
+                values = FP4_TABLE[np.where(high, byte >> 4, byte & 15)]
+            else:
+                values = np.asarray(_take(_take(data, r, 0), cols, 1), np.float32)
+            s = scale[np.ix_(r if rowwise else r // 32, cols // 32)]
+            out[a: a + len(r)] = values * s
+        return out
 
-    def _materialize(self, path: tuple[str, ...], keys: tuple[str, ...], fn, raw: bool) -> np.ndarray:
+    def read_shard(self, path: tuple[str, ...], index: Sequence[slice] | None = None) -> np.ndarray:
+        """Parameter ``path`` of the tree (its dtype; uint8 for stored bytes), or only its region ``index`` (slices,
+        as `jax.make_array_from_callback` passes a device's shard): only the stored elements of that region
+        are read and decoded."""
+        keys, layout, raw = self.mapping[path]
         node = self._node(path)
-        if raw:                                            # stored bytes, kept (keep_quantized)
-            return np.ascontiguousarray(fn(*[self.files.read(k).view(np.uint8) for k in keys]))
-        if len(keys) > 1:                                  # routed experts: [E, in, out] from E x [out, in]
-            out = np.empty(node.shape, node.dtype)
-            for e, k in enumerate(keys):
-                self.read_into(k, out[e].T)
-            return out
-        key = keys[0]
-        logical = self.logical_shape(key)
-        if path[-2:] == ("engram", "embed"):               # table padded with zero rows in the tree
-            out = np.zeros(node.shape, node.dtype)
-            self.read_into(key, out[: logical[0]])
-            return out
-        buf = np.empty(logical, node.dtype)
-        self.read_into(key, buf)
-        return np.ascontiguousarray(fn(buf))
+        index = index_arrays(index if index is not None else (slice(None),) * len(node.shape), node.shape)
+        reader = lambda key, region: self.read_region(key, region, node.dtype, raw)
+        return np.ascontiguousarray(layout.read(reader, keys, index), node.dtype)
 
     def leaves(self, name: str) -> Iterator[tuple[tuple[str, ...], np.ndarray]]:
         """Decode subtree ``name`` one parameter at a time: (path inside the subtree, NumPy array)."""
-        for path, (keys, fn, raw) in self.mapping.items():
+        for path in self.mapping:
             if (path[0] if path[0].startswith("layers_") else "top") != name:
                 continue
-            yield (path if name == "top" else path[1:]), self._materialize(path, keys, fn, raw)
+            yield (path if name == "top" else path[1:]), self.read_shard(path)
 
     def subtree(self, name: str) -> dict:
         """The parameter subtree ``name`` (NumPy, in the model's dtypes): the tree's ``layers_i`` entry, or

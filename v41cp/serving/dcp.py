@@ -62,10 +62,25 @@ class DCPPlan:
     q_mode: str = "gather"
     heads_sharded: bool = True
     scan_tile_bytes: int = SCAN_TILE_BYTES
+    axis: str | tuple[str, ...] = CP
+    replicated_pages: bool = False
 
     @property
     def n(self) -> int:
-        return self.mesh.shape[CP]
+        axes = (self.axis,) if isinstance(self.axis, str) else self.axis
+        out = 1
+        for a in axes:
+            out *= self.mesh.shape[a]
+        return out
+
+    def rank(self) -> jax.Array:
+        """This rank's index in the page split (inside an island of the plan)."""
+        return jax.lax.axis_index(self.axis)
+
+    @property
+    def pool_spec(self) -> P:
+        """The pools' block-dimension layout entering an island: split over ``cp`` (KVP), or replicated."""
+        return P() if self.replicated_pages else P(CP)
 
     @property
     def tp(self) -> int:
@@ -80,6 +95,14 @@ class DCPPlan:
         tp = mesh.shape["tp"] * mesh.shape[CP]
         sharded = cfg.num_attention_heads % tp == 0
         return cls(mesh, parallel.dcp_merge, parallel.dcp_q, sharded)
+
+    @classmethod
+    def split_selection(cls, mesh: Mesh) -> "DCPPlan":
+        """Plain attention TP (replicated pages, KVP 1): the index selection's scoring split over the attention-TP
+        ranks — rank ``r`` scores the pages at block-table positions ``≡ r (mod TP)`` of the replicated pool with
+        every index head, and the exact distributed top-k merges them. Its only collectives are the index queries'
+        gather and ``TP·B·k`` candidates: none grows with the history (`select`)."""
+        return cls(mesh, axis=ATTN_TP, replicated_pages=True)
 
     # ------------------------------------------------------------------ specs
     @property
@@ -108,12 +131,17 @@ def _local(pool):
 
 
 def _owned_pages(plan: DCPPlan, tables: jax.Array):
-    """This rank's owned table positions of ``tables [B, MB]`` → (positions ``[B, LT]``, owned mask, local rows)."""
+    """This rank's owned table positions of ``tables [B, MB]`` → (positions ``[B, LT]``, owned mask, local rows).
+    KVP: the pages ``v ≡ r (mod N)`` at local row ``v // N``; replicated pages: table positions ``≡ r (mod N)``."""
     n = plan.n
-    r = jax.lax.axis_index(CP)
+    r = plan.rank()
     mb = tables.shape[1]
-    pos = owned_positions(tables[:, 0], r, n, mb, xp=jnp)                            # [B, LT]
+    first = jnp.zeros_like(tables[:, 0]) if plan.replicated_pages else tables[:, 0]
+    pos = owned_positions(first, r, n, mb, xp=jnp)                                  # [B, LT]
     v = jnp.take_along_axis(tables, jnp.minimum(pos, mb - 1), axis=1)
+    if plan.replicated_pages:
+        ok = (pos < mb) & (v >= 0)
+        return pos, ok, jnp.where(ok, v, 0)
     ok = (pos < mb) & (v >= 0) & (v % n == r)
     return pos, ok, jnp.where(ok, v // n, 0)
 
@@ -121,10 +149,19 @@ def _owned_pages(plan: DCPPlan, tables: jax.Array):
 def _entry_owners(plan: DCPPlan, tables: jax.Array, ids: jax.Array, epb: int):
     """Inside a ``cp`` island: where logical entries ``ids [B, X]`` (−1 = none) live → (``there``: the entry's page
     is allocated, ``own``: this rank owns it, its local block and offset — 0 where not owned)."""
-    page = jnp.take_along_axis(tables, jnp.clip(ids // epb, 0, tables.shape[1] - 1), axis=1)
+    at = jnp.clip(ids // epb, 0, tables.shape[1] - 1)
+    page = jnp.take_along_axis(tables, at, axis=1)
     there = (ids >= 0) & (page >= 0)
-    own = there & (page % plan.n == jax.lax.axis_index(CP))
+    if plan.replicated_pages:
+        own = there & (at % plan.n == plan.rank())
+        return there, own, jnp.where(own, page, 0), jnp.where(own, ids % epb, 0)
+    own = there & (page % plan.n == plan.rank())
     return there, own, jnp.where(own, page // plan.n, 0), jnp.where(own, ids % epb, 0)
+
+
+def _carry(plan: DCPPlan, pool):
+    """What the running top-k state's mesh-axis variance follows: the rank's pool shard (KVP) or its rank."""
+    return plan.rank() if plan.replicated_pages else _local(pool)
 
 
 def _window_slots(valid: jax.Array) -> jax.Array:
@@ -146,6 +183,8 @@ def select(plan: DCPPlan, cfg: ModelConfig, role: LayerRole, read, ikey_pool, q:
            tables: jax.Array, positions: jax.Array, cand_blocks):
     """Distributed selection of one index source for one query row per batch row.
 
+    Under KVP each rank scores the index keys of its own pages; with replicated pages
+    (`DCPPlan.split_selection`) the pages at its share of the block-table positions.
     q ``[B, index_heads, Di]`` / weights ``[B, index_heads]`` (replicated); ``read(pool, index)`` decodes
     records; tables ``[B, MB]``; positions ``[B]``; cand_blocks ``[B, kb]`` (uses_candidates layers) or None.
     Returns (``topk [B, min(index_topk, G)]`` logical entry ids, −1 padding; kept candidate blocks of the
@@ -164,12 +203,12 @@ def select(plan: DCPPlan, cfg: ModelConfig, role: LayerRole, read, ikey_pool, q:
             maxima, blk = index_block_maxima(q, weights, store, pages, pos, visible, epb=epb, cbs=cbs,
                                              backend="pallas")
             out_cand = distributed_candidate_blocks_from_maxima(maxima, blk, visible, cfg.candidate_topk_blocks,
-                                                                cbs, g, CP)
+                                                                cbs, g, plan.axis)
         elif role.uses_candidates:
             mask = kept_block_mask(cand, -(-g // cbs))
         ids, vals = indexer_topk(q, weights, store, pages, pos, visible, k, epb=epb, block_mask=mask, cbs=cbs,
                                  backend="pallas")
-        topk, _ = gather_merge_topk(vals, ids, k, CP)
+        topk, _ = gather_merge_topk(vals, ids, k, plan.axis)
         return topk, out_cand
 
     def body(pool, q, weights, tables, positions, cand):
@@ -197,11 +236,11 @@ def select(plan: DCPPlan, cfg: ModelConfig, role: LayerRole, read, ikey_pool, q:
             return scores, i
 
         vals, gid, maxima = scan_topk(score_tile, tiles, b, k, num_blocks=nb if role.candidate_source else None,
-                                      block_size=cbs, carry_like=_local(pool))
+                                      block_size=cbs, carry_like=_carry(plan, pool))
         out_cand = cand
         if role.candidate_source:
-            out_cand = distributed_blocks(maxima, visible, cfg.candidate_topk_blocks, cbs, CP)
-        topk, _ = gather_merge_topk(vals, gid, k, CP)
+            out_cand = distributed_blocks(maxima, visible, cfg.candidate_topk_blocks, cbs, plan.axis)
+        topk, _ = gather_merge_topk(vals, gid, k, plan.axis)
         return topk, out_cand
 
     def kept_body(pool, q, weights, tables, positions, cand):
@@ -225,13 +264,13 @@ def select(plan: DCPPlan, cfg: ModelConfig, role: LayerRole, read, ikey_pool, q:
             keys = read(pool, lambda a: a[local, off])                                  # [B, per·cbs, Di]
             return index_scores(q[:, None], weights[:, None], keys)[:, 0], jnp.where(own, ids, -1)
 
-        vals, gid, _ = scan_topk(score_tile, tiles, b, k, carry_like=_local(pool))
-        topk, _ = gather_merge_topk(vals, gid, k, CP)
+        vals, gid, _ = scan_topk(score_tile, tiles, b, k, carry_like=_carry(plan, pool))
+        topk, _ = gather_merge_topk(vals, gid, k, plan.axis)
         return topk, cand
 
     if cand_blocks is None:
         cand_blocks = jnp.zeros((tables.shape[0], 0), jnp.int32)
-    spec = jax.tree.map(lambda _: P(CP), ikey_pool)
+    spec = jax.tree.map(lambda _: plan.pool_spec, ikey_pool)
     if cfg.indexer_backend == "pallas":
         body = kernel_body
     elif role.uses_candidates:

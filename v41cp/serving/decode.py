@@ -13,7 +13,9 @@ Every step is the one model (`v41cp.model.Transformer`) over cached rows (`v41cp
 Shapes depend only on capacity (``max_batch`` / ``max_blocks`` / ``rows`` static, the cache's ``num_blocks``),
 never on current lengths, so each step compiles once per bucket; metadata is refreshed on the host every step.
 Inactive rows write nothing (their scatter indices point out of bounds). ``plan`` (`v41cp.serving.dcp.DCPPlan`)
-runs KVP / DCP: owner-masked writes, the exact distributed top-k and the LSE-merged attention, per row.
+runs KVP / DCP: owner-masked writes, the exact distributed top-k and the LSE-merged attention, per row; a
+``DCPPlan.split_selection`` plan (plain attention TP, replicated pages) splits only the selection's scoring over
+the TP ranks, so that no collective of the step grows with the history.
 
 The cache layout is `v41cp.serving.paged_cache` (``init_cache`` re-exported here). Engram hash ids of each row's
 token are host metadata (`engram_ids_for_last`).
@@ -159,7 +161,7 @@ def commit_rows(cache: dict, undo: dict, accepted: jax.Array, cfg: ModelConfig, 
         back = e["emits"] & reject
         for name in ("ckv", "ikey"):
             pool = cache[name][src]
-            if plan is not None:
+            if plan is not None and not plan.replicated_pages:
                 flat = lambda a: a.reshape(-1)
                 pool = pc.restore_owned(plan, pool, flat(e["blk"]), flat(e["row"]), e[name], flat(back))
             else:

@@ -133,7 +133,8 @@ class Engine:
                  parallel: ParallelConfig | None = None):
         self.cfg, self.capacity = cfg, capacity
         self.parallel = parallel
-        self.plan = None
+        self.plan = None               # KVP / DCP layout (pages split over cp)
+        self.step_plan = None          # what the cached steps run with: the KVP plan, or plain TP's selection split
         n = 1
         if parallel is not None and mesh is None:
             mesh = parallel.make_mesh(jax.devices()[:parallel.num_devices])
@@ -148,8 +149,12 @@ class Engine:
             if parallel is not None and parallel.kv_parallel_size > 1:
                 self.plan = DCPPlan.build(cfg, parallel, mesh)
                 n = parallel.kv_parallel_size
+            elif "cp" in mesh.shape and mesh.shape["tp"] * mesh.shape["cp"] > 1:
+                # plain attention TP: the cached steps' selection scoring split over the TP ranks (replicated pages)
+                self.step_plan = DCPPlan.split_selection(mesh)
         else:
             cache_sharding = None
+        self.step_plan = self.step_plan or self.plan
         self.mesh = mesh
         self.params = params
         self.span_layout = SpanLayout.from_parallel(parallel, mesh) if parallel is not None else SpanLayout(mesh)
@@ -305,7 +310,7 @@ class Engine:
             metas = DecodeMetadata(jnp.asarray(tok), jnp.asarray(pos), jnp.full((c, 1), slot, jnp.int32),
                                    jnp.asarray(np.broadcast_to(table, (c, 1, table.size))), jnp.asarray(act),
                                    jnp.asarray(ids), 1, self.capacity.max_blocks)
-            logits, self.cache = prefill_chunk(self.params, self.cache, metas, cfg, encoder_only, self.plan)
+            logits, self.cache = prefill_chunk(self.params, self.cache, metas, cfg, encoder_only, self.step_plan)
             if not encoder_only:
                 last = np.asarray(logits[m - 1, 0])
         req.last_logits = last
@@ -369,7 +374,7 @@ class Engine:
             tables[i] = self._table(req.rid)
             eng[i] = engram_ids_for_last(cfg, hist)
         meta = DecodeMetadata(*(jnp.asarray(a) for a in (tok, pos, slots, tables, active, eng)), b, mb)
-        logits, self.cache = decode_step(self.params, self.cache, meta, cfg, self.plan)
+        logits, self.cache = decode_step(self.params, self.cache, meta, cfg, self.step_plan)
         logits = np.asarray(logits)
         for i, req in enumerate(rows):
             req.last_logits = logits[i]
@@ -399,7 +404,7 @@ class Engine:
     def compiled_decode_text(self) -> str:
         """Optimized HLO of this engine's decode step (its static bucket), for structure checks."""
         meta = DecodeMetadata.idle(self.cfg, self.capacity.max_batch, self.capacity.max_blocks)
-        return decode_step.lower(self.params, self.cache, meta, self.cfg, self.plan).compile().as_text()
+        return decode_step.lower(self.params, self.cache, meta, self.cfg, self.step_plan).compile().as_text()
 
     @staticmethod
     def compile_counts() -> dict[str, int]:

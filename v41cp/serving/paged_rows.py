@@ -112,11 +112,18 @@ class StepRows:
 
 class PagedRows:
     """Trace-time context of one cached step (see the module docstring). Not a pytree: built inside the jitted
-    step from the cache and `StepRows`; ``plan`` is the static KVP / DCP layout (None = one device or GSPMD)."""
+    step from the cache and `StepRows`; ``plan`` is the static KVP / DCP layout (None = one device or GSPMD), or
+    with replicated pages (`DCPPlan.split_selection`, plain attention TP) the split of the XLA selection's scoring
+    over the TP ranks: then no step gathers a history (selection reads the pools in place, attention only the
+    selected entries)."""
 
     def __init__(self, cfg: ModelConfig, meta: StepRows, cache: dict, plan=None, undo: bool = False,
                  operator=None):
-        self.cfg, self.plan, self.op = cfg, plan, operator
+        split = plan is not None and plan.replicated_pages
+        self.cfg, self.op = cfg, operator
+        self.plan = None if split else plan                         # KVP: the pages are split over cp
+        xla = cfg.indexer_backend == "xla" and cfg.attention_backend == "xla"
+        self.split = plan if split and xla else None
         self.dtype = dtype_of(cfg.dtype)
         self.n_slots = pc.cache_slots(cache)
         groups = pc.kv_groups(cfg)
@@ -286,7 +293,8 @@ class PagedRows:
         """The XLA path's gathered history of a KV source (``ckv [B,G,D]``, ``ikeys [B,G,Di]``); empty when every
         reader of it goes through DCP or the kernels (they read the pools in place)."""
         cfg = self.cfg
-        if self.plan is not None or (cfg.attention_backend == "pallas" and cfg.indexer_backend == "pallas"):
+        if self.plan is not None or self.split is not None or (cfg.attention_backend == "pallas"
+                                                                and cfg.indexer_backend == "pallas"):
             return CSAState()
         src = str(role.kv_source)
         gather = lambda a: pc.gather_pages(a, self.meta.block_tables)
@@ -299,8 +307,8 @@ class PagedRows:
         kept blocks ``[B·R, kb]`` under DCP), passed back in for the layers that use them."""
         cfg, src = self.cfg, str(role.kv_source)
         pool = cache["ikey"][src]
-        if self.plan is not None:
-            topk, cand = dcp.select(self.plan, cfg, role, lambda a, f: pc.read(a, "mxfp4", self.dtype, f), pool,
+        if self.plan is not None or self.split is not None:
+            topk, cand = dcp.select(self.plan or self.split, cfg, role, lambda a, f: pc.read(a, "mxfp4", self.dtype, f), pool,
                                     self.flat(q), self.flat(weights), self.row_tables, self.flat(self.pos),
                                     state.candidates)
             return self.unflat(topk), cand
@@ -337,12 +345,23 @@ class PagedRows:
         if cfg.attention_backend == "pallas":
             return self.unflat(self._kernel_attend(cache, role, q, keys, valid, pool, topk, sink))
         if compressed and topk.shape[-1]:
-            picked = state.ckv[self.unflat(self.row_req)[..., None], jnp.maximum(topk, 0)]    # [B,R,K,D]
+            if self.split is not None:                  # only the selected entries, from the pool in place
+                picked = self.unflat(self._selected_entries(pool, self.flat(topk)))
+            else:
+                picked = state.ckv[self.unflat(self.row_req)[..., None], jnp.maximum(topk, 0)]    # [B,R,K,D]
             keys = jnp.concatenate([keys, picked], axis=2)
             valid = jnp.concatenate([valid, topk >= 0], axis=2)
         if self.op is not None and attention_query_parallel_applies(self.op, cfg, role, self.n_rows):
             return self.unflat(query_parallel_rows(self.op, self.flat(q), self.flat(keys), self.flat(valid), sink))
         return sink_attention(q, keys, valid, sink)
+
+    def _selected_entries(self, pool, topk: jax.Array) -> jax.Array:
+        """Records of the selected entries ``topk [N, K]`` (logical ids, −1 padding) of every flat row, decoded from
+        the (replicated) pool through the rows' block tables → ``[N, K, D]``."""
+        epb = pc.entries_per_block(pool)
+        page = jnp.take_along_axis(self.row_tables, jnp.clip(topk // epb, 0, self.row_tables.shape[1] - 1), axis=1)
+        page = jnp.where((topk >= 0) & (page >= 0), page, 0)
+        return pc.read(pool, "nvfp4", self.dtype, lambda a: a[page, jnp.maximum(topk, 0) % epb])
 
     def _kernel_attend(self, cache, role, q, keys, valid, pool, topk, sink):
         """The sparse-attention kernel over the window and the selected page entries, in place. One row per
