@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from helpers import TOKEN_MAP, perturbed, rel_err, selection_margin
 from v41cp import model
@@ -155,6 +156,27 @@ def test_compiled_step_structure(merge, q_mode):
     print(f"\n[dcp structure] {merge}/{q_mode}: step collective bytes {totals} (8 vs 64 blocks); "
           f"cp-group bytes {want}")
     assert totals[0] == totals[1]
+
+
+def test_plain_tp_step_collectives_do_not_grow_with_history():
+    """Plain TP 8 (KVP 1, replicated pages): with the selection's scoring split over the TP ranks
+    (`DCPPlan.split_selection`) the decode step's collective bytes are identical for history capacities 8 and 64
+    blocks; the GSPMD step without it all-gathers per-head index score terms over the history (3.2× here)."""
+    cfg, params = _model(True)
+    par = ParallelConfig(tp_size=8)
+    mesh = par.make_mesh()
+    sharded = model.shard_params(params, cfg, mesh, par.rules())
+    rep = NamedSharding(mesh, P())
+    totals = {}
+    for name, plan in (("split", DCPPlan.split_selection(mesh)), ("gspmd", None)):
+        for mb in (8, 64):
+            cache = init_cache(cfg, B * mb, BT, B, rep)
+            text = decode_step.lower(sharded, cache, DecodeMetadata.idle(cfg, B, mb), cfg, plan).compile().as_text()
+            totals[name, mb] = collective_bytes(text)
+    print(f"\n[plain TP structure] step collective bytes (8 vs 64 blocks): split {totals['split', 8]} / "
+          f"{totals['split', 64]}, GSPMD {totals['gspmd', 8]} / {totals['gspmd', 64]}")
+    assert totals["split", 8] == totals["split", 64]
+    assert totals["gspmd", 64] > 3 * totals["gspmd", 8]
 
 
 def test_kvp_engine_with_ced_and_chunked_prefill_equals_single_device():

@@ -122,6 +122,8 @@ def _decode_program(cfg, batch, context, block_tokens, parallel, mesh, params):
     num_blocks = n * batch * -(-max_blocks // n)
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None else None
     cache = cache_layout(cfg, num_blocks, block_tokens, batch, None if plan else rep, plan=plan)
+    if plan is None and mesh is not None and mesh.shape["tp"] * mesh.shape["cp"] > 1:
+        plan = DCPPlan.split_selection(mesh)            # plain TP: the engine's selection split (replicated pages)
     n_eng = len(cfg.engram_layer_ids)
     arg = lambda shape, dt=jnp.int32: jax.ShapeDtypeStruct(shape, dt, sharding=rep or jax.sharding.SingleDeviceSharding(
         jax.devices()[0]))

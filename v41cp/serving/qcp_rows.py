@@ -14,7 +14,8 @@ only moves keys (the same interface as `v41cp.serving.paged_rows.PagedRows`):
 * `write_entries` — the local rows' complete entries all-gathered, so every rank writes the same entries (under
   KVP = QCP each page by its owner only);
 * `history` — a KV source's entries from the request's pages (under KVP from the owners, one all-reduce);
-* `select` / `attend` — each local row scores / attends its own request's history (no partial result merged);
+* `select` / `attend` — each local row scores / attends its own request's history (no partial result merged), in
+  row tiles × key tiles with a running top-k (`v41cp.layers.tiled_select`): no ``[rows, history]`` intermediate;
 * `ced_split` — CED narrowing at the boundary: the retained decoder rows stay on the rank that owned them
   (``dec_slots``), restored to span order by ``dec_span_index``; no row is redistributed;
 * `sampled` — each request's sampled row (on one rank) to every rank by one all-reduce of ``B`` rows.
@@ -26,9 +27,9 @@ import jax
 import jax.numpy as jnp
 
 from v41cp.config import LayerRole, ModelConfig
-from v41cp.layers.attention import CSAState, sink_attention
+from v41cp.layers.attention import CSAState
 from v41cp.layers.common import dtype_of
-from v41cp.layers.indexer import select_scored
+from v41cp.layers.tiled_select import attend_rows, select_rows
 from v41cp.serving import paged_cache as pc
 from v41cp.serving.span_metadata import SpanMetadata
 from v41cp.sharding.row_group import RowGroup
@@ -100,7 +101,8 @@ class QCPRows:
 
     # -------------------------------------------------------------------------------------- window ring
     def window(self, cache: dict, layer: int, kv: jax.Array):
-        """``kv [1,C,D]`` (pre-quantization) → ``(cache, keys [1,C,W,D], valid [1,C,W])``, keys oldest first."""
+        """``kv [1,C,D]`` (pre-quantization) → ``(cache, keys, valid [1,C,W])``: the local rows' window keys oldest
+        first, as `WindowKeys` (gathered per row tile by `attend`, never as one ``[C, W, D]`` array)."""
         cfg, w = self.cfg, self.cfg.sliding_window
         raw = self._span(kv)                                                            # [B,S,D]
         b, s = raw.shape[:2]
@@ -119,9 +121,8 @@ class QCPRows:
         cache = {**cache, "swa": pc.write(cfg, cache["swa"], (layer, at, jnp.maximum(last, 0) % w),
                                           self._row(raw, last - start[:, None]), "fp8")}
         cols = jnp.clip((self.pos_c - start[self.rq])[:, None] + 1 + jnp.arange(w)[None], 0, w + s - 1)
-        keys = ext[self.rq[:, None], cols]                                              # [C,W,D]
         valid = present[self.rq[:, None], cols] & (self.pos_c[:, None] - (w - 1) + jnp.arange(w)[None] >= 0)
-        return cache, keys[None], valid[None]
+        return cache, WindowKeys(ext, self.rq, cols), valid[None]
 
     # ------------------------------------------------------------------------------------ compressor
     def group_first(self, cache: dict, src: str, c: jax.Array, z: jax.Array):
@@ -170,18 +171,29 @@ class QCPRows:
         return CSAState(ckv=read("ckv", "nvfp4"), ikeys=read("ikey", "mxfp4"))
 
     def select(self, cache: dict, role: LayerRole, q: jax.Array, weights: jax.Array, state: CSAState):
-        """Each local row scores its request's index keys: ``q [1,C,Hi,Di]`` → ``(topk [1,C,K], candidates)``
-        (candidates as ``[C,1,G]``)."""
-        topk, cand, _ = select_scored(self.cfg, role, q[0][:, None], weights[0][:, None], state.ikeys[self.rq],
-                                      self.pos_c[:, None], state.candidates)
-        return topk[:, 0][None], cand
+        """Each local row scores its request's index keys in tiles (`v41cp.layers.tiled_select.select_rows`):
+        ``q [1,C,Hi,Di]`` → ``(topk [1,C,K], candidates as kept block ids [C, kb])``."""
+        topk, cand = select_rows(self.cfg, role, q[0], weights[0], state.ikeys, self.rq, self.pos_c,
+                                 state.candidates)
+        return topk[None], cand
 
-    def attend(self, cache: dict, role: LayerRole, q: jax.Array, keys: jax.Array, valid: jax.Array,
+    def attend(self, cache: dict, role: LayerRole, q: jax.Array, keys: "WindowKeys", valid: jax.Array,
                state: CSAState, sink: jax.Array) -> jax.Array:
-        """Sink attention of the local rows over their window keys and selected entries (every head)."""
-        if role.ratio > 0 and state.topk.shape[-1]:
-            sel = state.topk[0]                                                         # [C,K]
-            picked = state.ckv[self.rq[:, None], jnp.maximum(sel, 0)]                   # [C,K,D]
-            keys = jnp.concatenate([keys, picked[None]], axis=2)
-            valid = jnp.concatenate([valid, (sel >= 0)[None]], axis=2)
-        return sink_attention(q, keys, valid, sink)
+        """Sink attention of the local rows over their window keys and selected entries (every head), in row tiles
+        (`v41cp.layers.tiled_select.attend_rows`)."""
+        compressed = role.ratio > 0 and state.topk.shape[-1]
+        o = attend_rows(q[0], keys.rows, valid[0], state.ckv if compressed else None, self.rq,
+                        state.topk[0] if compressed else None, sink)
+        return o[None]
+
+
+class WindowKeys:
+    """The local rows' window keys, unmaterialized: ``ext [B, W+S, D]`` (each request's ring history then its span
+    rows), the rows' requests ``req [C]`` and columns ``cols [C, W]``. `rows(r)` gathers rows ``r [T]`` →
+    ``[T, W, D]``."""
+
+    def __init__(self, ext: jax.Array, req: jax.Array, cols: jax.Array):
+        self.ext, self.req, self.cols = ext, req, cols
+
+    def rows(self, r: jax.Array) -> jax.Array:
+        return self.ext[self.req[r][:, None], self.cols[r]]
