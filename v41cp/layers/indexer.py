@@ -203,13 +203,14 @@ def query_parallel_select_rows(shard, cfg: ModelConfig, role: LayerRole, q, weig
     Each rank scores its rows against their requests' keys; returns ``[T, K]`` on every rank."""
     t = q.shape[0]
 
-    def select_rows(rows, o):
-        topk, _, _ = select_scored(cfg, role, o["q"][rows][:, None], o["w"][rows][:, None], o["keys"][o["req"][rows]],
-                                   o["pos"][rows][:, None], None)
-        return topk[None, :, 0]                                                     # [1, local, K]
+    from v41cp.layers.tiled_select import select_rows
+
+    def local_rows(rows, o):                       # in row tiles × key tiles: no [local, G] intermediate
+        topk, _ = select_rows(cfg, role, o["q"][rows], o["w"][rows], o["keys"], o["req"][rows], o["pos"][rows], None)
+        return topk[None]                                                           # [1, local, K]
 
     ops = {"q": q, "w": weights, "keys": keys, "req": requests, "pos": positions}
-    return interleaved_island(shard, 1, t, ops, select_rows)[0]
+    return interleaved_island(shard, 1, t, ops, local_rows)[0]
 
 
 class Indexer(nn.Module):

@@ -38,6 +38,7 @@ from v41cp.config import LayerRole, ModelConfig
 from v41cp.layers.attention import CSAState, query_parallel_rows, sink_attention
 from v41cp.layers.common import dtype_of
 from v41cp.layers.indexer import query_parallel_select_rows, select_scored
+from v41cp.layers.tiled_select import attend_rows, select_rows
 from v41cp.serving import dcp, kernel_ops
 from v41cp.serving import paged_cache as pc
 from v41cp.sharding.operator_qcp import attention_query_parallel_applies, indexer_query_parallel_applies
@@ -321,11 +322,10 @@ class PagedRows:
             topk = query_parallel_select_rows(self.op, cfg, role, self.flat(q), self.flat(weights), state.ikeys,
                                               self.row_req, self.flat(self.pos))
             return self.unflat(topk), state.candidates
-        if self.meta.packed:            # each row against its own request's keys (candidates as [N, 1, ·])
-            one = lambda a: self.flat(a)[:, None]
-            topk, cand, _ = select_scored(cfg, role, one(q), one(weights), state.ikeys[self.row_req], one(self.pos),
-                                          state.candidates)
-            return self.unflat(topk[:, 0]), cand
+        if self.meta.packed:            # each row against its own request's keys, in tiles (candidates as blocks)
+            topk, cand = select_rows(cfg, role, self.flat(q), self.flat(weights), state.ikeys, self.row_req,
+                                     self.flat(self.pos), state.candidates)
+            return self.unflat(topk), cand
         topk, cand, _ = select_scored(cfg, role, q, weights, state.ikeys, self.pos, state.candidates)
         return topk, cand
 
@@ -344,6 +344,13 @@ class PagedRows:
             return self.unflat(o)
         if cfg.attention_backend == "pallas":
             return self.unflat(self._kernel_attend(cache, role, q, keys, valid, pool, topk, sink))
+        if self.meta.packed and not (self.op is not None and attention_query_parallel_applies(self.op, cfg, role,
+                                                                                           self.n_rows)):
+            # a prefill pass's rows in row tiles: each tile gathers its own window keys and selected entries
+            sel = self.flat(topk) if compressed and topk.shape[-1] else None
+            o = attend_rows(self.flat(q), lambda r: self.flat(keys)[r], self.flat(valid),
+                            state.ckv if sel is not None else None, self.row_req, sel, sink)
+            return self.unflat(o)
         if compressed and topk.shape[-1]:
             if self.split is not None:                  # only the selected entries, from the pool in place
                 picked = self.unflat(self._selected_entries(pool, self.flat(topk)))
