@@ -71,3 +71,19 @@ def test_floor_counts_the_rows_and_entries_the_model_defines():
     # prefill: 40 rows of the same per-row parameters, but the head once
     assert np.isclose(pre["parameters"] - head, 40 * (dec["parameters"] - head))
     assert pre["attention"] < 40 * dec["attention"] and pre["indexer"] < 40 * dec["indexer"]
+
+
+def test_qcp_prefill_temporaries_grow_linearly_in_prompt_length():
+    """Model-wide QCP = KVP = 8 span prefill at reduced width (tiny-tp8, 64 KiB selection / attention tiles):
+    doubling the prompt at most 2.2×'s the compiled temporaries per device — no intermediate grows as rows ×
+    history (the rows' scores and key copies are tiled, `v41cp.layers.tiled_select`)."""
+    from v41cp.plan import plan_program
+
+    cfg = preset("tiny-tp8")
+    par = ParallelConfig(tp_size=8, query_context_parallel_size=8, kv_parallel_size=8,
+                         decode_context_parallel_size=8)
+    temps = {n: plan_program(cfg, "prefill", 1, n, par, tile_bytes=64 << 10)["temp_bytes_per_device"]
+             for n in (1024, 2048)}
+    print(f"\n[prefill temporaries] QCP = KVP = 8, 1024 → 2048 tokens: {temps[1024]:,} → {temps[2048]:,} B "
+          f"({temps[2048] / temps[1024]:.3f}×)")
+    assert temps[2048] <= 2.2 * temps[1024]

@@ -9,6 +9,8 @@
 * per-device FLOPs fall to 1/N (compiled cost analysis).
 """
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -42,9 +44,10 @@ def setup():
     return cfg, params, prompts, tables, slots
 
 
-def _prefill(setup, n=1, kvp=1, ced=False, chunk=None):
+def _prefill(setup, n=1, kvp=1, ced=False, chunk=None, tile_bytes=None):
     """Span prefill of the setup's prompts over ``n`` ranks (KVP ``kvp``), whole or in passes of ``chunk`` rows
-    (later passes continue from the cached history). Returns (last-row logits, cache by virtual block, meta)."""
+    (later passes continue from the cached history); ``tile_bytes``: QCP's selection / attention tile budget.
+    Returns (last-row logits, cache by virtual block, meta)."""
     cfg, params, prompts, tables, slots = setup
     totals = np.array([len(p) for p in prompts])
     if n == 1:
@@ -56,6 +59,8 @@ def _prefill(setup, n=1, kvp=1, ced=False, chunk=None):
         plan = DCPPlan.build(cfg, par, mesh) if kvp > 1 else None
         cache = init_cache(cfg, NUM_BLOCKS, BLOCK, len(prompts), NamedSharding(mesh, P()), plan=plan)
         prm, layout = model.shard_params(params, cfg, mesh, par.rules()), SpanLayout.from_parallel(par, mesh)
+        if tile_bytes is not None:
+            layout = dataclasses.replace(layout, tile_bytes=tile_bytes)
     chunk = chunk or int(totals.max())
     logits = np.zeros((len(prompts), cfg.vocab_size), np.float32)
     for start in range(0, int(totals.max()), chunk):
@@ -163,13 +168,15 @@ def test_model_wide_qcp_equals_unsharded(setup, unsharded, n):
         np.testing.assert_array_equal(c1[k], cn[k], err_msg=k)
 
 
-@pytest.mark.parametrize("n", [1, 4])
-def test_chunked_span_prefill_continues_from_cached_history(setup, unsharded, n):
+@pytest.mark.parametrize("n,tile_bytes", [(1, None), (4, 1)])
+def test_chunked_span_prefill_continues_from_cached_history(setup, unsharded, n, tile_bytes):
     """Passes of 7 rows (odd starts: a compression pair spans two passes through the cached open pair; window rows
     from the SWA ring; compressed entries and index keys read back from the pages — under KVP 4 every rank
-    gathers the same history from the page owners) equal the one-pass prefill."""
+    gathers the same history from the page owners) equal the one-pass prefill. Under QCP 4 the selection and
+    attention run with a 1-byte tile budget: one key per selection tile and one row per attention tile, so their
+    loops (and the running top-k's carry inside the map) are what is compared."""
     want, want_c, _ = unsharded[False]
-    logits, cache, meta = _prefill(setup, n, n, chunk=7)
+    logits, cache, meta = _prefill(setup, n, n, chunk=7, tile_bytes=tile_bytes)
     assert meta.continued
     live = np.array(LENGTHS) > 0
     assert rel_err(logits[live], want[live]) <= 1e-5

@@ -132,13 +132,15 @@ def _decode_program(cfg, batch, context, block_tokens, parallel, mesh, params):
     return decode_step.lower(params, cache, meta, cfg, plan), cache
 
 
-def _prefill_program(cfg, batch, context, block_tokens, parallel, mesh, params, ced):
+def _prefill_program(cfg, batch, context, block_tokens, parallel, mesh, params, ced, tile_bytes=None):
     from v41cp.serving.dcp import DCPPlan
     from v41cp.serving.paged_cache import cache_layout
     from v41cp.serving.span_metadata import build_span_metadata
     from v41cp.serving.span_prefill import SpanLayout, lower_prefill_span
 
     layout = SpanLayout.from_parallel(parallel, mesh) if parallel is not None else SpanLayout()
+    if tile_bytes is not None:
+        layout = dataclasses.replace(layout, tile_bytes=tile_bytes)
     plan = DCPPlan.build(cfg, parallel, mesh) if layout.kv_parallel > 1 else None
     n = layout.kv_parallel
     max_blocks = -(-context // block_tokens)
@@ -156,10 +158,12 @@ def _prefill_program(cfg, batch, context, block_tokens, parallel, mesh, params, 
 
 
 def plan_program(cfg: ModelConfig, mode: str, batch: int, context: int, parallel=None, *, block_tokens: int = 16,
-                 ced: bool = False, device_memory_gb: float = 141.0, top_ops: int = 20) -> dict:
+                 ced: bool = False, device_memory_gb: float = 141.0, top_ops: int = 20,
+                 tile_bytes: int | None = None) -> dict:
     """Compile the ``mode`` step (see the module docstring) and report its per-device structure. ``parallel``: a
     `v41cp.sharding.topology.ParallelConfig` (None: one device). ``top_ops``: how many source operations the
-    dot-FLOP breakdown lists (`v41cp.sharding.hlo_stats.dot_flops_by_op`, largest first)."""
+    dot-FLOP breakdown lists (`v41cp.sharding.hlo_stats.dot_flops_by_op`, largest first); ``tile_bytes``: the
+    prefill's selection / attention tile budget (default `v41cp.layers.tiled_select.ROW_TILE_BYTES`)."""
     from v41cp.sharding.hlo_stats import collectives, dot_flops_by_op, program_cost
 
     if mode not in ("decode", "prefill"):
@@ -174,7 +178,8 @@ def plan_program(cfg: ModelConfig, mode: str, batch: int, context: int, parallel
         if mode == "decode":
             lowered, cache = _decode_program(cfg, batch, context, block_tokens, parallel, mesh, params)
         else:
-            lowered, cache = _prefill_program(cfg, batch, context, block_tokens, parallel, mesh, params, ced)
+            lowered, cache = _prefill_program(cfg, batch, context, block_tokens, parallel, mesh, params, ced,
+                                              tile_bytes)
     compiled = lowered.compile()
     cost = program_cost(compiled)                    # loop bodies counted once per iteration
     mem = compiled.memory_analysis()

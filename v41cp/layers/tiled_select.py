@@ -23,7 +23,7 @@ from v41cp.config import LayerRole, ModelConfig
 from v41cp.layers.attention import sink_attention
 from v41cp.layers.indexer import index_scores
 from v41cp.layers.topk_scan import scan_topk, tile_count
-from v41cp.sharding.dist_topk import entries_in_kept, kept_block_mask, merge_blocks
+from v41cp.sharding.dist_topk import merge_blocks
 
 __all__ = ["select_rows", "attend_rows", "ROW_TILE_BYTES", "ROWS_PER_TILE"]
 
@@ -68,6 +68,8 @@ def select_rows(cfg: ModelConfig, role: LayerRole, q: jax.Array, weights: jax.Ar
     # per (row, key) pair: the key copy (per row unless shared) and the per-head FP32 terms of the score loops
     pair = 4 * (3 * hi + (0 if shared and not uses else di))
     rt = min(r, rows_per_tile)
+    if role.candidate_source:              # running block maxima and their selection: ~24 B per (row, block)
+        rt = min(rt, max(1, budget // (24 * nb)))
     row_tiles = -(-r // rt)
     rp = rt * row_tiles
     tiles_q = _pad_rows(q, rp).reshape(row_tiles, rt, hi, di)
@@ -91,7 +93,7 @@ def select_rows(cfg: ModelConfig, role: LayerRole, q: jax.Array, weights: jax.Ar
             return scores, jnp.where(ok, ids[None], -1)
 
         vals, gid, maxima = scan_topk(score_tile, tiles, rt, k, num_blocks=nb if role.candidate_source else None,
-                                      block_size=cbs)
+                                      block_size=cbs, carry_like=(qt, wt, rq, vis, keys))
         blocks = None
         if role.candidate_source:
             blocks = merge_blocks(maxima, jnp.broadcast_to(jnp.arange(nb), maxima.shape), vis,
@@ -112,7 +114,7 @@ def select_rows(cfg: ModelConfig, role: LayerRole, q: jax.Array, weights: jax.Ar
             kt = keys[rq[:, None], jnp.minimum(ids, g - 1)]                              # [rt, per·cbs, Di]
             return index_scores(qt[:, None], wt[:, None], kt)[:, 0], jnp.where(ok, ids, -1)
 
-        vals, gid, _ = scan_topk(score_tile, tiles, rt, k)
+        vals, gid, _ = scan_topk(score_tile, tiles, rt, k, carry_like=(qt, wt, rq, vis, cand, keys))
         return gid
 
     if uses:

@@ -50,7 +50,8 @@ def scan_topk(score_tile, tiles: int, rows: int, k: int, *, num_blocks: int | No
               carry_like=None):
     """Running top-``k`` over ``tiles`` tiles (see the module docstring) of ``rows`` rows → ``(vals [R, k] FP32
     (−inf padding), ids [R, k] int32 (−1 padding), block maxima [R, num_blocks] FP32 or None)``.
-    ``carry_like``: an array whose mesh-axis variance the running state takes (inside ``jax.shard_map``)."""
+    ``carry_like``: an array (or a sequence: the union) whose mesh-axis variance the running state takes (inside
+    ``jax.shard_map``: the tiles' operands, so the loop's carry type equals its body's)."""
     vals = jnp.full((rows, k), -jnp.inf, jnp.float32)
     gid = jnp.full((rows, k), -1, jnp.int32)
     maxima = None if num_blocks is None else jnp.full((rows, num_blocks), -jnp.inf, jnp.float32)
@@ -59,7 +60,8 @@ def scan_topk(score_tile, tiles: int, rows: int, k: int, *, num_blocks: int | No
         from v41cp.kernels import match_varying
 
         leaves, tree = jax.tree.flatten(state)
-        leaves = match_varying(leaves + [carry_like])[0][:-1]
+        likes = list(carry_like) if isinstance(carry_like, (list, tuple)) else [carry_like]
+        leaves = match_varying(leaves + likes)[0][:len(leaves)]
         state = jax.tree.unflatten(tree, leaves)
 
     def step(j, state):

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from v41cp.config import LayerRole, ModelConfig
 from v41cp.layers.attention import CSAState
 from v41cp.layers.common import dtype_of
-from v41cp.layers.tiled_select import attend_rows, select_rows
+from v41cp.layers.tiled_select import ROW_TILE_BYTES, attend_rows, select_rows
 from v41cp.serving import paged_cache as pc
 from v41cp.serving.span_metadata import SpanMetadata
 from v41cp.sharding.row_group import RowGroup
@@ -39,10 +39,12 @@ __all__ = ["QCPRows"]
 
 class QCPRows:
     """Trace-time context of one model-wide QCP pass (inside the map; ``meta``'s per-rank fields are the rank's).
-    ``kvp``: the KVP group size when the pages are split over the map's ``cp`` axis, else 1."""
+    ``kvp``: the KVP group size when the pages are split over the map's ``cp`` axis, else 1; ``tile_bytes``: the
+    temporaries of one tile of the row-tiled selection / attention."""
 
-    def __init__(self, cfg: ModelConfig, grp: RowGroup, meta: SpanMetadata, cache: dict, kvp: int):
-        self.cfg, self.grp, self.kvp, self.meta = cfg, grp, kvp, meta
+    def __init__(self, cfg: ModelConfig, grp: RowGroup, meta: SpanMetadata, cache: dict, kvp: int,
+                 tile_bytes: int = ROW_TILE_BYTES):
+        self.cfg, self.grp, self.kvp, self.meta, self.tile_bytes = cfg, grp, kvp, meta, tile_bytes
         self.dtype = dtype_of(cfg.dtype)
         self.n_slots = pc.cache_slots(cache)
         self.slot_r = jnp.clip(meta.slots, 0, self.n_slots - 1)
@@ -174,7 +176,7 @@ class QCPRows:
         """Each local row scores its request's index keys in tiles (`v41cp.layers.tiled_select.select_rows`):
         ``q [1,C,Hi,Di]`` → ``(topk [1,C,K], candidates as kept block ids [C, kb])``."""
         topk, cand = select_rows(self.cfg, role, q[0], weights[0], state.ikeys, self.rq, self.pos_c,
-                                 state.candidates)
+                                 state.candidates, budget=self.tile_bytes)
         return topk[None], cand
 
     def attend(self, cache: dict, role: LayerRole, q: jax.Array, keys: "WindowKeys", valid: jax.Array,
@@ -183,7 +185,7 @@ class QCPRows:
         (`v41cp.layers.tiled_select.attend_rows`)."""
         compressed = role.ratio > 0 and state.topk.shape[-1]
         o = attend_rows(q[0], keys.rows, valid[0], state.ckv if compressed else None, self.rq,
-                        state.topk[0] if compressed else None, sink)
+                        state.topk[0] if compressed else None, sink, budget=self.tile_bytes)
         return o[None]
 
 

@@ -44,6 +44,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from v41cp.config import ModelConfig
 from v41cp.kernels import interpret_mode
+from v41cp.layers.tiled_select import ROW_TILE_BYTES
 from v41cp.serving.span_metadata import SpanMetadata
 from v41cp.sharding.mesh import ATTN_TP, CP
 from v41cp.sharding.rules import ShardingContext
@@ -56,13 +57,15 @@ class SpanLayout:
     """Static partitioning of a span prefill. ``mesh`` None = one device; ``query_parallel``: model-wide QCP
     over the mesh's attention-TP axes; ``kv_parallel``: the KVP group size (the mesh's ``cp`` axis) when the
     pages are split over it (`init_cache(..., plan=...)`), else 1 (replicated pages); ``operator``: the
-    operator-local indexer / attention QCP settings (a `ShardingContext`; the cached-rows path). Build from a
-    topology with `from_parallel`."""
+    operator-local indexer / attention QCP settings (a `ShardingContext`; the cached-rows path); ``tile_bytes``:
+    the temporaries of one tile of model-wide QCP's row-tiled selection / attention
+    (`v41cp.layers.tiled_select`). Build from a topology with `from_parallel`."""
 
     mesh: Mesh | None = None
     query_parallel: bool = False
     kv_parallel: int = 1
     operator: ShardingContext | None = None
+    tile_bytes: int = ROW_TILE_BYTES
 
     def __post_init__(self):
         if self.kv_parallel > 1 and (self.mesh is None or self.mesh.shape.get(CP, 1) != self.kv_parallel):
@@ -96,7 +99,7 @@ def _qcp_body(params, cache, meta: SpanMetadata, cfg: ModelConfig, layout: SpanL
     from v41cp.sharding.row_group import RowGroup
 
     grp = RowGroup(layout.mesh, layout.axes)
-    rows = QCPRows(cfg, grp, meta, cache, layout.kv_parallel)
+    rows = QCPRows(cfg, grp, meta, cache, layout.kv_parallel, layout.tile_bytes)
     logits, _, cache = Transformer(cfg, grp).apply({"params": params}, meta.tokens, meta.engram_ids, rows=rows,
                                                    cache=cache, logits_at=meta.sampled)
     return logits[:, 0], cache
