@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-__all__ = ["declare", "rms_norm", "dtype_of", "normal_init", "ones_init", "zeros_init"]
+__all__ = ["declare", "rms_norm", "dtype_of", "normal_init", "ones_init", "zeros_init", "full_after", "stacked_loop"]
 
 normal_init = nn.initializers.normal(stddev=0.02)
 ones_init = nn.initializers.ones
@@ -54,3 +54,39 @@ class RMSNorm(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         w = declare(self, "weight", (self.dim,), (self.axis,), self.dtype, ones_init)
         return rms_norm(x, w, self.eps)
+
+
+def full_after(shape, value, dtype, dep: jax.Array) -> jax.Array:
+    """``jnp.full(shape, value, dtype)`` computed from ``dep`` (this layer's data), for a loop's initial buffer (an
+    accumulator, a stacked output). A constant buffer depends on nothing, so XLA's scheduler may hoist its per-loop
+    copy to the start of the program, and then every layer's copy is live at once (measured: the compiled
+    V4.1-Flash prefill held all 43 layers' MoE accumulators and attention outputs together, 144 GB per device at
+    131K tokens). An optimization barrier does not stop it (XLA removes barriers before scheduling); a value
+    derived from ``dep`` does: ``0·dep`` (not simplified for floating point), a zero whatever ``dep`` holds (0
+    where it is not finite; the zero's sign may follow ``dep``'s, which changes no sum)."""
+    z = dep.reshape(-1)[0].astype(jnp.float32) * 0
+    z = jnp.where(jnp.isfinite(z), z, 0)
+    return jnp.full(shape, value, dtype) + z.astype(dtype)
+
+
+def stacked_loop(run, tiles: int, xs: tuple, outs: tuple, like: tuple = ()) -> tuple:
+    """``run(x_i) → (out_i, …)`` for the ``tiles`` leading-axis slices of ``xs``, stacked into ``[tiles, *out.shape]``
+    buffers (``outs``: one tile's zero value each); ``like``: the other operands ``run`` reads (closed over). A
+    ``fori_loop`` writing in place; its output buffers are allocated with the operands
+    (`v41cp.layers.common.full_after`), never hoisted to the program start where every layer's would be live at
+    once, and vary over the mesh axes the operands vary over (inside ``jax.shard_map``)."""
+    from v41cp.kernels import match_varying       # (kernels import the layers: a local import)
+
+    take = lambda i: tuple(jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False) for x in xs)
+    if tiles == 1:
+        return tuple(o[None] for o in run(take(0)))
+    deps = jax.tree.leaves((xs, like))
+    dep = next((d for d in deps if jnp.issubdtype(d.dtype, jnp.floating)), deps[0])
+    init = tuple(full_after((tiles, *o.shape), 0, o.dtype, dep) + o for o in outs)
+    leaves = match_varying(list(init) + deps)[0][:len(init)]
+
+    def body(i, bufs):
+        got = run(take(i))
+        return tuple(jax.lax.dynamic_update_index_in_dim(b, g.astype(b.dtype), i, 0) for b, g in zip(bufs, got))
+
+    return jax.lax.fori_loop(0, tiles, body, tuple(leaves))

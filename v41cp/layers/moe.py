@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from v41cp.config import ModelConfig
-from v41cp.layers.common import declare, dtype_of, zeros_init
+from v41cp.layers.common import declare, dtype_of, stacked_loop, zeros_init
 from v41cp.layers.moe_dispatch import expert_width, sparse_routed_output
 from v41cp.layers.stored_weights import decode_fp4, e8m0_to_f32, fp4_values
 from v41cp.sharding.mesh import ATTN_TP
@@ -259,6 +259,22 @@ class MoE(nn.Module):
         routing = route(cfg, xt, *gate, mask)                          # each rank routes its own rows
         if not gathered:
             return moe_partial(cfg, xt, routing, stored, shared, 0, None)
-        xa, routing = grp.gather(xt), tuple(grp.gather(r) for r in routing)
         rank = grp.rank()
-        return grp.sum_scatter(moe_partial(cfg, xa, routing, stored, shared, rank, rank == 0))
+
+        def rows(part, routing):                 # local rows [c, H] → their outputs, through every rank's slices
+            xa, routing = grp.gather(part), tuple(grp.gather(r) for r in routing)
+            return grp.sum_scatter(moe_partial(cfg, xa, routing, stored, shared, rank, rank == 0))
+
+        # the gathered rows' buffers (the rows, the FP32 accumulator and output) grow with N·C: in row chunks of at
+        # most `RowGroup.chunk_bytes` of them (each token's output is its own, so chunking changes no value)
+        c, h = xt.shape
+        chunks = min(c, max(1, -(-(grp.n * c * h * 16) // grp.chunk_bytes)))
+        while c % chunks:
+            chunks += 1
+        if chunks == 1:
+            return rows(xt, routing)
+        per = c // chunks
+        split = lambda a: a.reshape(chunks, per, *a.shape[1:])
+        out = stacked_loop(lambda t: (rows(t[0], t[1:]),), chunks, (split(xt), *(split(r) for r in routing)),
+                           (jnp.zeros((per, h), jnp.float32),), like=(stored, shared))[0]
+        return out.reshape(c, h)

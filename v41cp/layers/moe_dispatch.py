@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from v41cp.layers.common import full_after
 from v41cp.layers.stored_weights import e8m0_to_f32, fp4_values
 
 __all__ = ["DispatchShape", "dispatch", "sparse_routed_output", "stored_matmul", "expert_width", "TILE_PADDING",
@@ -186,7 +187,8 @@ def sparse_routed_output(x: jax.Array, idx: jax.Array, weights: jax.Array, exper
             y = _expert_ffn(xs, tiles, experts, swiglu)[:, 0] * wts[:, None]
             return jax.lax.dynamic_update_slice_in_dim(out, y, offset, axis=0)
 
-        out = _chunked(shape, pairs, jnp.zeros((shape.slots, h), jnp.float32), (tiles, xs, wts), like)
+        out = _chunked(shape, pairs, full_after((shape.slots, h), 0, jnp.float32, x), (tiles, xs, wts),
+                       like)
         return out[:t * k].reshape(t, k, h).sum(axis=1)
     tile_expert, slot_token, slot_weight = dispatch(idx, weights, shape)
     rows = jnp.concatenate([x, jnp.zeros((1, h), x.dtype)])                 # row T: the empty slot's zero row
@@ -196,5 +198,6 @@ def sparse_routed_output(x: jax.Array, idx: jax.Array, weights: jax.Array, exper
         out = _expert_ffn(rows[tok], tiles, experts, swiglu) * wts[..., None]
         return acc.at[tok.reshape(-1)].add(out.reshape(-1, h))
 
-    acc = _chunked(shape, tiles_run, jnp.zeros((t + 1, h), jnp.float32), (tile_expert, slot_token, slot_weight), like)
+    acc0 = full_after((t + 1, h), 0, jnp.float32, x)                            # allocated with this layer
+    acc = _chunked(shape, tiles_run, acc0, (tile_expert, slot_token, slot_weight), like)
     return acc[:t]

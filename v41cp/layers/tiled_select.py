@@ -10,8 +10,9 @@ requests' histories: no intermediate grows as rows × history.
 * `attend_rows` — sink attention of the rows in row tiles, each tile gathering its own window keys and selected
   entries: temporaries of one tile, not ``[R, W + K, D]``.
 
-Temporaries per tile: about `ROW_TILE_BYTES`. Tiles run in ``lax.map`` / ``lax.fori_loop`` (one compiled body;
-`v41cp.sharding.hlo_stats.program_cost` counts every iteration).
+Temporaries per tile: about `ROW_TILE_BYTES`. Tiles run in ``lax.fori_loop``s (one compiled body;
+`v41cp.sharding.hlo_stats.program_cost` counts every iteration) whose output buffers are allocated with their
+layer (`v41cp.layers.common.full_after`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 
 from v41cp.config import LayerRole, ModelConfig
 from v41cp.layers.attention import sink_attention
+from v41cp.layers.common import stacked_loop
 from v41cp.layers.indexer import index_scores
 from v41cp.layers.topk_scan import scan_topk, tile_count
 from v41cp.sharding.dist_topk import merge_blocks
@@ -118,20 +120,27 @@ def select_rows(cfg: ModelConfig, role: LayerRole, q: jax.Array, weights: jax.Ar
         return gid
 
     if uses:
-        topk = jax.lax.map(lambda t: kept_tile(*t), (tiles_q, tiles_w, tiles_req, tiles_vis, tiles_cand))
+        topk = stacked_loop(lambda t: (kept_tile(*t),), row_tiles, (tiles_q, tiles_w, tiles_req, tiles_vis, tiles_cand),
+                          (jnp.full((rt, k), -1, jnp.int32),), like=(keys,))[0]
         return topk.reshape(rp, k)[:r], cand_blocks
-    topk, blocks = jax.lax.map(lambda t: history_tile(*t), (tiles_q, tiles_w, tiles_req, tiles_vis))
-    topk = topk.reshape(rp, k)[:r]
+    kb_src = min(cfg.candidate_topk_blocks, nb)
+    outs = (jnp.full((rt, k), -1, jnp.int32),) + ((jnp.full((rt, kb_src), -1, jnp.int32),) if role.candidate_source
+                                                  else ())
+    got = stacked_loop(lambda t: tuple(x for x in history_tile(*t) if x is not None), row_tiles,
+                     (tiles_q, tiles_w, tiles_req, tiles_vis), outs, like=(keys,))
+    topk = got[0].reshape(rp, k)[:r]
     if role.candidate_source:
-        return topk, blocks.reshape(rp, -1)[:r]
+        return topk, got[1].reshape(rp, -1)[:r]
     return topk, cand_blocks
 
 
 def attend_rows(q: jax.Array, window_keys, window_valid: jax.Array, ckv: jax.Array | None, req: jax.Array,
-                topk: jax.Array | None, sink: jax.Array, budget: int = ROW_TILE_BYTES) -> jax.Array:
+                topk: jax.Array | None, sink: jax.Array, budget: int = ROW_TILE_BYTES,
+                window_operands: tuple = ()) -> jax.Array:
     """Sink attention of query rows ``q [R, H, D]`` in row tiles.
 
-    ``window_keys(rows) → [T, W, D]``: the window keys of flat rows ``rows [T]`` (gathered per tile);
+    ``window_keys(rows) → [T, W, D]``: the window keys of flat rows ``rows [T]`` (gathered per tile), from the arrays
+    ``window_operands``;
     ``window_valid [R, W]``; ``ckv [B, G, D]`` every request's compressed entries, ``req [R]`` each row's request
     and ``topk [R, K]`` its selected entries (−1 padding), or None (no compressed entries). Returns ``[R, H, D]``.
     """
@@ -153,5 +162,6 @@ def attend_rows(q: jax.Array, window_keys, window_valid: jax.Array, ckv: jax.Arr
             valid = jnp.concatenate([valid, sel >= 0], axis=1)
         return sink_attention(qs[i][None], keys[None], valid[None], sink)[0]
 
-    out = jax.lax.map(tile, jnp.arange(tiles))
+    out = stacked_loop(lambda t: (tile(t[0]),), tiles, (jnp.arange(tiles),), (jnp.zeros((rt, h, d), q.dtype),),
+                     like=(qs, window_valid, req, sink) + tuple(window_operands) + ((ckv, topk) if kk else ()))[0]
     return out.reshape(rp, h, d)[:r]

@@ -349,7 +349,7 @@ class PagedRows:
             # a prefill pass's rows in row tiles: each tile gathers its own window keys and selected entries
             sel = self.flat(topk) if compressed and topk.shape[-1] else None
             o = attend_rows(self.flat(q), lambda r: self.flat(keys)[r], self.flat(valid),
-                            state.ckv if sel is not None else None, self.row_req, sel, sink)
+                            state.ckv if sel is not None else None, self.row_req, sel, sink, window_operands=(keys,))
             return self.unflat(o)
         if compressed and topk.shape[-1]:
             if self.split is not None:                  # only the selected entries, from the pool in place

@@ -185,7 +185,8 @@ class QCPRows:
         (`v41cp.layers.tiled_select.attend_rows`)."""
         compressed = role.ratio > 0 and state.topk.shape[-1]
         o = attend_rows(q[0], keys.rows, valid[0], state.ckv if compressed else None, self.rq,
-                        state.topk[0] if compressed else None, sink, budget=self.tile_bytes)
+                        state.topk[0] if compressed else None, sink, budget=self.tile_bytes,
+                        window_operands=(keys.ext, keys.req, keys.cols))
         return o[None]
 
 

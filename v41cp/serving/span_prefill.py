@@ -59,7 +59,7 @@ class SpanLayout:
     pages are split over it (`init_cache(..., plan=...)`), else 1 (replicated pages); ``operator``: the
     operator-local indexer / attention QCP settings (a `ShardingContext`; the cached-rows path); ``tile_bytes``:
     the temporaries of one tile of model-wide QCP's row-tiled selection / attention
-    (`v41cp.layers.tiled_select`). Build from a topology with `from_parallel`."""
+    (`v41cp.layers.tiled_select`), and a sixteenth of the MoE's gathered-row chunk (`RowGroup.chunk_bytes`). Build from a topology with `from_parallel`."""
 
     mesh: Mesh | None = None
     query_parallel: bool = False
@@ -98,7 +98,7 @@ def _qcp_body(params, cache, meta: SpanMetadata, cfg: ModelConfig, layout: SpanL
     from v41cp.serving.qcp_rows import QCPRows
     from v41cp.sharding.row_group import RowGroup
 
-    grp = RowGroup(layout.mesh, layout.axes)
+    grp = RowGroup(layout.mesh, layout.axes, chunk_bytes=16 * layout.tile_bytes)
     rows = QCPRows(cfg, grp, meta, cache, layout.kv_parallel, layout.tile_bytes)
     logits, _, cache = Transformer(cfg, grp).apply({"params": params}, meta.tokens, meta.engram_ids, rows=rows,
                                                    cache=cache, logits_at=meta.sampled)

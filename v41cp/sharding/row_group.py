@@ -32,11 +32,14 @@ __all__ = ["RowGroup"]
 
 @dataclass(frozen=True)
 class RowGroup:
-    """Rows split over mesh axes ``axes`` (``n`` ranks) of ``mesh``; parameters laid out by ``rules``."""
+    """Rows split over mesh axes ``axes`` (``n`` ranks) of ``mesh``; parameters laid out by ``rules``;
+    ``chunk_bytes``: the buffers of every rank's rows gathered at once (the MoE gathers them in row chunks of at most
+    this many bytes)."""
 
     mesh: Mesh
     axes: tuple[str, ...]
     rules: AxisRules = QCP_RULES
+    chunk_bytes: int = 2 << 30
     in_map = True                          # inside the shard_map: constraints are identities
 
     @property
