@@ -120,14 +120,15 @@ def select_rows(cfg: ModelConfig, role: LayerRole, q: jax.Array, weights: jax.Ar
         return gid
 
     if uses:
-        topk = stacked_loop(lambda t: (kept_tile(*t),), row_tiles, (tiles_q, tiles_w, tiles_req, tiles_vis, tiles_cand),
-                          (jnp.full((rt, k), -1, jnp.int32),), like=(keys,))[0]
+        topk = stacked_loop(lambda t: (kept_tile(*t),), row_tiles,
+                            (tiles_q, tiles_w, tiles_req, tiles_vis, tiles_cand), (jnp.full((rt, k), -1, jnp.int32),),
+                            like=(keys,))[0]
         return topk.reshape(rp, k)[:r], cand_blocks
     kb_src = min(cfg.candidate_topk_blocks, nb)
     outs = (jnp.full((rt, k), -1, jnp.int32),) + ((jnp.full((rt, kb_src), -1, jnp.int32),) if role.candidate_source
                                                   else ())
     got = stacked_loop(lambda t: tuple(x for x in history_tile(*t) if x is not None), row_tiles,
-                     (tiles_q, tiles_w, tiles_req, tiles_vis), outs, like=(keys,))
+                       (tiles_q, tiles_w, tiles_req, tiles_vis), outs, like=(keys,))
     topk = got[0].reshape(rp, k)[:r]
     if role.candidate_source:
         return topk, got[1].reshape(rp, -1)[:r]
@@ -163,5 +164,5 @@ def attend_rows(q: jax.Array, window_keys, window_valid: jax.Array, ckv: jax.Arr
         return sink_attention(qs[i][None], keys[None], valid[None], sink)[0]
 
     out = stacked_loop(lambda t: (tile(t[0]),), tiles, (jnp.arange(tiles),), (jnp.zeros((rt, h, d), q.dtype),),
-                     like=(qs, window_valid, req, sink) + tuple(window_operands) + ((ckv, topk) if kk else ()))[0]
+                       like=(qs, window_valid, req, sink) + tuple(window_operands) + ((ckv, topk) if kk else ()))[0]
     return out.reshape(rp, h, d)[:r]

@@ -59,7 +59,8 @@ class SpanLayout:
     pages are split over it (`init_cache(..., plan=...)`), else 1 (replicated pages); ``operator``: the
     operator-local indexer / attention QCP settings (a `ShardingContext`; the cached-rows path); ``tile_bytes``:
     the temporaries of one tile of model-wide QCP's row-tiled selection / attention
-    (`v41cp.layers.tiled_select`), and a sixteenth of the MoE's gathered-row chunk (`RowGroup.chunk_bytes`). Build from a topology with `from_parallel`."""
+    (`v41cp.layers.tiled_select`), and a sixteenth of the MoE's gathered-row chunk (`RowGroup.chunk_bytes`).
+    Build from a topology with `from_parallel`."""
 
     mesh: Mesh | None = None
     query_parallel: bool = False
