@@ -82,8 +82,15 @@ def test_qcp_prefill_temporaries_grow_linearly_in_prompt_length():
     cfg = preset("tiny-tp8")
     par = ParallelConfig(tp_size=8, query_context_parallel_size=8, kv_parallel_size=8,
                          decode_context_parallel_size=8)
-    temps = {n: plan_program(cfg, "prefill", 1, n, par, tile_bytes=64 << 10)["temp_bytes_per_device"]
-             for n in (1024, 2048)}
+    # compiled without the persistent compilation cache: nothing else uses these programs, and in a full xdist run
+    # (2026-12-02) the cache write of one of them aborted the worker inside jax's compilation_cache.put_executable
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        temps = {n: plan_program(cfg, "prefill", 1, n, par, tile_bytes=64 << 10)["temp_bytes_per_device"]
+                 for n in (1024, 2048)}
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
     print(f"\n[prefill temporaries] QCP = KVP = 8, 1024 → 2048 tokens: {temps[1024]:,} → {temps[2048]:,} B "
           f"({temps[2048] / temps[1024]:.3f}×)")
     assert temps[2048] <= 2.2 * temps[1024]
