@@ -19,6 +19,7 @@ Layouts of the release (v41-architecture.md §5.1; ``S`` a stored tensor):
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -45,14 +46,16 @@ def _combined(outer: np.ndarray, inner: np.ndarray, width: int) -> np.ndarray:
     return (outer[:, None] * width + inner[None, :]).reshape(-1)
 
 
-class Layout:
-    """Stored tensors → parameter. Subclasses define `__call__` (whole arrays) and `read` (a region)."""
+class Layout(ABC):
+    """Stored tensors → parameter: `__call__` on whole arrays, `read` for one region."""
 
+    @abstractmethod
     def __call__(self, *arrays):
-        raise NotImplementedError
+        """The parameter from its whole stored tensors."""
 
+    @abstractmethod
     def read(self, reader: Reader, keys: Sequence[str], index: Sequence[np.ndarray]) -> np.ndarray:
-        raise NotImplementedError
+        """The parameter's region ``index`` (one ascending int array per axis), from ``reader(key, region)``."""
 
 
 @dataclass(frozen=True)

@@ -159,11 +159,6 @@ def _entry_owners(plan: DCPPlan, tables: jax.Array, ids: jax.Array, epb: int):
     return there, own, jnp.where(own, page // plan.n, 0), jnp.where(own, ids % epb, 0)
 
 
-def _carry(plan: DCPPlan, pool):
-    """What the running top-k state's mesh-axis variance follows: the rank's pool shard (KVP) or its rank."""
-    return plan.rank() if plan.replicated_pages else _local(pool)
-
-
 def _window_slots(valid: jax.Array) -> jax.Array:
     """Kernel slots of the window rows ``[B, W]`` in the flattened ring store (−1 where not ``valid``)."""
     b, w = valid.shape
@@ -236,7 +231,7 @@ def select(plan: DCPPlan, cfg: ModelConfig, role: LayerRole, read, ikey_pool, q:
             return scores, i
 
         vals, gid, maxima = scan_topk(score_tile, tiles, b, k, num_blocks=nb if role.candidate_source else None,
-                                      block_size=cbs, carry_like=_carry(plan, pool))
+                                      block_size=cbs, carry_like=plan.rank())
         out_cand = cand
         if role.candidate_source:
             out_cand = distributed_blocks(maxima, visible, cfg.candidate_topk_blocks, cbs, plan.axis)
@@ -264,7 +259,7 @@ def select(plan: DCPPlan, cfg: ModelConfig, role: LayerRole, read, ikey_pool, q:
             keys = read(pool, lambda a: a[local, off])                                  # [B, per·cbs, Di]
             return index_scores(q[:, None], weights[:, None], keys)[:, 0], jnp.where(own, ids, -1)
 
-        vals, gid, _ = scan_topk(score_tile, tiles, b, k, carry_like=_carry(plan, pool))
+        vals, gid, _ = scan_topk(score_tile, tiles, b, k, carry_like=plan.rank())
         topk, _ = gather_merge_topk(vals, gid, k, plan.axis)
         return topk, cand
 
