@@ -365,10 +365,9 @@ class PagedRows:
     def _selected_entries(self, pool, topk: jax.Array) -> jax.Array:
         """Records of the selected entries ``topk [N, K]`` (logical ids, −1 padding) of every flat row, decoded from
         the (replicated) pool through the rows' block tables → ``[N, K, D]``."""
-        epb = pc.entries_per_block(pool)
-        page = jnp.take_along_axis(self.row_tables, jnp.clip(topk // epb, 0, self.row_tables.shape[1] - 1), axis=1)
-        page = jnp.where((topk >= 0) & (page >= 0), page, 0)
-        return pc.read(pool, "nvfp4", self.dtype, lambda a: a[page, jnp.maximum(topk, 0) % epb])
+        blk, row, _ = pc.entry_location(self.row_tables, jnp.maximum(topk, 0), pc.entries_per_block(pool))
+        page = jnp.where((topk >= 0) & (blk >= 0), blk, 0)
+        return pc.read(pool, "nvfp4", self.dtype, lambda a: a[page, row])
 
     def _kernel_attend(self, cache, role, q, keys, valid, pool, topk, sink):
         """The sparse-attention kernel over the window and the selected page entries, in place. One row per
