@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from v41cp.config import LayerRole, ModelConfig
 from v41cp.kernels.sparse_attention import sparse_attention
-from v41cp.layers.common import RMSNorm, declare, dtype_of, zeros_init
+from v41cp.layers.common import RMSNorm, declare, dtype_of, weight_for, zeros_init
 from v41cp.layers.compressor import Compressor, pool_group
 from v41cp.layers.indexer import Indexer
 from v41cp.layers.rope import apply_rope, rope_angles
@@ -164,11 +164,11 @@ class Attention(nn.Module):
         positions = jnp.broadcast_to(jnp.arange(s), (b, s)) if rows is None else rows.pos
         angles = rope_angles(cfg, positions, compressed)
         qr = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dt, name="q_norm")(
-            jnp.einsum("bsh,hr->bsr", x, wq_a.astype(x.dtype)))
-        q = apply_rope(jnp.einsum("bsr,rnd->bsnd", qr, wq_b.astype(qr.dtype)), angles)
+            jnp.einsum("bsh,hr->bsr", x, weight_for(wq_a, x)))
+        q = apply_rope(jnp.einsum("bsr,rnd->bsnd", qr, weight_for(wq_b, qr)), angles)
         q = constrain(q, ("batch", None, "heads", None), self.shard)
         kv = apply_rope(RMSNorm(d, cfg.rms_norm_eps, dt, name="kv_norm")(
-            jnp.einsum("bsh,hd->bsd", x, wkv.astype(x.dtype))), angles)
+            jnp.einsum("bsh,hd->bsd", x, weight_for(wkv, x))), angles)
         compressor = Compressor(cfg, role.ratio, name="compressor") if role.is_kv_source else None
         indexer = Indexer(cfg, role, self.shard, name="indexer") if role.is_index_source else None
 
@@ -184,8 +184,8 @@ class Attention(nn.Module):
             o = rows.attend(cache, role, q, keys, valid, state, sink)
         o = apply_rope(o, angles, inverse=True)
         o = o.reshape(b, s, cfg.o_groups, g_in)
-        y = jnp.einsum("bsgi,gio->bsgo", o, wo_a.astype(o.dtype))
-        out = jnp.einsum("bsgo,goh->bsh", y, wo_b.astype(y.dtype))
+        y = jnp.einsum("bsgi,gio->bsgo", o, weight_for(wo_a, o))
+        out = jnp.einsum("bsgo,goh->bsh", y, weight_for(wo_b, y))
         return out.astype(dt), state, cache
 
     # ---------------------------------------------------------------------------------------- full mode

@@ -8,7 +8,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-__all__ = ["declare", "rms_norm", "dtype_of", "normal_init", "ones_init", "zeros_init", "full_after", "stacked_loop"]
+__all__ = ["declare", "rms_norm", "dtype_of", "normal_init", "ones_init", "zeros_init", "full_after", "stacked_loop",
+           "weight_for", "TIE_ROWS"]
 
 normal_init = nn.initializers.normal(stddev=0.02)
 ones_init = nn.initializers.ones
@@ -56,17 +57,40 @@ class RMSNorm(nn.Module):
         return rms_norm(x, w, self.eps)
 
 
+def _zero_from(dep: jax.Array, dtype) -> jax.Array:
+    """A scalar zero of ``dtype`` computed from ``dep``'s first element: ``0·dep`` (not simplified for floating
+    point), 0 where it is not finite; the zero's sign may follow ``dep``'s, which changes no sum or product."""
+    z = dep.reshape(-1)[0].astype(jnp.float32) * 0
+    return jnp.where(jnp.isfinite(z), z, 0).astype(dtype)
+
+
 def full_after(shape, value, dtype, dep: jax.Array) -> jax.Array:
     """``jnp.full(shape, value, dtype)`` computed from ``dep`` (this layer's data), for a loop's initial buffer (an
     accumulator, a stacked output). A constant buffer depends on nothing, so XLA's scheduler may hoist its per-loop
     copy to the start of the program, and then every layer's copy is live at once (measured: the compiled
     V4.1-Flash prefill held all 43 layers' MoE accumulators and attention outputs together, 144 GB per device at
     131K tokens). An optimization barrier does not stop it (XLA removes barriers before scheduling); a value
-    derived from ``dep`` does: ``0·dep`` (not simplified for floating point), a zero whatever ``dep`` holds (0
-    where it is not finite; the zero's sign may follow ``dep``'s, which changes no sum)."""
-    z = dep.reshape(-1)[0].astype(jnp.float32) * 0
-    z = jnp.where(jnp.isfinite(z), z, 0)
-    return jnp.full(shape, value, dtype) + z.astype(dtype)
+    derived from ``dep`` does (`_zero_from`)."""
+    return jnp.full(shape, value, dtype) + _zero_from(dep, dtype)
+
+
+# forwards of at least this many rows take their weights through `weight_for`'s dependency (prefill passes);
+# decode steps (a few rows) read them as they are
+TIE_ROWS = 1024
+
+
+def weight_for(w: jax.Array, x: jax.Array, dtype=None) -> jax.Array:
+    """Weight ``w`` as the operand of a product with activations ``x [..., D]``: ``w`` cast to ``dtype`` (default
+    ``x.dtype``). When ``x`` has at least `TIE_ROWS` rows the value is computed from ``x`` (``w + 0·x``, exact:
+    `_zero_from`), so whatever copy the compiler makes of it — the cast, or the CPU backend's FP32 operand for a
+    BF16 dot (it has no BF16 GEMM) — is made at the layer that uses it. A copy of a parameter alone depends on
+    nothing, and XLA schedules such copies at the program start, where every layer's is live at once (measured:
+    14.6 GB per device of FP32 weight copies in the compiled 131K V4.1-Flash prefill). One elementwise pass over
+    the weight per prefill forward; decode steps are untouched."""
+    dtype = dtype or x.dtype
+    if x.ndim < 2 or x.size // x.shape[-1] < TIE_ROWS:
+        return w.astype(dtype)
+    return (w + _zero_from(x, w.dtype)).astype(dtype)
 
 
 def stacked_loop(run, tiles: int, xs: tuple, outs: tuple, like: tuple = ()) -> tuple:

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from v41cp.config import ModelConfig
-from v41cp.layers.common import RMSNorm, declare, dtype_of
+from v41cp.layers.common import RMSNorm, declare, dtype_of, weight_for
 
 __all__ = ["Compressor", "pool_group"]
 
@@ -44,14 +44,14 @@ class Compressor(nn.Module):
 
     def unpooled(self, x: jax.Array) -> jax.Array:
         """Ratio 1: the latent of every row ``x [..., H]`` → ``[..., head_dim]``."""
-        return self.norm(jnp.einsum("...h,hd->...d", x, self.wkv.astype(x.dtype)))
+        return self.norm(jnp.einsum("...h,hd->...d", x, weight_for(self.wkv, x)))
 
     def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Ratio > 1: the FP32 projections ``(c, z)`` ``[..., head_dim]`` of rows ``x [..., H]``."""
         xf = x.astype(jnp.float32)
         hi = jax.lax.Precision.HIGHEST
-        return (jnp.einsum("...h,hd->...d", xf, self.wkv, precision=hi),
-                jnp.einsum("...h,hd->...d", xf, self.wgate, precision=hi))
+        return (jnp.einsum("...h,hd->...d", xf, weight_for(self.wkv, xf), precision=hi),
+                jnp.einsum("...h,hd->...d", xf, weight_for(self.wgate, xf), precision=hi))
 
     def finish(self, pooled: jax.Array, dtype) -> jax.Array:
         """A pooled group (FP32, `pool_group`) → its latent in ``dtype``."""

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from v41cp.config import ModelConfig
-from v41cp.layers.common import declare, dtype_of, ones_init, zeros_init
+from v41cp.layers.common import declare, dtype_of, ones_init, weight_for, zeros_init
 from v41cp.layers.stored_weights import decode_fp8_rows
 
 __all__ = ["Engram", "engram_lookup", "engram_mix"]
@@ -29,7 +29,7 @@ def engram_mix(cfg: ModelConfig, streams: jax.Array, gathered: jax.Array, wkv: j
     to ``streams [B,S,hc,H]`` → updated streams (the part of `Engram` after the table lookup)."""
     hc, h = cfg.hc_mult, cfg.hidden_size
     emb = gathered.reshape(*gathered.shape[:2], gathered.shape[2] * cfg.engram_head_dim).astype(streams.dtype)
-    kv = jnp.einsum("bsi,io->bso", emb, wkv.astype(streams.dtype))
+    kv = jnp.einsum("bsi,io->bso", emb, weight_for(wkv, emb))
     key = kv[..., :hc * h].astype(jnp.float32).reshape(*kv.shape[:2], hc, h)
     value = kv[..., hc * h:].astype(jnp.float32)
     x = streams.astype(jnp.float32)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from v41cp.config import LayerRole, ModelConfig
-from v41cp.layers.common import RMSNorm, declare, dtype_of
+from v41cp.layers.common import RMSNorm, declare, dtype_of, weight_for
 from v41cp.layers.rope import apply_rope
 from v41cp.quant import mxfp4_block32, round_through
 from v41cp.sharding.operator_qcp import indexer_query_parallel_applies, interleaved_island
@@ -62,10 +62,10 @@ def topk_select(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 def index_query(cfg: ModelConfig, wq_b, w_proj, x, qr, angles) -> tuple[jax.Array, jax.Array]:
     """Index queries ``[B,S,index_heads,index_head_dim]`` (rotated; MXFP4 under fake-quant) and the per-head
     score weights ``[B,S,index_heads]`` (scaled by ``index_head_dim^-1/2 · index_heads^-1/2``)."""
-    q = apply_rope(jnp.einsum("bsr,rhe->bshe", qr, wq_b.astype(qr.dtype)), angles)
+    q = apply_rope(jnp.einsum("bsr,rhe->bshe", qr, weight_for(wq_b, qr)), angles)
     if cfg.fake_quant:
         q = mxfp4_block32(q)
-    weights = jnp.einsum("bsh,hn->bsn", x, w_proj.astype(x.dtype)) * (
+    weights = jnp.einsum("bsh,hn->bsn", x, weight_for(w_proj, x)) * (
         cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
     return q, weights
 
@@ -236,7 +236,7 @@ class Indexer(nn.Module):
         """Index keys ``[..., index_head_dim]`` (rotated) from pre-RoPE compressor latents ``[..., head_dim]`` at
         their entries' angles; MXFP4 fake-quant under ``cfg.fake_quant`` unless ``quantize=False`` (a cache
         write encodes the raw keys itself)."""
-        k = self.k_norm(jnp.einsum("...d,de->...e", latent, self.wk.astype(latent.dtype)))
+        k = self.k_norm(jnp.einsum("...d,de->...e", latent, weight_for(self.wk, latent)))
         k = apply_rope(k, compressed_angles)
         return mxfp4_block32(k) if self.cfg.fake_quant and quantize else k
 

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from v41cp.config import ModelConfig
-from v41cp.layers.common import declare, dtype_of, stacked_loop, zeros_init
+from v41cp.layers.common import declare, dtype_of, stacked_loop, weight_for, zeros_init
 from v41cp.layers.moe_dispatch import expert_width, sparse_routed_output
 from v41cp.layers.stored_weights import decode_fp4, e8m0_to_f32, fp4_values
 from v41cp.sharding.mesh import ATTN_TP
@@ -52,7 +52,7 @@ def route_scores(x: jax.Array, w_gate: jax.Array, bias: jax.Array, bias_vl: jax.
     logits, and the same plus the noaux_tc selection bias (what the top-k ranks). ``gather``: inside a map whose
     ranks hold column slices of ``w_gate``, the function that assembles the ``[T, E]`` logits from the local
     ``[T, E / N]`` (each logit is computed whole on one rank: exact)."""
-    logits = jnp.einsum("th,he->te", x.astype(jnp.float32), w_gate.astype(jnp.float32),
+    logits = jnp.einsum("th,he->te", x.astype(jnp.float32), weight_for(w_gate, x, jnp.float32),
                         precision=jax.lax.Precision.HIGHEST)
     if gather is not None:
         logits = gather(logits)
@@ -149,8 +149,8 @@ def routed_output(cfg: ModelConfig, xt: jax.Array, dense_w: jax.Array, w1, w3, w
 def shared_output(cfg: ModelConfig, xt: jax.Array, s1, s3, s2) -> jax.Array:
     """The shared expert on ``xt [T, H]`` (``s1, s3 [H, I']``, ``s2 [I', H]``; a TP slice of I gives a partial
     sum) → ``[T, H]`` in ``xt.dtype``."""
-    shared = swiglu_clamped(xt @ s1.astype(xt.dtype), xt @ s3.astype(xt.dtype), cfg.swiglu_limit, xt.dtype)
-    return shared @ s2.astype(shared.dtype)
+    shared = swiglu_clamped(xt @ weight_for(s1, xt), xt @ weight_for(s3, xt), cfg.swiglu_limit, xt.dtype)
+    return shared @ weight_for(s2, shared)
 
 
 class MoE(nn.Module):
