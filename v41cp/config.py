@@ -86,7 +86,8 @@ _FLASH: dict[str, Any] = dict(
     rms_norm_eps=1e-20, engram_layer_ids=(1, 14), engram_num_embeddings=(384006168, 384016682),
     engram_vocab_size=16000000, engram_max_ngram_size=4, engram_n_heads=8, engram_head_dim=256,
     engram_pad_token_id=2, engram_compressed_vocab_size=99092, num_nextn_predict_layers=3,
-    bos_token_id=0, eos_token_id=1, pad_token_id=2, dtype="bfloat16",
+    dspark_block_size=5, dspark_noise_token_id=128799, dspark_target_layer_ids=(37, 38, 39), dspark_markov_rank=256,
+    dspark_n_routed_experts=128, dspark_num_experts_per_tok=3, bos_token_id=0, eos_token_id=1, pad_token_id=2, dtype="bfloat16",
 )
 
 # The oracle's tiny config (v41-architecture.md §6.3/§6.4): every layer kind + Engram.
@@ -117,6 +118,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     # sparse selection with no score tie at any top-k / candidate-block boundary (asserted by the
     # oracle test): 8 index heads make exact ReLU-zero ties rare, 3 candidate blocks > index_topk
     "tiny-sparse": {**_TINY, "index_n_heads": 8, "candidate_topk_blocks": 3},
+    # tiny-sparse with DSpark stages: 3 SWA-only draft stages over the attention inputs of layers 3 (after its
+    # Engram), 4 and 5; blocks of 4; Markov rank 16; 4 experts top-2
+    "tiny-dspark": {**_TINY, "index_n_heads": 8, "candidate_topk_blocks": 3, "num_nextn_predict_layers": 3,
+                    "compress_ratios": _TINY["compress_ratios"] + (0, 0, 0), "dspark_block_size": 4,
+                    "dspark_noise_token_id": 255, "dspark_target_layer_ids": (3, 4, 5), "dspark_markov_rank": 16,
+                    "dspark_n_routed_experts": 4, "dspark_num_experts_per_tok": 2},
     # 8 heads / 8 experts / 8 index heads so that every TP axis divides 8 simulated devices
     "tiny-tp8": {**_TINY, "num_attention_heads": 8, "o_groups": 8, "n_routed_experts": 8,
                  "index_n_heads": 8, "engram_layer_ids": (1, 3)},
@@ -179,6 +186,17 @@ class ModelConfig:
     engram_pad_token_id: int = 2
     engram_compressed_vocab_size: int = 99092
     num_nextn_predict_layers: int = 0
+    # DSpark drafter (`v41cp.drafter`; stored as ``mtp.0 … mtp.{num_nextn_predict_layers − 1}``): the block
+    # [anchor, noise × (block − 1)], the target layers whose attention-input streams feed it, its Markov head rank
+    # and MoE. ``dspark_confidence_input``: "residual" (the release feeds the pre-norm state to the confidence
+    # head) or "normed" (NeMo-trained drafts feed the final-norm output).
+    dspark_block_size: int = 5
+    dspark_noise_token_id: int = 128799
+    dspark_target_layer_ids: tuple[int, ...] = ()
+    dspark_markov_rank: int = 256
+    dspark_n_routed_experts: int = 128
+    dspark_num_experts_per_tok: int = 3
+    dspark_confidence_input: str = "residual"
     bos_token_id: int = 0
     eos_token_id: int = 1
     pad_token_id: int = 2
@@ -236,7 +254,7 @@ class ModelConfig:
         if missing:
             raise ConfigError(f"config is missing required field(s): {', '.join(missing)}")
         for key in ("compress_ratios", "kv_source_layer_ids", "index_source_layer_ids",
-                    "engram_layer_ids", "engram_num_embeddings", "engram_token_map"):
+                    "engram_layer_ids", "engram_num_embeddings", "engram_token_map", "dspark_target_layer_ids"):
             if key in kwargs and kwargs[key] is not None:
                 if not isinstance(kwargs[key], (list, tuple)):
                     raise ConfigError(f"{key} must be a list of integers, got {kwargs[key]!r}")
@@ -343,6 +361,7 @@ class ModelConfig:
                     raise ConfigError(f"rope_scaling is missing field {k!r}")
         self._validate_schedule()
         self._validate_engram()
+        self._validate_dspark()
 
     def _validate_schedule(self) -> None:
         n = self.num_hidden_layers
@@ -424,7 +443,49 @@ class ModelConfig:
                 raise ConfigError(f"engram_token_map has {max(tm) + 1} compressed ids but "
                                   f"engram_compressed_vocab_size={self.engram_compressed_vocab_size}")
 
+    def _validate_dspark(self) -> None:
+        k = self.num_nextn_predict_layers
+        if type(k) is not int or k < 0:
+            raise ConfigError(f"num_nextn_predict_layers must be a non-negative integer, got {k!r}")
+        if not self.has_dspark:
+            return
+        n, ids = self.num_hidden_layers, self.dspark_target_layer_ids
+        if any(type(i) is not int for i in ids) or list(ids) != sorted(set(ids)) or ids[0] < 0 or ids[-1] >= n:
+            raise ConfigError(f"dspark_target_layer_ids must be strictly increasing layer ids in [0, "
+                              f"num_hidden_layers={n}), got {list(ids)}")
+        draft = self.compress_ratios[n:n + k]
+        if len(draft) != k or any(draft):
+            raise ConfigError(f"compress_ratios must end with {k} zeros for the DSpark stages (SWA-only), got "
+                              f"{list(self.compress_ratios[n:])}")
+        for name in ("dspark_block_size", "dspark_markov_rank", "dspark_n_routed_experts",
+                     "dspark_num_experts_per_tok"):
+            v = getattr(self, name)
+            if type(v) is not int or v <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        if self.dspark_num_experts_per_tok > self.dspark_n_routed_experts:
+            raise ConfigError(f"dspark_num_experts_per_tok={self.dspark_num_experts_per_tok} exceeds "
+                              f"dspark_n_routed_experts={self.dspark_n_routed_experts}")
+        if self.dspark_block_size > self.sliding_window:
+            raise ConfigError(f"dspark_block_size={self.dspark_block_size} exceeds sliding_window="
+                              f"{self.sliding_window} (a verification step must not overwrite its own window rows)")
+        if not 0 <= self.dspark_noise_token_id < self.vocab_size:
+            raise ConfigError(f"dspark_noise_token_id={self.dspark_noise_token_id} is outside [0, vocab_size="
+                              f"{self.vocab_size})")
+        if self.dspark_confidence_input not in ("residual", "normed"):
+            raise ConfigError(f"dspark_confidence_input must be 'residual' or 'normed', got "
+                              f"{self.dspark_confidence_input!r}")
+
     # ------------------------------------------------------------------ derived
+    @property
+    def has_dspark(self) -> bool:
+        """The config describes DSpark stages (``num_nextn_predict_layers > 0`` with target layers)."""
+        return self.num_nextn_predict_layers > 0 and len(self.dspark_target_layer_ids) > 0
+
+    def draft_stage_config(self) -> "ModelConfig":
+        """The config a DSpark stage runs its MoE and mHC with: the backbone's, with the drafter's experts."""
+        return dataclasses.replace(self, n_routed_experts=self.dspark_n_routed_experts,
+                                   num_experts_per_tok=self.dspark_num_experts_per_tok)
+
     @property
     def layer_roles(self) -> tuple[LayerRole, ...]:
         """Role of every backbone layer (see the module docstring)."""

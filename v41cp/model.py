@@ -8,6 +8,7 @@ Public entry points (all pure; ``params`` is the unboxed parameter tree):
 
 * `forward(params, cfg, tokens)` → logits ``[B,S,vocab]`` FP32;
 * `forward_with_hidden(params, cfg, tokens)` → (logits, block inputs ``[L,B,S,hc,H]``);
+* `forward_with_features(params, cfg, tokens)` → (logits, DSpark target features ``[B,S,n·H]``);
 * `forward_debug(...)` → also every layer's selection (``topk``), index scores and MoE routing scores;
 * `init_params(cfg, key, mesh=None)` / `abstract_params(cfg)`.
 
@@ -30,11 +31,11 @@ from v41cp.engram_hash import engram_hash_ids
 from v41cp.layers.attention import Attention, CSAState
 from v41cp.layers.common import RMSNorm, declare, dtype_of
 from v41cp.layers.engram import Engram
-from v41cp.layers.mhc import HyperConnection, collapse, expand
+from v41cp.layers.mhc import HyperConnection, collapse, mhc_layer
 from v41cp.layers.moe import MoE
 from v41cp.sharding.rules import AxisRules, ShardingContext, TP_RULES, constrain, param_shardings
 
-__all__ = ["Transformer", "forward", "forward_with_hidden", "forward_debug", "init_params",
+__all__ = ["Transformer", "forward", "forward_with_hidden", "forward_with_features", "forward_debug", "init_params",
            "abstract_params", "shard_params", "engram_inputs"]
 
 
@@ -61,14 +62,19 @@ class Block(nn.Module):
         if cache_only:
             _, state, cache = attention(attn_norm(collapse(streams, pre_prev)), state, rows, cache, cache_only=True)
             return None, None, state, cache
-        pre_a, post_a, comb_a = HyperConnection(cfg, name="hc_attn")(streams)
-        y, state, cache = attention(attn_norm(collapse(streams, pre_prev)), state, rows, cache)
-        streams = expand(y, streams, post_a, comb_a)
-        pre_f, post_f, comb_f = HyperConnection(cfg, name="hc_ffn")(streams)
-        z = MoE(cfg, self.shard, name="ffn")(
-            RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="ffn_norm")(collapse(streams, pre_a)))
-        streams = expand(z, streams, post_f, comb_f)
-        return streams, pre_f, state, cache
+        if self.layer in cfg.dspark_target_layer_ids:       # the DSpark feature: attention-input streams, hc mean
+            self.sow("taps", "dspark", streams.astype(jnp.float32).mean(axis=2).astype(streams.dtype))
+        out = {}
+
+        def attend(x):
+            y, out["state"], out["cache"] = attention(x, state, rows, cache)
+            return y
+
+        streams, pre_f = mhc_layer(streams, pre_prev, HyperConnection(cfg, name="hc_attn"), attn_norm, attend,
+                                   HyperConnection(cfg, name="hc_ffn"),
+                                   RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="ffn_norm"),
+                                   MoE(cfg, self.shard, name="ffn"))
+        return streams, pre_f, out["state"], out["cache"]
 
 
 class Transformer(nn.Module):
@@ -168,6 +174,11 @@ def _apply_traced(params, tokens, engram_ids, cfg, shard, mode):
     if mode == "debug":
         (logits, hidden, _), inter = model.apply({"params": params}, tokens, engram_ids, mutable=["intermediates"])
         return logits, jnp.stack(hidden), inter["intermediates"]
+    if mode == "features":
+        from v41cp.drafter import target_features
+
+        (logits, _, _), taps = model.apply({"params": params}, tokens, engram_ids, mutable=["taps"])
+        return logits, target_features(cfg, taps["taps"])
     logits, hidden, _ = model.apply({"params": params}, tokens, engram_ids)
     if mode == "hidden":
         return logits, jnp.stack(hidden)
@@ -182,6 +193,11 @@ def forward(params, cfg: ModelConfig, tokens, *, shard: ShardingContext | None =
 def forward_with_hidden(params, cfg: ModelConfig, tokens, *, shard: ShardingContext | None = None):
     """(logits, every block's input streams ``[L,B,S,hc,H]``)."""
     return _apply(params, jnp.asarray(tokens, jnp.int32), engram_inputs(cfg, tokens), cfg, shard, "hidden")
+
+
+def forward_with_features(params, cfg: ModelConfig, tokens, *, shard: ShardingContext | None = None):
+    """(logits, the DSpark target features ``[B,S,n·H]``: `v41cp.drafter.target_features`)."""
+    return _apply(params, jnp.asarray(tokens, jnp.int32), engram_inputs(cfg, tokens), cfg, shard, "features")
 
 
 def forward_debug(params, cfg: ModelConfig, tokens, *, shard: ShardingContext | None = None):

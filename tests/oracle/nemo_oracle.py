@@ -100,7 +100,7 @@ def build_model(text: dict, seed: int, tokenizer, dtype: str = "float32"):
     from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
 
     kw = {k: (list(v) if isinstance(v, tuple) else v) for k, v in text.items()}
-    kw.update(dtype=dtype, dspark_target_layer_ids=[],
+    kw.update(dtype=dtype, dspark_target_layer_ids=kw.get("dspark_target_layer_ids", []),
               rope_scaling={"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
                             "original_max_position_embeddings": 65536})
     cfg = DeepseekV41Config(text_config=DeepseekV41TextConfig(**kw), vision_config={"num_hidden_layers": 0},
@@ -110,20 +110,7 @@ def build_model(text: dict, seed: int, tokenizer, dtype: str = "float32"):
     torch.manual_seed(seed)
     model = DeepseekV41ForCausalLM(cfg, backend=backend, tokenizer=tokenizer)
     model.initialize_weights(buffer_device=torch.device("cpu"), dtype=getattr(torch, dtype))
-    # Non-trivial values where the port initialises constants (sinks 0, norms 1, biases 0),
-    # so that the comparison exercises them.
-    g = torch.Generator().manual_seed(seed + 17)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("sinks_param.weight"):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-            elif name.endswith("norm.weight") or name.endswith("q_weight") or name.endswith("k_weight"):
-                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
-            elif name.endswith(".base") or name.endswith(".scale"):
-                p.add_(0.1 * torch.randn(p.shape, generator=g))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias") or name.endswith("bias_vl"):
-                b.copy_(0.05 * torch.randn(b.shape, generator=g))
+    _perturb_constants(model, seed + 17)
     model.eval()
     return model
 
@@ -251,6 +238,104 @@ def cmd_model(args):
     print(f"oracle: wrote {args.out} (logits {tuple(logits.shape)}, first forward {first:.3f}s)")
 
 
+def _perturb_constants(module, seed):
+    """Non-trivial values where the port initialises constants (sinks 0, norms 1, biases 0), so that the
+    comparison exercises them."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("sinks_param.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            elif name.endswith("norm.weight") or name.endswith("q_weight") or name.endswith("k_weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith(".base") or name.endswith(".scale"):
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+        for name, b in module.named_buffers():
+            if name.endswith("e_score_correction_bias") or name.endswith("bias_vl"):
+                b.copy_(0.05 * torch.randn(b.shape, generator=g))
+
+
+def cmd_dspark(args):
+    """The DSpark drafter (the port's cache-free backbone, `dspark.DeepseekV41DSparkBackbone`) on the target's
+    own features: a tiny target with DSpark stages (seeded like ``model``), its features at the attention input of
+    ``dspark_target_layer_ids`` (the port's capture points, mean over the hc streams), and blocks anchored at
+    ``--anchors`` of every batch row with the given previous tokens (the sequence's own: teacher forcing).
+    Writes config.json, tokenizer.json, weights.safetensors (target + ``mtp.*`` under released names, FP32) and
+    reference.safetensors: input_ids [B,S], target_features [B,S,n·H], anchors [B,A], block_ids /
+    previous_ids [B,A,N], normalized [B,A,N,H], draft_logits [B,A,N,V] (head on the normalized state + Markov),
+    markov_logits [B,A,N,V], confidence [B,A,N] (the port's: from the normalized state)."""
+    from importlib import import_module
+
+    from nemo_automodel.components.models.common import BackendConfig
+    from nemo_automodel.components.models.deepseek_v41.dspark import DeepseekV41DSparkBackbone
+    from nemo_automodel.components.models.deepseek_v41.state_dict_adapter import DeepseekV41DSparkStateDictAdapter
+
+    attention = import_module(f"{NEMO}.attention")
+    if args.fake_quant == "off":
+        attention.quantize_cache = lambda values, **_: values
+        import_module(f"{NEMO}.dspark").quantize_cache = lambda values, **_: values
+    text = dict(PRESETS[args.preset])
+    text.update(parse_overrides(args.set))
+    text.pop("dtype", None)
+    tok, fast = synthetic_tokenizer(text["vocab_size"])
+    if text.get("engram_layer_ids"):
+        from nemo_automodel.components.models.deepseek_v41.engram import _compressed_token_map
+        _, compressed = _compressed_token_map(fast)
+        text["engram_compressed_vocab_size"] = compressed
+    model = build_model(text, args.seed, fast, args.dtype)
+    tcfg = model.config.text_config
+    backend = BackendConfig(attn="eager", linear="torch", rms_norm="torch_fp32", experts="torch", dispatcher="torch")
+    torch.manual_seed(args.seed + 3)
+    drafter = DeepseekV41DSparkBackbone(tcfg, backend)
+    drafter.initialize_weights(torch.device("cpu"))
+    _perturb_constants(drafter, args.seed + 29)
+    drafter.eval()
+
+    ids = torch.randint(3, text["vocab_size"], (args.batch, args.seq), generator=torch.Generator().manual_seed(args.seed + 1))
+    captured = {}
+    modules = model.get_dspark_target_feature_modules(list(tcfg.dspark_target_layer_ids))
+    hooks = [m.register_forward_pre_hook(lambda _m, inp, i=i: captured.__setitem__(i, inp[0].detach().clone()))
+             for i, m in zip(tcfg.dspark_target_layer_ids, modules)]
+    with torch.no_grad():
+        model(ids)
+    for h in hooks:
+        h.remove()
+    features = torch.cat([captured[i].mean(dim=2) for i in tcfg.dspark_target_layer_ids], dim=-1)
+
+    anchors = torch.tensor(json.loads(args.anchors), dtype=torch.long)           # [B, A]
+    n = tcfg.dspark_block_size
+    offsets = torch.arange(n).view(1, 1, -1)
+    block_ids = torch.full((*anchors.shape, n), tcfg.dspark_noise_token_id, dtype=torch.long)
+    block_ids[..., 0] = torch.gather(ids, 1, anchors)
+    previous = torch.gather(ids.unsqueeze(1).expand(-1, anchors.shape[1], -1), 2, (anchors.unsqueeze(-1) + offsets)
+                            .clamp(max=args.seq - 1))
+    embed = model.get_input_embeddings()
+    with torch.no_grad():
+        out = drafter(embed(block_ids.reshape(args.batch, -1)), features,
+                      position_ids=drafter.build_position_ids(anchors, args.seq),
+                      attention_mask=drafter.build_attention_mask(anchors, torch.ones_like(anchors, dtype=torch.bool),
+                                                                  args.seq, features.dtype),
+                      previous_token_ids=previous.reshape(args.batch, -1))
+        normalized = out.normalized_hidden_states.reshape(*anchors.shape, n, -1)
+        markov = out.transition_logits.reshape(*anchors.shape, n, -1).float()
+        logits = torch.nn.functional.linear(normalized.float(), model.lm_head.weight.float()) + markov
+    ref = {"input_ids": ids, "target_features": features.float(), "anchors": anchors, "block_ids": block_ids,
+           "previous_ids": previous, "normalized": normalized.float(), "draft_logits": logits,
+           "markov_logits": markov, "confidence": out.confidence_pred.reshape(*anchors.shape, n).float()}
+    os.makedirs(args.out, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in ref.items()}, os.path.join(args.out, "reference.safetensors"))
+    hf = model.state_dict_adapter.to_hf(dict(model.state_dict()))
+    adapter = DeepseekV41DSparkStateDictAdapter(tcfg, drafter.moe_config, backend, dtype=getattr(torch, args.dtype))
+    hf.update(adapter.to_hf(dict(drafter.state_dict())))
+    save_file({k: v.float().contiguous() for k, v in hf.items()}, os.path.join(args.out, "weights.safetensors"))
+    cfg_out = {k: (list(v) if isinstance(v, tuple) else v) for k, v in text.items()}
+    cfg_out["dtype"] = args.dtype
+    with open(os.path.join(args.out, "config.json"), "w") as f:
+        json.dump({"model_type": "deepseek_v41", "text_config": cfg_out}, f, indent=1)
+    tok.save(os.path.join(args.out, "tokenizer.json"))
+    print(f"oracle: wrote {args.out} (draft logits {tuple(logits.shape)})")
+
+
 def cmd_quant(args):
     from nemo_automodel.components.models.deepseek_v41.quantization import quantize_cache
 
@@ -357,6 +442,16 @@ def main(argv=None):
     m.add_argument("--batch", type=int, default=1)
     m.add_argument("--seq", type=int, default=40)
     m.add_argument("--repeats", type=int, default=0, help="extra timed forwards")
+    ds = sub.add_parser("dspark", help="tiny target + DSpark drafter: features, draft logits, Markov, confidence")
+    ds.add_argument("--out", required=True)
+    ds.add_argument("--preset", default="tiny-dspark")
+    ds.add_argument("--set", action="append", help="override a config field: key=<json value>")
+    ds.add_argument("--fake-quant", choices=("on", "off"), default="on")
+    ds.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ds.add_argument("--seed", type=int, default=0)
+    ds.add_argument("--batch", type=int, default=2)
+    ds.add_argument("--seq", type=int, default=40)
+    ds.add_argument("--anchors", default="[[0, 13, 30], [5, 20, 36]]", help="JSON [batch][anchors] block anchors")
     q = sub.add_parser("quant", help="quantizer vectors")
     q.add_argument("--out", required=True)
     q.add_argument("--seed", type=int, default=0)
@@ -371,7 +466,7 @@ def main(argv=None):
     gr.add_argument("--prompts", required=True)
     gr.add_argument("--n", type=int, default=16)
     args = p.parse_args(argv)
-    {"model": cmd_model, "quant": cmd_quant, "dequant": cmd_dequant, "rope": cmd_rope,
+    {"model": cmd_model, "dspark": cmd_dspark, "quant": cmd_quant, "dequant": cmd_dequant, "rope": cmd_rope,
      "greedy": cmd_greedy}[args.cmd](args)
 
 

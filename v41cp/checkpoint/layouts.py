@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Layout", "Same", "Transposed", "HeadsOut", "GroupsIn", "GroupsOut", "Stacked", "PaddedRows",
+__all__ = ["Layout", "Same", "Transposed", "Flattened", "HeadsOut", "GroupsIn", "GroupsOut", "Stacked", "PaddedRows",
            "Reader", "index_arrays"]
 
 Reader = Callable[[str, Sequence[np.ndarray]], np.ndarray]
@@ -74,6 +74,17 @@ class Transposed(Layout):
 
     def read(self, reader, keys, index):
         return reader(keys[0], (index[1], index[0])).T
+
+
+@dataclass(frozen=True)
+class Flattened(Layout):
+    """A stored ``[1, n]`` row (a one-output linear layer) as the parameter ``[n]``."""
+
+    def __call__(self, a):
+        return a.reshape(-1)
+
+    def read(self, reader, keys, index):
+        return reader(keys[0], (np.zeros(1, np.int64), index[0]))[0]
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,12 @@ from typing import Any, Mapping, NamedTuple
 import flax.linen as nn
 import numpy as np
 
-from v41cp.checkpoint.layouts import GroupsIn, GroupsOut, HeadsOut, Layout, PaddedRows, Same, Stacked, Transposed
-from v41cp.config import ModelConfig
+from v41cp.checkpoint.layouts import (Flattened, GroupsIn, GroupsOut, HeadsOut, Layout, PaddedRows, Same, Stacked,
+                                      Transposed)
+from v41cp.config import LayerRole, ModelConfig
 
-__all__ = ["CheckpointError", "Source", "params_from_released", "released_to_tree", "IGNORED_PREFIXES", "insert"]
+__all__ = ["CheckpointError", "Source", "params_from_released", "released_to_tree", "drafter_to_tree",
+           "drafter_params_from_released", "IGNORED_PREFIXES", "insert"]
 
 log = logging.getLogger(__name__)
 
@@ -42,61 +44,92 @@ class Source(NamedTuple):
 
 def released_to_tree(cfg: ModelConfig) -> dict[tuple[str, ...], Source]:
     """Target path in the parameter tree → its `Source` (released keys and the function combining them)."""
-    nh, d, g = cfg.num_attention_heads, cfg.head_dim, cfg.o_groups
-    ih, idim = cfg.index_n_heads, cfg.index_head_dim
     m: dict[tuple[str, ...], Source] = {
         ("embed",): Source(("embed.weight",), Same()),
         ("head",): Source(("head.weight",), Transposed()),
         ("norm", "weight"): Source(("norm.weight",), Same()),
     }
     for role in cfg.layer_roles:
-        i = role.index
-        L, R = f"layers_{i}", f"layers.{i}"
-        add = lambda path, keys, fn, raw=False: m.__setitem__((L, *path), Source(tuple(f"{R}.{k}" for k in keys), fn, raw))
-        for site in ("attn", "ffn"):
-            add((f"{site}_norm", "weight"), (f"{site}_norm.weight",), Same())
-            for part in ("fn", "base", "scale"):
-                add((f"hc_{site}", part), (f"hc_{site}_{part}",), Same())
-        add(("attn", "wq_a"), ("attn.wq_a.weight",), Transposed())
-        add(("attn", "q_norm", "weight"), ("attn.q_norm.weight",), Same())
-        add(("attn", "wq_b"), ("attn.wq_b.weight",), HeadsOut(nh, d))
-        add(("attn", "wkv"), ("attn.wkv.weight",), Transposed())
-        add(("attn", "kv_norm", "weight"), ("attn.kv_norm.weight",), Same())
-        add(("attn", "wo_a"), ("attn.wo_a.weight",), GroupsIn(g, cfg.o_lora_rank))
-        add(("attn", "wo_b"), ("attn.wo_b.weight",), GroupsOut(g, cfg.o_lora_rank))
-        add(("attn", "attn_sink"), ("attn.attn_sink",), Same())
-        if role.is_kv_source:
-            add(("attn", "compressor", "wkv"), ("attn.compressor.wkv.weight",), Transposed())
-            add(("attn", "compressor", "norm", "weight"), ("attn.compressor.norm.weight",), Same())
-            if role.ratio > 1:
-                add(("attn", "compressor", "wgate"), ("attn.compressor.wgate.weight",), Transposed())
-            add(("attn", "indexer", "wk"), ("attn.indexer.wk.weight",), Transposed())
-            add(("attn", "indexer", "k_norm", "weight"), ("attn.indexer.k_norm.weight",), Same())
-        if role.is_index_source:
-            add(("attn", "indexer", "wq_b"), ("attn.indexer.wq_b.weight",), HeadsOut(ih, idim))
-            add(("attn", "indexer", "weights_proj"), ("attn.indexer.weights_proj.weight",), Transposed())
-        add(("ffn", "gate_weight"), ("ffn.gate.weight",), Transposed())
-        add(("ffn", "gate_bias"), ("ffn.gate.bias",), Same())
-        add(("ffn", "gate_bias_vl"), ("ffn.gate.bias_vl",), Same())
-        for w in ("w1", "w2", "w3"):
-            experts = tuple(f"ffn.experts.{e}.{w}.weight" for e in range(cfg.n_routed_experts))
-            if cfg.keep_quantized:
-                add(("ffn", f"experts_{w}_fp4"), experts, Stacked(), True)
-                add(("ffn", f"experts_{w}_scale"), tuple(k.replace(".weight", ".scale") for k in experts), Stacked(), True)
-            else:
-                add(("ffn", f"experts_{w}"), experts, Stacked(transpose=True))
-            add(("ffn", f"shared_{w}"), (f"ffn.shared_experts.{w}.weight",), Transposed())
-        if role.engram_slot >= 0:
-            rows = cfg.engram_num_embeddings[role.engram_slot]
-            pad = PaddedRows(rows, cfg.engram_table_rows(role.engram_slot) - rows)
-            if cfg.keep_quantized:
-                add(("engram", "embed_fp8"), ("engram.embed.weight",), pad, True)
-                add(("engram", "embed_scale"), ("engram.embed.scale",), pad, True)
-            else:
-                add(("engram", "embed"), ("engram.embed.weight",), pad)
-            add(("engram", "wkv"), ("engram.wkv.weight",), Transposed())
-            add(("engram", "q_weight"), ("engram.q_weight",), Same())
-            add(("engram", "k_weight"), ("engram.k_weight",), Same())
+        m.update(_layer_sources(cfg, role, f"layers_{role.index}", f"layers.{role.index}"))
+    return m
+
+
+def drafter_to_tree(cfg: ModelConfig) -> dict[tuple[str, ...], Source]:
+    """The DSpark drafter's parameter paths (`v41cp.drafter.Drafter`) → their `Source` in the release
+    (``mtp.{k}.*``: each stage named as a SWA-only backbone layer with the drafter's experts, plus
+    ``mtp.0.main_proj`` / ``main_norm`` and the last stage's ``norm``, Markov and confidence heads)."""
+    stage_cfg = cfg.draft_stage_config()
+    m: dict[tuple[str, ...], Source] = {}
+    last = cfg.num_nextn_predict_layers - 1
+    for k in range(cfg.num_nextn_predict_layers):
+        role = LayerRole(index=cfg.num_hidden_layers + k, ratio=0, kind="swa", kv_source=-1, index_source=-1,
+                         candidate_source=False, uses_candidates=False, engram_slot=-1)
+        L, R = f"mtp_{k}", f"mtp.{k}"
+        m.update(_layer_sources(stage_cfg, role, L, R))
+        extra = []
+        if k == 0:
+            extra += [(("main_proj",), "main_proj.weight", Transposed()),
+                      (("main_norm", "weight"), "main_norm.weight", Same())]
+        if k == last:
+            extra += [(("norm", "weight"), "norm.weight", Same()),
+                      (("markov_embed",), "markov_head.embed.weight", Same()),
+                      (("markov_head",), "markov_head.head.weight", Transposed()),
+                      (("confidence",), "confidence_head.proj.weight", Flattened())]
+        for path, key, fn in extra:
+            m[(L, *path)] = Source((f"{R}.{key}",), fn)
+    return m
+
+
+def _layer_sources(cfg: ModelConfig, role: LayerRole, L: str, R: str) -> dict[tuple[str, ...], Source]:
+    """One layer's parameters under tree prefix ``L`` from the released tensors under ``R``."""
+    nh, d, g = cfg.num_attention_heads, cfg.head_dim, cfg.o_groups
+    ih, idim = cfg.index_n_heads, cfg.index_head_dim
+    m: dict[tuple[str, ...], Source] = {}
+    add = lambda path, keys, fn, raw=False: m.__setitem__((L, *path), Source(tuple(f"{R}.{k}" for k in keys), fn, raw))
+    for site in ("attn", "ffn"):
+        add((f"{site}_norm", "weight"), (f"{site}_norm.weight",), Same())
+        for part in ("fn", "base", "scale"):
+            add((f"hc_{site}", part), (f"hc_{site}_{part}",), Same())
+    add(("attn", "wq_a"), ("attn.wq_a.weight",), Transposed())
+    add(("attn", "q_norm", "weight"), ("attn.q_norm.weight",), Same())
+    add(("attn", "wq_b"), ("attn.wq_b.weight",), HeadsOut(nh, d))
+    add(("attn", "wkv"), ("attn.wkv.weight",), Transposed())
+    add(("attn", "kv_norm", "weight"), ("attn.kv_norm.weight",), Same())
+    add(("attn", "wo_a"), ("attn.wo_a.weight",), GroupsIn(g, cfg.o_lora_rank))
+    add(("attn", "wo_b"), ("attn.wo_b.weight",), GroupsOut(g, cfg.o_lora_rank))
+    add(("attn", "attn_sink"), ("attn.attn_sink",), Same())
+    if role.is_kv_source:
+        add(("attn", "compressor", "wkv"), ("attn.compressor.wkv.weight",), Transposed())
+        add(("attn", "compressor", "norm", "weight"), ("attn.compressor.norm.weight",), Same())
+        if role.ratio > 1:
+            add(("attn", "compressor", "wgate"), ("attn.compressor.wgate.weight",), Transposed())
+        add(("attn", "indexer", "wk"), ("attn.indexer.wk.weight",), Transposed())
+        add(("attn", "indexer", "k_norm", "weight"), ("attn.indexer.k_norm.weight",), Same())
+    if role.is_index_source:
+        add(("attn", "indexer", "wq_b"), ("attn.indexer.wq_b.weight",), HeadsOut(ih, idim))
+        add(("attn", "indexer", "weights_proj"), ("attn.indexer.weights_proj.weight",), Transposed())
+    add(("ffn", "gate_weight"), ("ffn.gate.weight",), Transposed())
+    add(("ffn", "gate_bias"), ("ffn.gate.bias",), Same())
+    add(("ffn", "gate_bias_vl"), ("ffn.gate.bias_vl",), Same())
+    for w in ("w1", "w2", "w3"):
+        experts = tuple(f"ffn.experts.{e}.{w}.weight" for e in range(cfg.n_routed_experts))
+        if cfg.keep_quantized:
+            add(("ffn", f"experts_{w}_fp4"), experts, Stacked(), True)
+            add(("ffn", f"experts_{w}_scale"), tuple(k.replace(".weight", ".scale") for k in experts), Stacked(), True)
+        else:
+            add(("ffn", f"experts_{w}"), experts, Stacked(transpose=True))
+        add(("ffn", f"shared_{w}"), (f"ffn.shared_experts.{w}.weight",), Transposed())
+    if role.engram_slot >= 0:
+        rows = cfg.engram_num_embeddings[role.engram_slot]
+        pad = PaddedRows(rows, cfg.engram_table_rows(role.engram_slot) - rows)
+        if cfg.keep_quantized:
+            add(("engram", "embed_fp8"), ("engram.embed.weight",), pad, True)
+            add(("engram", "embed_scale"), ("engram.embed.scale",), pad, True)
+        else:
+            add(("engram", "embed"), ("engram.embed.weight",), pad)
+        add(("engram", "wkv"), ("engram.wkv.weight",), Transposed())
+        add(("engram", "q_weight"), ("engram.q_weight",), Same())
+        add(("engram", "k_weight"), ("engram.k_weight",), Same())
     return m
 
 
@@ -105,17 +138,34 @@ def params_from_released(cfg: ModelConfig, tensors: Mapping[str, Any]) -> dict:
 
     Raises `CheckpointError` for a missing key, a quantized tensor (``.scale`` companion), a key
     the config does not explain, or a shape mismatch. Vision, aligner and DSpark (``mtp.*``)
-    tensors are skipped with a log line.
+    tensors are skipped with a log line (`drafter_params_from_released` reads the latter).
     """
     from v41cp.model import abstract_params  # local import: model imports are heavier
 
+    return _tree_from(cfg, released_to_tree(cfg), abstract_params(cfg), tensors, IGNORED_PREFIXES)
+
+
+def drafter_params_from_released(cfg: ModelConfig, tensors: Mapping[str, Any]) -> dict:
+    """The DSpark drafter's parameter tree (`v41cp.drafter.Drafter`) from released-name tensors (``mtp.*``;
+    every other tensor is the target's and is passed over). Errors as `params_from_released`; a config without
+    DSpark stages is an error naming ``num_nextn_predict_layers``."""
+    from v41cp.drafter import abstract_drafter_params
+
+    if not cfg.has_dspark:
+        raise CheckpointError(f"the config has no DSpark stages (num_nextn_predict_layers="
+                              f"{cfg.num_nextn_predict_layers}, dspark_target_layer_ids="
+                              f"{list(cfg.dspark_target_layer_ids)})")
+    others = tuple({k.split(".")[0] + "." for k in tensors if not k.startswith("mtp.")})
+    return _tree_from(cfg, drafter_to_tree(cfg), abstract_drafter_params(cfg), tensors, others)
+
+
+def _tree_from(cfg: ModelConfig, mapping: dict, abstract, tensors: Mapping[str, Any], ignored: tuple) -> dict:
     if cfg.keep_quantized:
         raise CheckpointError("keep_quantized keeps the release's FP4 / FP8 bytes: read a release-format checkpoint "
                               "with ReleasedCheckpoint (params_from_released takes unquantized arrays)")
-    abstract = nn.unbox(abstract_params(cfg))
-    mapping = released_to_tree(cfg)
+    abstract = nn.unbox(abstract)
     used: set[str] = set()
-    scales = sorted(k for k in tensors if k.endswith(".scale") and not k.startswith(IGNORED_PREFIXES))
+    scales = sorted(k for k in tensors if k.endswith(".scale") and not k.startswith(ignored))
     if scales:
         raise CheckpointError(f"tensor {scales[0]!r} is a quantization scale: quantized checkpoints are read by "
                               f"the released-format reader, params_from_released takes unquantized arrays")
@@ -137,10 +187,10 @@ def params_from_released(cfg: ModelConfig, tensors: Mapping[str, Any]) -> dict:
             raise CheckpointError(f"tensor {keys[0]!r} has dtype {arr.dtype}, expected a floating dtype")
         used.update(keys)
         insert(out, path, np.asarray(arr).astype(node.dtype))
-    ignored = [k for k in tensors if k.startswith(IGNORED_PREFIXES)]
-    if ignored:
-        log.info("ignored %d vision/aligner/DSpark tensors (e.g. %s)", len(ignored), ignored[0])
-    extra = sorted(k for k in tensors if k not in used and not k.startswith(IGNORED_PREFIXES))
+    skipped = [k for k in tensors if k.startswith(ignored)]
+    if skipped:
+        log.info("passed over %d tensors that are not this tree's (e.g. %s)", len(skipped), skipped[0])
+    extra = sorted(k for k in tensors if k not in used and not k.startswith(ignored))
     if extra:
         raise CheckpointError(f"unexpected tensor {extra[0]!r}: the config gives it no place "
                               f"({len(extra)} unexpected in all)")
@@ -156,6 +206,8 @@ def insert(tree: dict, path: tuple[str, ...], value) -> None:
 
 def role_note(cfg: ModelConfig, key: str) -> str:
     parts = key.split(".")
+    if parts[0] == "mtp":
+        return f"DSpark stage {parts[1]}"
     if parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) < cfg.num_hidden_layers:
         r = cfg.layer_roles[int(parts[1])]
         return f"{r.kind}, ratio {r.ratio}, layer {r.index}"

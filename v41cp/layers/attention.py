@@ -27,7 +27,7 @@ from v41cp.quant import fp8_block32, nvfp4_block16
 from v41cp.sharding.operator_qcp import attention_query_parallel_applies, rows_island
 from v41cp.sharding.rules import ShardingContext, constrain
 
-__all__ = ["CSAState", "Attention", "sink_attention"]
+__all__ = ["CSAState", "Attention", "sink_attention", "attention_weights", "window_kv", "output_projection"]
 
 
 class CSAState(NamedTuple):
@@ -126,6 +126,37 @@ def kernel_sink_attention(q: jax.Array, kv: jax.Array, widx: jax.Array, wvalid: 
     return o.reshape(b, s, h, d).astype(q.dtype)
 
 
+def attention_weights(module: nn.Module, cfg: ModelConfig) -> dict:
+    """Declare one attention's projections on ``module`` (every layer's and every DSpark stage's): ``wq_a [H,
+    q_lora]``, ``wq_b [q_lora, heads, D]``, ``wkv [H, D]``, ``wo_a [o_groups, heads/o_groups·D, o_lora]``, ``wo_b
+    [o_groups, o_lora, H]``, ``attn_sink [heads]`` (FP32)."""
+    dt = dtype_of(cfg.dtype)
+    nh, d = cfg.num_attention_heads, cfg.head_dim
+    g_in = nh // cfg.o_groups * d
+    return {"wq_a": declare(module, "wq_a", (cfg.hidden_size, cfg.q_lora_rank), ("embed", "q_latent"), dt),
+            "wq_b": declare(module, "wq_b", (cfg.q_lora_rank, nh, d), ("q_lora", "heads", "head_dim"), dt),
+            "wkv": declare(module, "wkv", (cfg.hidden_size, d), ("embed", "kv_dim"), dt),
+            "wo_a": declare(module, "wo_a", (cfg.o_groups, g_in, cfg.o_lora_rank), ("o_groups", None, "o_lora"), dt),
+            "wo_b": declare(module, "wo_b", (cfg.o_groups, cfg.o_lora_rank, cfg.hidden_size),
+                            ("o_groups", "o_lora", "embed"), dt),
+            "attn_sink": declare(module, "attn_sink", (nh,), ("heads",), jnp.float32, zeros_init)}
+
+
+def window_kv(wkv: jax.Array, kv_norm, x: jax.Array, angles: jax.Array) -> jax.Array:
+    """The window key (= value) of rows ``x [..., H]``: ``kv_norm(x · wkv)`` rotated at ``angles`` →
+    ``[..., D]`` (before the cache's FP8 fake-quant)."""
+    return apply_rope(kv_norm(jnp.einsum("...h,hd->...d", x, weight_for(wkv, x))), angles)
+
+
+def output_projection(cfg: ModelConfig, w: dict, o: jax.Array, angles: jax.Array) -> jax.Array:
+    """Attention output ``o [B,S,heads,D]`` → ``[B,S,H]``: inverse RoPE at ``angles``, then the grouped low-rank
+    ``wo_a`` and ``wo_b`` (§2.9)."""
+    b, s = o.shape[:2]
+    o = apply_rope(o, angles, inverse=True).reshape(b, s, cfg.o_groups, -1)
+    y = jnp.einsum("bsgi,gio->bsgo", o, weight_for(w["wo_a"], o))
+    return jnp.einsum("bsgo,goh->bsh", y, weight_for(w["wo_b"], y))
+
+
 class Attention(nn.Module):
     """One layer's attention, for every forward mode. Parameters: ``wq_a [H, q_lora]``, ``q_norm``,
     ``wq_b [q_lora, heads, D]``, ``wkv [H, D]``, ``kv_norm``, ``wo_a [o_groups, heads/o_groups·D, o_lora]``,
@@ -149,26 +180,19 @@ class Attention(nn.Module):
         CED prepass): write this layer's caches and return ``(None, state, cache)``."""
         cfg, role = self.cfg, self.role
         dt = dtype_of(cfg.dtype)
-        nh, d = cfg.num_attention_heads, cfg.head_dim
         b, s, _ = x.shape
-        wq_a = declare(self, "wq_a", (cfg.hidden_size, cfg.q_lora_rank), ("embed", "q_latent"), dt)
-        wq_b = declare(self, "wq_b", (cfg.q_lora_rank, nh, d), ("q_lora", "heads", "head_dim"), dt)
-        wkv = declare(self, "wkv", (cfg.hidden_size, d), ("embed", "kv_dim"), dt)
-        g_in = nh // cfg.o_groups * d
-        wo_a = declare(self, "wo_a", (cfg.o_groups, g_in, cfg.o_lora_rank), ("o_groups", None, "o_lora"), dt)
-        wo_b = declare(self, "wo_b", (cfg.o_groups, cfg.o_lora_rank, cfg.hidden_size),
-                       ("o_groups", "o_lora", "embed"), dt)
-        sink = declare(self, "attn_sink", (nh,), ("heads",), jnp.float32, zeros_init)
+        w = attention_weights(self, cfg)
+        q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dt, name="q_norm")
+        kv_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dt, name="kv_norm")
+        sink = w["attn_sink"]
 
         compressed = role.ratio > 0
         positions = jnp.broadcast_to(jnp.arange(s), (b, s)) if rows is None else rows.pos
         angles = rope_angles(cfg, positions, compressed)
-        qr = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dt, name="q_norm")(
-            jnp.einsum("bsh,hr->bsr", x, weight_for(wq_a, x)))
-        q = apply_rope(jnp.einsum("bsr,rnd->bsnd", qr, weight_for(wq_b, qr)), angles)
+        qr = q_norm(jnp.einsum("bsh,hr->bsr", x, weight_for(w["wq_a"], x)))
+        q = apply_rope(jnp.einsum("bsr,rnd->bsnd", qr, weight_for(w["wq_b"], qr)), angles)
         q = constrain(q, ("batch", None, "heads", None), self.shard)
-        kv = apply_rope(RMSNorm(d, cfg.rms_norm_eps, dt, name="kv_norm")(
-            jnp.einsum("bsh,hd->bsd", x, weight_for(wkv, x))), angles)
+        kv = window_kv(w["wkv"], kv_norm, x, angles)
         compressor = Compressor(cfg, role.ratio, name="compressor") if role.is_kv_source else None
         indexer = Indexer(cfg, role, self.shard, name="indexer") if role.is_index_source else None
 
@@ -182,11 +206,7 @@ class Attention(nn.Module):
             if cache_only:
                 return None, state, cache
             o = rows.attend(cache, role, q, keys, valid, state, sink)
-        o = apply_rope(o, angles, inverse=True)
-        o = o.reshape(b, s, cfg.o_groups, g_in)
-        y = jnp.einsum("bsgi,gio->bsgo", o, weight_for(wo_a, o))
-        out = jnp.einsum("bsgo,goh->bsh", y, weight_for(wo_b, y))
-        return out.astype(dt), state, cache
+        return output_projection(cfg, w, o, angles).astype(dt), state, cache
 
     # ---------------------------------------------------------------------------------------- full mode
     def _full(self, q, kv, x, qr, angles, state, compressor, indexer, sink):

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from v41cp.config import ModelConfig
 from v41cp.layers.common import declare, ones_init, zeros_init
 
-__all__ = ["HyperConnection", "sinkhorn", "collapse", "expand"]
+__all__ = ["HyperConnection", "sinkhorn", "collapse", "expand", "mhc_layer"]
 
 
 def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
@@ -37,6 +37,17 @@ def expand(output: jax.Array, streams: jax.Array, post: jax.Array, comb: jax.Arr
     update = post[..., None] * output[..., None, :].astype(jnp.float32)
     mixed = jnp.einsum("bsjk,bsjh->bskh", comb, streams.astype(jnp.float32))
     return (update + mixed).astype(output.dtype)
+
+
+def mhc_layer(streams: jax.Array, pre_prev: jax.Array, hc_attn, attn_norm, attend, hc_ffn, ffn_norm, ffn):
+    """One layer's two mHC sites with the single-pass hand-off: the attention site's input is collapsed with the
+    previous layer's FFN ``pre_prev``, the FFN site's with the attention site's ``pre``. ``hc_*``: the sites'
+    `HyperConnection`; ``attend`` / ``ffn``: ``[B,S,H] → [B,S,H]`` (applied to the normed collapse).
+    ``streams [B,S,hc,H]`` → ``(streams, the FFN site's pre [B,S,hc])``."""
+    pre_a, post_a, comb_a = hc_attn(streams)
+    streams = expand(attend(attn_norm(collapse(streams, pre_prev))), streams, post_a, comb_a)
+    pre_f, post_f, comb_f = hc_ffn(streams)
+    return expand(ffn(ffn_norm(collapse(streams, pre_a))), streams, post_f, comb_f), pre_f
 
 
 class HyperConnection(nn.Module):
