@@ -90,37 +90,51 @@ def _rows_of(meta: DecodeMetadata) -> StepRows:
 
 
 def _forward_rows(params: dict, cache: dict, meta: StepRows, cfg: ModelConfig, plan: DCPPlan | None,
-                  encoder_only: bool = False, undo: bool = False, logits_at=None, operator=None):
+                  encoder_only: bool = False, undo: bool = False, logits_at=None, operator=None, features: int = 0):
     """The model over cached rows: ``(logits [B,R,vocab] FP32 — ``[B,1,vocab]`` at ``logits_at`` —, cache, undo
-    record or None)``. ``operator``: operator-local QCP settings (`PagedRows`)."""
+    record or None, features)``. ``operator``: operator-local QCP settings (`PagedRows`). ``features > 0``: the
+    DSpark target features of each request's last ``features`` rows (`PagedRows.last_rows`: ``([B, F, n·H],
+    positions [B, F], valid [B, F])``), else None."""
     with jax.default_matmul_precision("highest" if cfg.dtype == "float32" else "default"):
         rows = PagedRows(cfg, meta, cache, plan, undo, operator)
-        logits, _, cache = Transformer(cfg).apply({"params": params}, meta.tokens, meta.engram_ids, rows=rows,
-                                                  cache=cache, encoder_only=encoder_only, logits_at=logits_at)
+        call = partial(Transformer(cfg).apply, {"params": params}, meta.tokens, meta.engram_ids, rows=rows,
+                       cache=cache, encoder_only=encoder_only, logits_at=logits_at)
+        feats = None
+        if features:
+            from v41cp.drafter import target_features
+
+            (logits, _, cache), taps = call(mutable=["taps"])
+            feats = rows.last_rows(target_features(cfg, taps["taps"]), features)
+        else:
+            logits, _, cache = call()
         if undo:
             rows.undo["meta"] = {"starts": meta.starts, "lengths": meta.lengths, "slots": meta.slots}
-        return logits, cache, rows.undo
+        return logits, cache, rows.undo, feats
 
 
 @partial(jax.jit, static_argnames=("cfg", "plan"), donate_argnames=("cache",))
 def decode_step(params: dict, cache: dict, meta: DecodeMetadata, cfg: ModelConfig, plan: DCPPlan | None = None):
     """One token for every active row: ``(logits [max_batch, vocab] FP32, updated cache)``.
     ``plan``: KVP/DCP layout (`v41cp.serving.dcp.DCPPlan`; the cache from ``init_cache(..., plan=plan)``)."""
-    logits, cache, _ = _forward_rows(params, cache, _rows_of(meta), cfg, plan)
+    logits, cache, _, _ = _forward_rows(params, cache, _rows_of(meta), cfg, plan)
     return logits[:, 0], cache
 
 
-@partial(jax.jit, static_argnames=("cfg", "plan"), donate_argnames=("cache",))
-def verify_step(params: dict, cache: dict, rows: StepRows, cfg: ModelConfig, plan: DCPPlan | None = None):
+@partial(jax.jit, static_argnames=("cfg", "plan", "features"), donate_argnames=("cache",))
+def verify_step(params: dict, cache: dict, rows: StepRows, cfg: ModelConfig, plan: DCPPlan | None = None,
+                features: bool = False):
     """``rows.rows = k`` new rows per request continuing from the cache, in one step: ``(logits [max_batch, k,
     vocab] FP32, cache, undo)``. Row ``i`` of request ``b`` is position ``starts[b] + i``; rows past
     ``lengths[b]`` are padding (their logits are meaningless, they write nothing). Logits and cache equal
     feeding the same tokens one at a time (`decode_step`), under DCP too. ``undo`` records what the step
     overwrote: pass it to `commit_rows` to keep only a prefix of each request's rows. Needs ``k ≤`` the
-    sliding window (a rejected row must not have overwritten the ring row of an accepted one)."""
+    sliding window (a rejected row must not have overwritten the ring row of an accepted one). ``features``: also
+    return the DSpark target features of every row (`_forward_rows`; the commit keeps those of accepted rows)."""
     if rows.rows > cfg.sliding_window:
         raise ValueError(f"verify_step: rows={rows.rows} exceeds sliding_window={cfg.sliding_window}")
-    return _forward_rows(params, cache, rows, cfg, plan, undo=True)
+    logits, cache, undo, feats = _forward_rows(params, cache, rows, cfg, plan, undo=True,
+                                               features=rows.rows if features else 0)
+    return (logits, cache, undo, feats) if features else (logits, cache, undo)
 
 
 @partial(jax.jit, static_argnames=("cfg", "plan"), donate_argnames=("cache",))
@@ -170,18 +184,20 @@ def commit_rows(cache: dict, undo: dict, accepted: jax.Array, cfg: ModelConfig, 
     return cache
 
 
-@partial(jax.jit, static_argnames=("cfg", "encoder_only", "plan"), donate_argnames=("cache",))
+@partial(jax.jit, static_argnames=("cfg", "encoder_only", "plan", "features"), donate_argnames=("cache",))
 def prefill_chunk(params: dict, cache: dict, metas: DecodeMetadata, cfg: ModelConfig, encoder_only: bool = False,
-                  plan: DCPPlan | None = None):
+                  plan: DCPPlan | None = None, features: bool = False):
     """Feed a chunk of tokens through the cached path in order: ``metas`` holds one `DecodeMetadata` per
     token along a leading chunk axis (padding tokens inactive). Returns (logits of every chunk position
     ``[chunk, max_batch, vocab]``, cache). Exact by construction (token-serial over the caches), so a chunk
     may split pages and compression groups anywhere.
     ``encoder_only`` (CED narrowing): run the layers before the CED boundary and the boundary layer's
-    cache-only prepass (its global KV and index keys), skipping the decoder; logits are then zeros."""
+    cache-only prepass (its global KV and index keys), skipping the decoder; logits are then zeros.
+    ``features``: also return every chunk position's DSpark target features ``[chunk, max_batch, n·H]``."""
     def body(c, m):
-        logits, c, _ = _forward_rows(params, c, _rows_of(m), cfg, plan, encoder_only)
-        return c, logits[:, 0]
+        logits, c, _, feats = _forward_rows(params, c, _rows_of(m), cfg, plan, encoder_only,
+                                            features=1 if features else 0)
+        return c, (logits[:, 0], feats[0][:, 0] if features else None)
 
-    cache, logits = jax.lax.scan(body, cache, metas)
-    return logits, cache
+    cache, (logits, feats) = jax.lax.scan(body, cache, metas)
+    return (logits, cache, feats) if features else (logits, cache)

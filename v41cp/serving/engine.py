@@ -27,10 +27,13 @@ from v41cp.serving.span_metadata import build_span_metadata, round_up, row_capac
 from v41cp.serving.span_prefill import SpanLayout, prefill_span
 from v41cp.serving.span_prefill import compile_count as span_compile_count
 from v41cp.sharding.topology import ParallelConfig
-from v41cp.serving.decode import (DecodeMetadata, ced_boundary, ced_rows, decode_step, engram_ids_for_last,
-                                  init_cache, prefill_chunk)
+from v41cp.serving.decode import (DecodeMetadata, StepRows, ced_boundary, ced_rows, commit_rows, decode_step,
+                                  engram_ids_for_last, init_cache, prefill_chunk, verify_step)
+from v41cp.serving.speculative import (Speculative, accept_drafts, check_speculative, draft_step, init_draft_cache,
+                                       write_draft_context)
 
-__all__ = ["Capacity", "SamplingParams", "Engine", "EngineFull", "RequestError", "sample_token"]
+__all__ = ["Capacity", "SamplingParams", "Engine", "EngineFull", "RequestError", "sample_token",
+           "token_distribution"]
 
 
 class RequestError(ValueError):
@@ -97,26 +100,66 @@ class _Request:
     status: str = "waiting"                # waiting | running | done | cancelled
     finish_reason: str | None = None
     last_logits: np.ndarray | None = None  # FP32 logits that produced the latest output token
+    spec: dict = field(default_factory=lambda: {"steps": 0, "proposed": 0, "accepted": 0, "emitted": 0})
 
     @property
     def history(self) -> list[int]:
         return self.prompt + self.output
 
 
-def sample_token(logits: np.ndarray, sp: SamplingParams, index: int) -> int:
-    """Greedy (temperature 0) or temperature / top-p sampling of one token, seeded by (seed, index)."""
+def _support(logits: np.ndarray, sp: SamplingParams):
+    """Temperature / top-p sampling's support and probabilities ``(ids, q)`` (descending), or None for greedy
+    (temperature 0, or so small that logits / T overflows: the greedy limit)."""
     if sp.temperature <= 0:
-        return int(np.argmax(logits))
+        return None
     z = logits.astype(np.float64) / sp.temperature
-    if not np.isfinite(z).all():            # a temperature so small that logits / T overflows: the greedy limit
-        return int(np.argmax(logits))
+    if not np.isfinite(z).all():
+        return None
     p = np.exp(z - z.max())
     p /= p.sum()
     order = np.argsort(-p, kind="stable")
     cum = np.cumsum(p[order])
     keep = order[: max(1, int(np.searchsorted(cum, sp.top_p) + 1))]
-    q = p[keep] / p[keep].sum()
+    return keep, p[keep] / p[keep].sum()
+
+
+def sample_token(logits: np.ndarray, sp: SamplingParams, index: int) -> int:
+    """Greedy (temperature 0) or temperature / top-p sampling of one token, seeded by (seed, index)."""
+    support = _support(logits, sp)
+    if support is None:
+        return int(np.argmax(logits))
+    keep, q = support
     return int(keep[np.random.default_rng([sp.seed, index]).choice(len(keep), p=q)])
+
+
+def token_distribution(logits: np.ndarray, sp: SamplingParams) -> np.ndarray | None:
+    """The distribution `sample_token` draws from, as probabilities over the vocabulary (float64); None for
+    greedy (speculative acceptance then compares with the argmax)."""
+    support = _support(logits, sp)
+    if support is None:
+        return None
+    p = np.zeros(logits.shape[-1])
+    p[support[0]] = support[1]
+    return p
+
+
+def _ratios(steps: int, accepted: int, emitted: int) -> dict:
+    return {"mean_accepted_length": accepted / steps if steps else 0.0,
+            "target_steps_per_token": steps / emitted if emitted else 0.0}
+
+
+def _spec_stats(spec: dict) -> dict:
+    """A request's speculative counters (``emitted``: the tokens of its decode steps, after EOS / length cuts)."""
+    return {"target_steps": spec["steps"], "drafts_proposed": spec["proposed"], "drafts_accepted": spec["accepted"],
+            "emitted_tokens": spec["emitted"], **_ratios(spec["steps"], spec["accepted"], spec["emitted"])}
+
+
+def _checked_proposals(ids, n: int, vocab: int) -> np.ndarray:
+    """A proposer's answer as ``n`` token ids, or ValueError naming the bad value."""
+    ids = [int(t) for t in ids]
+    if len(ids) != n or any(not 0 <= t < vocab for t in ids):
+        raise ValueError(f"speculative proposer returned {ids!r}: expected {n} token ids in [0, {vocab})")
+    return np.asarray(ids, np.int32)
 
 
 class Engine:
@@ -130,8 +173,11 @@ class Engine:
     (`v41cp.serving.span_prefill`), whose caches the decode step (DCP under KVP) reads as they are."""
 
     def __init__(self, params, cfg: ModelConfig, capacity: Capacity = Capacity(), mesh=None,
-                 parallel: ParallelConfig | None = None):
+                 parallel: ParallelConfig | None = None, speculative: Speculative | None = None):
         self.cfg, self.capacity = cfg, capacity
+        if speculative is not None:
+            check_speculative(cfg, speculative)
+        self.speculative = speculative
         self.parallel = parallel
         self.plan = None               # KVP / DCP layout (pages split over cp)
         self.step_plan = None          # what the cached steps run with: the KVP plan, or plain TP's selection split
@@ -171,6 +217,16 @@ class Engine:
         self.requests: "OrderedDict[object, _Request]" = OrderedDict()
         self.stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_steps": 0, "decode_tokens": 0,
                       "decode_s": 0.0, "step_s": deque(maxlen=4096), "ced_encoder_only_rows": 0}
+        self.dparams = self.dcache = None
+        if speculative is not None:
+            if self.span and lay.query_parallel:
+                raise ValueError("speculative decoding with model-wide QCP prefill (query_context_parallel_size > 1) "
+                                 "is not built yet: the prompt's DSpark features are not gathered back to span order")
+            rep = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+            if speculative.params is not None:
+                self.dparams = speculative.params if rep is None else jax.device_put(speculative.params, rep)
+            self.dcache = init_draft_cache(cfg, capacity.max_batch, rep)
+            self.stats.update(spec_steps=0, drafts_proposed=0, drafts_accepted=0)
 
     # ------------------------------------------------------------------ requests
     def submit(self, rid, prompt_ids, sampling: SamplingParams = SamplingParams()) -> None:
@@ -238,8 +294,11 @@ class Engine:
 
     def result(self, rid) -> dict:
         r = self.requests[rid]
-        return {"id": rid, "prompt_ids": r.prompt, "output_ids": r.output, "status": r.status,
-                "finish_reason": r.finish_reason}
+        out = {"id": rid, "prompt_ids": r.prompt, "output_ids": r.output, "status": r.status,
+               "finish_reason": r.finish_reason}
+        if self.speculative is not None:
+            out["speculative"] = _spec_stats(r.spec)
+        return out
 
     @property
     def pending(self) -> bool:
@@ -310,7 +369,14 @@ class Engine:
             metas = DecodeMetadata(jnp.asarray(tok), jnp.asarray(pos), jnp.full((c, 1), slot, jnp.int32),
                                    jnp.asarray(np.broadcast_to(table, (c, 1, table.size))), jnp.asarray(act),
                                    jnp.asarray(ids), 1, self.capacity.max_blocks)
-            logits, self.cache = prefill_chunk(self.params, self.cache, metas, cfg, encoder_only, self.step_plan)
+            if self.dcache is not None and not encoder_only:
+                logits, self.cache, feats = prefill_chunk(self.params, self.cache, metas, cfg, encoder_only,
+                                                          self.step_plan, features=True)
+                pos = jnp.asarray(np.arange(a, a + c)[None], jnp.int32)          # the chunk's last W rows only
+                self._write_context(np.array([slot]), jnp.swapaxes(feats, 0, 1), pos,
+                                    (pos < end) & (pos >= end - cfg.sliding_window))
+            else:
+                logits, self.cache = prefill_chunk(self.params, self.cache, metas, cfg, encoder_only, self.step_plan)
             if not encoder_only:
                 last = np.asarray(logits[m - 1, 0])
         req.last_logits = last
@@ -346,7 +412,13 @@ class Engine:
             meta = build_span_metadata(cfg, prompts, self.span_layout.n, starts=starts, ends=ends, slots=slots,
                                        block_tables=tables, ced=self.capacity.ced,
                                        **self.span_buckets(ends - starts, starts, totals))
-            logits, self.cache = prefill_span(self.params, self.cache, meta, cfg, self.span_layout)
+            if self.dcache is not None:
+                w = cfg.sliding_window
+                logits, self.cache, (feats, pos, ok) = prefill_span(self.params, self.cache, meta, cfg,
+                                                                    self.span_layout, features=w)
+                self._write_context(np.asarray(slots), feats, pos, ok)
+            else:
+                logits, self.cache = prefill_span(self.params, self.cache, meta, cfg, self.span_layout)
             logits = np.asarray(logits)
             for i, req in enumerate(reqs):
                 if starts[i] < ends[i] == totals[i]:                 # this pass holds the prompt's last row
@@ -361,7 +433,14 @@ class Engine:
         for req in reqs:
             self._finish_if_done(req)
 
+    def _write_context(self, slots, features, positions, keep) -> None:
+        if self.dparams is not None:
+            self.dcache = write_draft_context(self.dparams, self.cfg, self.dcache, jnp.asarray(slots, jnp.int32),
+                                              features, positions, keep)
+
     def _decode(self, rows: list[_Request]) -> None:
+        if self.speculative is not None:
+            return self._decode_speculative(rows)
         t0 = time.perf_counter()
         cfg, b, mb = self.cfg, self.capacity.max_batch, self.capacity.max_blocks
         n_eng = len(cfg.engram_layer_ids)
@@ -383,6 +462,73 @@ class Engine:
         self.stats["decode_steps"] += 1
         self.stats["decode_tokens"] += len(rows)
         self.stats["decode_s"] += time.perf_counter() - t0
+
+    def _decode_speculative(self, rows: list[_Request]) -> None:
+        """One speculative round (`v41cp.serving.speculative`): draft, verify ``n + 1`` rows, accept, commit."""
+        t0 = time.perf_counter()
+        cfg, b, mb, spec = self.cfg, self.capacity.max_batch, self.capacity.max_blocks, self.speculative
+        n, r = spec.num_draft_tokens, spec.num_draft_tokens + 1
+        n_eng = len(cfg.engram_layer_ids)
+        anchors, pos, slots = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
+        for i, req in enumerate(rows):
+            hist = req.history
+            anchors[i], pos[i], slots[i] = hist[-1], len(hist) - 1, self.alloc.slot(req.rid)
+        if spec.proposer is None:
+            drafts, _ = draft_step(self.dparams, self.params["embed"], self.params["head"], cfg, self.dcache,
+                                   jnp.asarray(slots), jnp.asarray(anchors), jnp.asarray(pos), n)
+            drafts = np.asarray(drafts)
+        else:
+            drafts = np.zeros((b, n), np.int32)
+            for i, req in enumerate(rows):
+                drafts[i] = _checked_proposals(spec.proposer(req.rid, list(req.history), n), n, cfg.vocab_size)
+        tok, lengths = np.zeros((b, r), np.int32), np.zeros(b, np.int32)
+        tables = np.full((b, mb), -1, np.int32)
+        eng = np.zeros((b, r, n_eng, cfg.engram_hash_heads if n_eng else 0), np.int32)
+        for i, req in enumerate(rows):
+            hist = req.history
+            lengths[i] = min(r, req.sampling.max_new_tokens - len(req.output))    # rows within the reserved pages
+            tok[i, :lengths[i]] = [hist[-1], *drafts[i, :lengths[i] - 1]]
+            tables[i] = self._table(req.rid)
+            for j in range(lengths[i]):
+                eng[i, j] = engram_ids_for_last(cfg, hist + list(drafts[i, :j]))
+        meta = StepRows(*(jnp.asarray(a) for a in (tok, pos, lengths, slots, tables, eng)), b, mb, r)
+        logits, self.cache, undo, (feats, fpos, fok) = verify_step(self.params, self.cache, meta, cfg,
+                                                                   self.step_plan, features=True)
+        logits = np.asarray(logits)
+        kept, emitted_total = np.zeros(b, np.int32), 0
+        for i, req in enumerate(rows):
+            sp = req.sampling
+            emitted, m = accept_drafts(list(drafts[i, :lengths[i] - 1]), logits[i, :lengths[i]],
+                                       lambda lg: token_distribution(lg, sp), sp.seed, len(req.output))
+            kept[i] = m + 1                                                        # the anchor and m drafts
+            req.last_logits = logits[i, m]
+            req.spec["steps"] += 1
+            req.spec["proposed"] += int(lengths[i] - 1)
+            req.spec["accepted"] += m
+            for t in emitted:
+                req.output.append(t)
+                req.spec["emitted"] += 1
+                emitted_total += 1
+                self._finish_if_done(req)
+                if req.status != "running":
+                    break
+        self.cache = commit_rows(self.cache, undo, jnp.asarray(kept), cfg, self.step_plan)
+        if self.dparams is not None:
+            self._write_context(slots, feats, fpos, fok & (fpos < jnp.asarray(pos + kept)[:, None]))
+        self.stats["decode_steps"] += 1
+        self.stats["spec_steps"] += len(rows)                  # target steps of requests (rows of the rounds)
+        self.stats["drafts_proposed"] += int(np.maximum(lengths - 1, 0).sum())
+        self.stats["drafts_accepted"] += int(kept.sum()) - len(rows)
+        self.stats["decode_tokens"] += emitted_total
+        self.stats["decode_s"] += time.perf_counter() - t0
+
+    def speculative_stats(self) -> dict:
+        """Engine-wide speculative counters: drafts proposed / accepted, the mean accepted drafts per target step
+        of a request, and target steps per emitted token (1 / (n + 1) when every draft is accepted)."""
+        st = self.stats
+        return {"target_steps": st["spec_steps"], "drafts_proposed": st["drafts_proposed"],
+                "drafts_accepted": st["drafts_accepted"], "emitted_tokens": st["decode_tokens"],
+                **_ratios(st["spec_steps"], st["drafts_accepted"], st["decode_tokens"])}
 
     # ------------------------------------------------------------------ structure
     def cache_bytes_per_device(self) -> dict[str, int]:

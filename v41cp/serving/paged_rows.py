@@ -196,6 +196,19 @@ class PagedRows:
                                       offsets=offsets)
         return self._with_meta(encoder), self._with_meta(decoder), take
 
+    def last_rows(self, x: jax.Array, count: int):
+        """The last ``count`` rows of each request among the rows that reach the model's end (the CED decoder rows
+        of a narrowing step) of ``x [B, R, …]`` (packed ``[1, R, …]``) → ``(rows [B, count, …], positions [B,
+        count], valid [B, count])``, oldest first; a request with fewer rows has its first entries invalid."""
+        f = self.ced_split()[1] if self.narrows else self
+        m, b = f.meta, f.meta.max_batch
+        local = m.lengths[:, None] - count + jnp.arange(count, dtype=jnp.int32)[None]          # [B, count]
+        if m.packed:
+            rows = f.flat(x)[f._flat_row(jnp.arange(b)[:, None], jnp.maximum(local, 0))]
+        else:
+            rows = x[jnp.arange(b)[:, None], jnp.clip(local, 0, m.rows - 1)]
+        return rows, m.starts[:, None] + local, local >= 0
+
     def sampled(self, h: jax.Array, at: jax.Array) -> jax.Array:
         """Row ``at [B]`` of each request of ``h [B,R,H]`` (packed ``[1,R,H]``) → ``[B,1,H]`` (−1: zeros)."""
         b = self.meta.max_batch

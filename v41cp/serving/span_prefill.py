@@ -136,13 +136,14 @@ def _prefill_qcp(params, cache: dict, meta: SpanMetadata, cfg: ModelConfig, layo
     return _run(params, cache, meta, cfg, layout)
 
 
-@partial(jax.jit, static_argnames=("cfg", "plan", "operator"), donate_argnames=("cache",))
-def _prefill_rows(params, cache: dict, rows, cfg: ModelConfig, plan, operator):
+@partial(jax.jit, static_argnames=("cfg", "plan", "operator", "features"), donate_argnames=("cache",))
+def _prefill_rows(params, cache: dict, rows, cfg: ModelConfig, plan, operator, features: int = 0):
     from v41cp.serving.decode import _forward_rows
 
     last = rows.lengths - 1 - (0 if rows.encoder_rows is None else rows.encoder_rows)    # in the decoder rows
-    logits, cache, _ = _forward_rows(params, cache, rows, cfg, plan, logits_at=last, operator=operator)
-    return logits[:, 0], cache
+    logits, cache, _, feats = _forward_rows(params, cache, rows, cfg, plan, logits_at=last, operator=operator,
+                                            features=features)
+    return (logits[:, 0], cache, feats) if features else (logits[:, 0], cache)
 
 
 def _span_rows(cfg: ModelConfig, meta: SpanMetadata):
@@ -177,11 +178,16 @@ def _layout_plan(cfg: ModelConfig, layout: SpanLayout):
     return DCPPlan(layout.mesh, heads_sharded=cfg.num_attention_heads % tp == 0)
 
 
-def prefill_span(params, cache: dict, meta: SpanMetadata, cfg: ModelConfig, layout: SpanLayout = SpanLayout()):
+def prefill_span(params, cache: dict, meta: SpanMetadata, cfg: ModelConfig, layout: SpanLayout = SpanLayout(),
+                 features: int = 0):
     """Prefill the prompts of ``meta`` (`build_span_metadata`) in one pass: ``(logits [B, vocab] FP32 of each
     prompt's last row — zeros for an empty row or a pass without it —, updated cache)``. See the module
-    docstring."""
-    return _dispatch(params, cache, meta, cfg, layout, lower=False)
+    docstring. ``features > 0``: also the DSpark target features of each request's last ``features`` rows of the
+    pass (``([B, F, n·H], positions [B, F], valid [B, F])``); not yet under model-wide QCP."""
+    if features and layout.query_parallel:
+        raise NotImplementedError("span prefill: DSpark target features under model-wide QCP are not built yet "
+                                  "(query_context_parallel_size > 1)")
+    return _dispatch(params, cache, meta, cfg, layout, lower=False, features=features)
 
 
 def lower_prefill_span(params, cache: dict, meta: SpanMetadata, cfg: ModelConfig, layout: SpanLayout = SpanLayout()):
@@ -189,7 +195,7 @@ def lower_prefill_span(params, cache: dict, meta: SpanMetadata, cfg: ModelConfig
     return _dispatch(params, cache, meta, cfg, layout, lower=True)
 
 
-def _dispatch(params, cache, meta, cfg, layout, lower: bool):
+def _dispatch(params, cache, meta, cfg, layout, lower: bool, features: int = 0):
     if meta.n != layout.n:
         raise ValueError(f"span prefill: the metadata plans {meta.n} ranks but the layout splits rows over "
                          f"{layout.n} (query_context_parallel_size)")
@@ -197,7 +203,7 @@ def _dispatch(params, cache, meta, cfg, layout, lower: bool):
         fn, args = _prefill_qcp, (params, cache, meta, cfg, layout)
     else:
         fn, args = _prefill_rows, (params, cache, _span_rows(cfg, meta), cfg, _layout_plan(cfg, layout),
-                                   layout.operator)
+                                   layout.operator) + ((features,) if features else ())
     return fn.lower(*args) if lower else fn(*args)
 
 

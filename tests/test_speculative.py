@@ -1,0 +1,185 @@
+"""DSpark speculative decoding (`v41cp.serving.speculative`) against plain decoding on the same weights.
+
+* greedy speculative = plain greedy, token for token: one device (token-serial and span prefill, CED on) and
+  KVP = DCP = 2, prompts and outputs crossing the window (8), pair (2), page (4) and candidate-block boundaries;
+* every acceptance length 0 … n by injected proposals (the target's own greedy continuation with a wrong token at
+  draft j): tokens identical to plain greedy, and the caches after the run equal plain decoding's (rejected rows
+  rolled back), with exactly j drafts kept per full step;
+* sampling: the acceptance rule is lossless (the emitted tokens' distribution equals the target's), checked over
+  many seeds with a stated bound; seeded runs are reproducible;
+* one compile per (bucket, width) over many steps; bad settings rejected naming the value.
+
+The drafter's weights are random (the tiny model has no trained drafter), so its drafts are mostly rejected; the
+injected proposals exercise acceptance.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import assert_same_records, cache_by_virtual_block, rel_err
+from v41cp.checkpoint import default_checkpoint, load
+from v41cp.config import PRESETS
+from v41cp.drafter import init_drafter_params
+from v41cp.serving.engine import Capacity, Engine, SamplingParams
+from v41cp.serving.speculative import Speculative, accept_drafts
+from v41cp.sharding.topology import ParallelConfig
+
+CAP = Capacity(max_batch=3, max_tokens=48, block_tokens=4, prefill_chunk=8)
+N = 3                                                         # drafts per step
+PROMPT_LENGTHS = (5, 13, 22)                                  # around window / pair / page / candidate boundaries
+NEW = 14
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg, params = load(default_checkpoint())
+    extra = {k: v for k, v in PRESETS["tiny-dspark"].items()
+             if k.startswith("dspark") or k in ("num_nextn_predict_layers", "compress_ratios")}
+    cfg = cfg.replace(**extra)
+    rng = np.random.default_rng(11)
+    prompts = {f"p{n}": rng.integers(3, 256, n).tolist() for n in PROMPT_LENGTHS}
+    sp = SamplingParams(max_new_tokens=NEW, stop_on_eos=False)
+    plain = Engine(params, cfg, CAP)
+    for rid, p in prompts.items():
+        plain.submit(rid, p, sp)
+    want = {r["id"]: r["output_ids"] for r in plain.run()}
+    return cfg, params, init_drafter_params(cfg, jax.random.key(5)), prompts, want, plain
+
+
+def _run(engine, prompts, sp=SamplingParams(max_new_tokens=NEW, stop_on_eos=False)):
+    for rid, p in prompts.items():
+        engine.submit(rid, p, sp)
+    return {r["id"]: r for r in engine.run()}
+
+
+@pytest.mark.parametrize("variant", ["serial", "span-ced", "kvp2"])
+def test_greedy_speculative_equals_plain_greedy(setup, variant):
+    cfg, params, drafter, prompts, want, _ = setup
+    cap, kw = CAP, {}
+    if variant == "span-ced":
+        cap = dataclasses.replace(CAP, span_prefill=True, ced=True)
+    elif variant == "kvp2":
+        kw = {"parallel": ParallelConfig(tp_size=2, kv_parallel_size=2, decode_context_parallel_size=2)}
+    eng = Engine(params, cfg, cap, speculative=Speculative(drafter, N), **kw)
+    out = _run(eng, prompts)
+    for rid in prompts:
+        assert out[rid]["output_ids"] == want[rid], (variant, rid)
+        st = out[rid]["speculative"]
+        assert st["emitted_tokens"] == NEW - 1 and st["drafts_proposed"] <= N * st["target_steps"]
+    print(f"\n[speculative {variant}] random drafter: {eng.speculative_stats()}")
+    assert eng.alloc.free_blocks == eng.num_blocks
+
+
+@pytest.mark.parametrize("j", range(N + 1))
+def test_every_acceptance_length_rolls_back_exactly(setup, j):
+    """Proposals = the target's greedy continuation with draft j wrong: exactly j drafts kept per full step; the
+    tokens equal plain greedy and the caches after the run equal plain decoding's (the rejected rows' ring rows,
+    open pairs, compressed entries and index keys were put back)."""
+    cfg, params, _, prompts, want, plain = setup
+    truth = {rid: prompts[rid] + want[rid] for rid in prompts}
+
+    def propose(rid, history, n):
+        cont = truth[rid][len(history):len(history) + n]
+        cont += [3] * (n - len(cont))
+        if j < n:
+            cont[j] = (cont[j] + 1) % cfg.vocab_size                   # a wrong token at draft j
+        return cont
+
+    eng = Engine(params, cfg, CAP, speculative=Speculative(None, N, proposer=propose))
+    out = _run(eng, prompts)
+    for rid in prompts:
+        assert out[rid]["output_ids"] == want[rid], (j, rid)
+        st = out[rid]["speculative"]
+        steps, kept = st["target_steps"], st["drafts_accepted"]
+        assert j * (steps - 1) <= kept <= j * steps, (j, rid, st)    # the last step may be cut by the length
+        assert steps == -(-(NEW - 1) // (j + 1)), (j, rid, st)
+    got, ref = cache_by_virtual_block(eng.cache, 1), cache_by_virtual_block(plain.cache, 1)
+    for key in ref:
+        if ref[key].dtype == np.uint8:
+            assert_same_records(got[key], ref[key], key)
+        else:
+            assert rel_err(got[key], ref[key]) <= 1e-5, key
+    if j == N:
+        stats = eng.speculative_stats()
+        print(f"\n[speculative ideal acceptance] target steps per token {stats['target_steps_per_token']:.3f} "
+              f"(ideal 1/(n+1) = {1 / (N + 1):.3f}; each request's last step is cut by its length)")
+
+
+def test_rejection_sampling_is_lossless():
+    """The acceptance rule against a point-mass proposal emits tokens distributed as the target: the first token
+    ~ p₀ whatever the draft, and (after an accepted draft) the second ~ p₁. 40,000 seeds; every frequency within
+    5 standard deviations of its probability (a false failure has probability < 1e-5)."""
+    rng = np.random.default_rng(0)
+    v = 6
+    logits = rng.normal(0, 1.5, (2, v))
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    for draft in (int(np.argmax(p[0])), int(np.argmin(p[0]))):
+        first, second = np.zeros(v), np.zeros(v)
+        trials = 40_000
+        for seed in range(trials):
+            rows = iter([p[0], p[1]])
+            emitted, m = accept_drafts([draft], logits, lambda _: next(rows), seed, 0)
+            first[emitted[0]] += 1
+            if m == 1:
+                second[emitted[1]] += 1
+        for counts, q in ((first, p[0]), (second, p[1])):
+            total = counts.sum()
+            sd = np.sqrt(q * (1 - q) / total)
+            assert (np.abs(counts / total - q) <= 5 * sd + 1e-12).all(), (draft, counts / total, q)
+        assert second.sum() == first[draft]                        # the bonus follows exactly the kept drafts
+
+
+def test_seeded_speculative_sampling_is_reproducible(setup):
+    cfg, params, drafter, prompts, _, _ = setup
+    sp = SamplingParams(max_new_tokens=6, temperature=1.2, top_p=0.9, seed=7, stop_on_eos=False)
+    runs = []
+    for _ in range(2):
+        eng = Engine(params, cfg, CAP, speculative=Speculative(drafter, N))
+        runs.append({rid: r["output_ids"] for rid, r in _run(eng, {"a": prompts["p5"]}, sp).items()})
+    assert runs[0] == runs[1] and all(0 <= t < cfg.vocab_size for t in runs[0]["a"])
+
+
+def test_one_compile_per_bucket_and_width(setup):
+    """1,000 speculative rounds — requests of different lengths coming and going, the batch mostly full —
+    compile the draft step, the verification, the commit and the context write once each after the first."""
+    from v41cp.serving.decode import commit_rows, verify_step
+    from v41cp.serving.speculative import draft_step, write_draft_context
+
+    cfg, params, drafter, _, _, _ = setup
+    eng = Engine(params, cfg, CAP, speculative=Speculative(drafter, N))
+    rng = np.random.default_rng(2)
+    fns = (draft_step, verify_step, commit_rows, write_draft_context)
+    before, k = None, 0
+    for _ in range(1000):
+        while sum(r.status in ("waiting", "running") for r in eng.requests.values()) < CAP.max_batch:
+            eng.submit(k, rng.integers(3, 256, int(rng.integers(1, 16))).tolist(),
+                       SamplingParams(max_new_tokens=int(rng.integers(10, 30)), stop_on_eos=False))
+            k += 1
+        eng.step()
+        if before is None:
+            before = [f._cache_size() for f in fns]
+    after = [f._cache_size() for f in fns]
+    print(f"\n[speculative compiles] 1000 rounds, {eng.stats['spec_steps']} request steps, {k} requests: "
+          f"compiled programs {dict(zip(('draft', 'verify', 'commit', 'context'), after))} (unchanged after round 1)")
+    assert after == before and eng.stats["spec_steps"] > 2000
+
+
+def test_bad_speculative_settings_name_the_value(setup):
+    cfg, params, drafter, _, _, _ = setup
+    for n in (0, cfg.dspark_block_size + 1):
+        with pytest.raises(ValueError, match=f"num_draft_tokens must be an integer in \\[1, dspark_block_size=4\\], "
+                                             f"got {n}"):
+            Engine(params, cfg, CAP, speculative=Speculative(drafter, n))
+    plain_cfg, _ = load(default_checkpoint())
+    with pytest.raises(ValueError, match="needs DSpark stages.*num_nextn_predict_layers=0"):
+        Engine(params, plain_cfg, CAP, speculative=Speculative(drafter, 2))
+    with pytest.raises(ValueError, match="algorithm 'eagle' is not supported"):
+        Engine(params, cfg, CAP, speculative=Speculative(drafter, 2, algorithm="eagle"))
+    eng = Engine(params, cfg, CAP, speculative=Speculative(None, 2, proposer=lambda *_: [1, 999]))
+    eng.submit("x", [5, 6, 7], SamplingParams(max_new_tokens=4, stop_on_eos=False))
+    with pytest.raises(ValueError, match=r"proposer returned \[1, 999\]: expected 2 token ids in \[0, 256\)"):
+        eng.run()

@@ -1,0 +1,150 @@
+"""DSpark speculative decoding over the cached steps: draft, verify, accept, commit (issue 16).
+
+One engine step of a request at anchor position ``p`` (the last output token, not yet fed):
+
+1. **draft** (`draft_step`): the drafter (`v41cp.drafter.Drafter`, replicated) proposes ``n`` tokens from the block
+   ``[anchor, noise × (N − 1)]`` at ``p … p + N − 1`` and its context window — each stage's keys of the target
+   features at ``[p − W, p)``, kept in the draft cache (`init_draft_cache`: a ring of ``W`` rows per batch slot and
+   stage, by position mod ``W``); the Markov head makes it sequential: draft ``i`` is the argmax of the block's
+   logits at slot ``i`` plus the Markov logits of draft ``i − 1`` (of the anchor for ``i = 0``);
+2. **verify**: the anchor and its drafts as ``n + 1`` rows of one static-width `verify_step` of the target (under
+   KVP / DCP each row gets its distributed top-k and LSE merge), which also returns every row's target features;
+3. **accept** (`accept_drafts`, host): greedy — the longest prefix of drafts equal to the target's argmax, then the
+   target's token after it; sampling — standard rejection sampling against the target's sampling distribution
+   (temperature / top-p as `v41cp.serving.engine.sample_token`) with the drafts as a point-mass proposal: draft
+   ``d`` is kept with probability ``p(d)``, else a token is drawn from ``p`` without ``d`` (renormalised), and
+   after ``m`` kept drafts the bonus token is drawn from the target at row ``m``. Every emitted token is then
+   distributed exactly as the target's own sampling (lossless); draws use per-request seeded generators
+   (`numpy.random.default_rng([seed, output index, k])`), identical on every process;
+4. **commit**: `commit_rows` keeps the anchor and the ``m`` accepted rows (window ring, open pair, compressed
+   entries, index keys of the rejected rows put back) and `write_draft_context` writes the draft cache from the
+   features of the kept rows only.
+
+Static shapes: the draft step compiles once per batch bucket, the verification once per (bucket, ``n + 1``); the
+accepted counts are data. ``Speculative.proposer`` replaces the drafter by a host function (proposals injected
+by tests, or another drafter).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from v41cp.config import ModelConfig
+from v41cp.drafter import Drafter, draft_logits
+from v41cp.layers.common import dtype_of
+
+__all__ = ["Speculative", "init_draft_cache", "draft_step", "write_draft_context", "accept_drafts",
+           "check_speculative"]
+
+
+@dataclass(frozen=True)
+class Speculative:
+    """Speculative decoding settings of an `v41cp.serving.engine.Engine`: ``algorithm`` ``"dspark"`` with the
+    drafter's parameters ``params`` (`v41cp.drafter`), ``num_draft_tokens`` drafts per step (1 … the block
+    size). ``proposer(rid, history, n) → n token ids``: proposals from the host instead of the drafter."""
+
+    params: Any = None
+    num_draft_tokens: int = 4
+    algorithm: str = "dspark"
+    proposer: Callable[[Any, list, int], list] | None = None
+
+
+def check_speculative(cfg: ModelConfig, spec: Speculative) -> None:
+    """Raise ValueError naming the offending value of ``spec`` for ``cfg``."""
+    if spec.algorithm != "dspark":
+        raise ValueError(f"speculative algorithm {spec.algorithm!r} is not supported (choose 'dspark')")
+    if not cfg.has_dspark:
+        raise ValueError(f"speculative algorithm 'dspark' needs DSpark stages, but the checkpoint's config has "
+                         f"num_nextn_predict_layers={cfg.num_nextn_predict_layers}, dspark_target_layer_ids="
+                         f"{list(cfg.dspark_target_layer_ids)}")
+    n = spec.num_draft_tokens
+    if type(n) is not int or not 1 <= n <= cfg.dspark_block_size:
+        raise ValueError(f"speculative num_draft_tokens must be an integer in [1, dspark_block_size="
+                         f"{cfg.dspark_block_size}], got {n!r}")
+    if n + 1 > cfg.sliding_window:
+        raise ValueError(f"speculative num_draft_tokens={n}: n + 1 verification rows exceed sliding_window="
+                         f"{cfg.sliding_window}")
+    if spec.params is None and spec.proposer is None:
+        raise ValueError("speculative decoding needs the drafter's parameters (the checkpoint has no mtp.* tensors) "
+                         "or a proposer")
+
+
+def init_draft_cache(cfg: ModelConfig, max_batch: int, sharding=None) -> dict:
+    """The drafter's context windows: ``keys [stages, max_batch, W, D]`` (row ``t mod W`` of a slot holds the key
+    of the target feature at position ``t``), zeros; replicated (``sharding``: e.g. a replicated NamedSharding)."""
+    shape = (cfg.num_nextn_predict_layers, max_batch, cfg.sliding_window, cfg.head_dim)
+    keys = jnp.zeros(shape, dtype_of(cfg.dtype))
+    return {"keys": keys if sharding is None else jax.device_put(keys, sharding)}
+
+
+def _call(params, cfg, method, *args):
+    return Drafter(cfg).apply({"params": params}, *args, method=method)
+
+
+@partial(jax.jit, static_argnames=("cfg",), donate_argnames=("dcache",))
+def write_draft_context(params: dict, cfg: ModelConfig, dcache: dict, slots: jax.Array, features: jax.Array,
+                        positions: jax.Array, keep: jax.Array) -> dict:
+    """Write the context keys of target features ``features [B, F, n·H]`` at ``positions [B, F]`` (``keep [B,
+    F]``: the rows to write; at most ``W`` consecutive positions per request) into batch slots ``slots [B]``."""
+    main_x = _call(params, cfg, Drafter.main_x, features)
+    keys = _call(params, cfg, Drafter.context_keys, main_x, jnp.maximum(positions, 0))       # [K, B, F, D]
+    n_slots = dcache["keys"].shape[1]
+    at = jnp.where(keep, slots[:, None], n_slots)                                            # dropped when not kept
+    ring = jnp.maximum(positions, 0) % cfg.sliding_window
+    return {"keys": dcache["keys"].at[:, at, ring].set(keys.astype(dcache["keys"].dtype), mode="drop")}
+
+
+@partial(jax.jit, static_argnames=("cfg", "n"))
+def draft_step(params: dict, embed: jax.Array, head: jax.Array, cfg: ModelConfig, dcache: dict, slots: jax.Array,
+               anchors: jax.Array, positions: jax.Array, n: int):
+    """``n`` greedy drafts ``[B, n]`` int32 for anchors ``anchors [B]`` at ``positions [B]`` (batch slots
+    ``slots [B]``), and their confidence logits ``[B, n]`` FP32 (see the module docstring; ``embed`` / ``head``:
+    the target's)."""
+    w, size = cfg.sliding_window, cfg.dspark_block_size
+    b = anchors.shape[0]
+    ctx_keys = dcache["keys"][:, slots]                                                      # [K, B, W, D]
+    held = positions[:, None] - w + (jnp.arange(w)[None] - positions[:, None]) % w           # ring row → position
+    block_ids = jnp.full((b, size), cfg.dspark_noise_token_id, jnp.int32).at[:, 0].set(anchors)
+    block_pos = positions[:, None] + jnp.arange(size, dtype=jnp.int32)[None]
+    h, normed = _call(params, cfg, Drafter.block, jnp.take(embed, block_ids, axis=0), block_pos, ctx_keys, held >= 0)
+    base = draft_logits(head, normed[:, :n], jnp.zeros((), jnp.float32))                     # [B, n, vocab]
+    prev, drafts, confidence = anchors, [], []
+    for i in range(n):                                        # the Markov head: each draft conditions the next
+        markov, emb = _call(params, cfg, Drafter.markov, prev)
+        prev = jnp.argmax(base[:, i] + markov, axis=-1).astype(jnp.int32)
+        drafts.append(prev)
+        confidence.append(_call(params, cfg, Drafter.confidence, h[:, i], normed[:, i], emb))
+    return jnp.stack(drafts, axis=1), jnp.stack(confidence, axis=1)
+
+
+def accept_drafts(drafts: list[int], target_logits: np.ndarray, distribution, seed: int, index: int
+                  ) -> tuple[list[int], int]:
+    """Verify ``drafts`` against the target's logits of the verification rows ``target_logits [L, vocab]`` (row
+    ``j`` predicts the token after draft ``j``; ``L ≤ len(drafts) + 1``): ``(emitted tokens, drafts kept)``.
+    ``distribution(logits) → probabilities [vocab]`` (float64) is the target's sampling distribution, None for
+    greedy; ``index`` is the output index of the first emitted token (the generators are seeded by ``[seed,
+    output index, k]``)."""
+    emitted = []
+    for j, d in enumerate(drafts[:len(target_logits) - 1]):
+        p = distribution(target_logits[j])
+        if p is None:                                                 # greedy: keep while equal to the argmax
+            best = int(np.argmax(target_logits[j]))
+            if best != d:
+                return emitted + [best], j
+        elif np.random.default_rng([seed, index + j, 1]).random() >= p[d]:
+            residual = p.copy()
+            residual[d] = 0.0                                        # > 0 somewhere: p[d] < 1 if d was rejected
+            tok = np.random.default_rng([seed, index + j, 2]).choice(residual.size, p=residual / residual.sum())
+            return emitted + [int(tok)], j
+        emitted.append(int(d))
+    m = len(emitted)
+    p = distribution(target_logits[m])
+    if p is None:
+        return emitted + [int(np.argmax(target_logits[m]))], m
+    return emitted + [int(np.random.default_rng([seed, index + m, 2]).choice(p.size, p=p))], m
