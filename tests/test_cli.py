@@ -83,8 +83,28 @@ def test_generate_json_batch_matches_engine_greedy():
         eos = r["finish_reason"] == "eos"
         assert r["text"] == codec.decode(r["output_ids"][:-1] if eos else r["output_ids"])
     assert all(1 <= len(r["output_ids"]) <= 3 for r in out["requests"])
-    assert out["timings"]["compiles"] == {"decode_step": 1, "prefill_chunk": 1, "prefill_span": 0}
+    assert out["timings"]["compiles"] == {"decode_step": 1, "prefill_chunk": 1, "prefill_span": 0, "verify_step": 0,
+                                          "draft_step": 0}
     _assert_greedy_of_forward(out)
+
+
+def test_generate_with_dspark_speculative_decoding():
+    """``generate --speculative-algorithm dspark --speculative-num-draft-tokens 3``: the embedded checkpoint's
+    drafter (mtp.*) proposes, the target verifies 4 rows per step: the greedy tokens of the full forward, the
+    speculative counters in the JSON, one verification and one draft compile, no plain decode step; a draft count
+    beyond the block size is refused naming it."""
+    res = _cli("generate", "--json", "--prompt-ids", "5,17,42", "--prompt-ids", "9,8,7,6",
+               "--max-new-tokens", "4", "--speculative-algorithm", "dspark", "--speculative-num-draft-tokens", "3")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    spec = out["timings"]["speculative"]
+    assert spec["target_steps"] >= 1 and spec["drafts_proposed"] >= spec["drafts_accepted"] >= 0
+    assert all("speculative" in r for r in out["requests"])
+    c = out["timings"]["compiles"]
+    assert (c["verify_step"], c["draft_step"], c["decode_step"]) == (1, 1, 0), c
+    _assert_greedy_of_forward(out)
+    res = _cli("generate", "--speculative-algorithm", "dspark", "--speculative-num-draft-tokens", "9")
+    assert res.returncode == 2 and "num_draft_tokens must be an integer in [1, dspark_block_size=4], got 9" in res.stderr
 
 
 def test_generate_without_a_chat_format_says_so(tmp_path):

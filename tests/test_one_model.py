@@ -1,5 +1,6 @@
 """One model for every forward mode: no module outside the model's own layer modules (``v41cp/layers/``,
-``v41cp/model.py``) and the checkpoint name mapping (``v41cp/checkpoint/``) reads a layer weight.
+``v41cp/model.py``, the DSpark drafter's model ``v41cp/drafter.py``) and the checkpoint name mapping
+(``v41cp/checkpoint/``) reads a layer weight.
 
 A static scan of the package's source: any subscript or ``.get`` with a parameter leaf name of the model (stored
 FP4 / FP8 variants included) or a ``layers_{i}`` key is a module re-coding a layer against the raw
@@ -15,7 +16,7 @@ from v41cp import model
 from v41cp.config import preset
 
 PACKAGE = Path(__file__).resolve().parents[1] / "v41cp"
-OWNERS = ("layers/", "model.py", "checkpoint/")
+OWNERS = ("layers/", "model.py", "drafter.py", "checkpoint/")
 
 
 def _leaf_names() -> set[str]:

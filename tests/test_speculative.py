@@ -9,20 +9,17 @@
   many seeds with a stated bound; seeded runs are reproducible;
 * one compile per (bucket, width) over many steps; bad settings rejected naming the value.
 
-The drafter's weights are random (the tiny model has no trained drafter), so its drafts are mostly rejected; the
-injected proposals exercise acceptance.
+The embedded checkpoint's drafter is the oracle's seeded initialisation (untrained), so its drafts are mostly
+rejected; the injected proposals exercise acceptance.
 """
 
 import dataclasses
 
-import jax
 import numpy as np
 import pytest
 
 from helpers import assert_same_records, cache_by_virtual_block, rel_err
-from v41cp.checkpoint import default_checkpoint, load
-from v41cp.config import PRESETS
-from v41cp.drafter import init_drafter_params
+from v41cp.checkpoint import default_checkpoint, load, open_drafter
 from v41cp.serving.engine import Capacity, Engine, SamplingParams
 from v41cp.serving.speculative import Speculative, accept_drafts
 from v41cp.sharding.topology import ParallelConfig
@@ -36,9 +33,7 @@ NEW = 14
 @pytest.fixture(scope="module")
 def setup():
     cfg, params = load(default_checkpoint())
-    extra = {k: v for k, v in PRESETS["tiny-dspark"].items()
-             if k.startswith("dspark") or k in ("num_nextn_predict_layers", "compress_ratios")}
-    cfg = cfg.replace(**extra)
+    drafter = open_drafter(default_checkpoint(), cfg)          # the embedded checkpoint's mtp.* stages
     rng = np.random.default_rng(11)
     prompts = {f"p{n}": rng.integers(3, 256, n).tolist() for n in PROMPT_LENGTHS}
     sp = SamplingParams(max_new_tokens=NEW, stop_on_eos=False)
@@ -46,7 +41,7 @@ def setup():
     for rid, p in prompts.items():
         plain.submit(rid, p, sp)
     want = {r["id"]: r["output_ids"] for r in plain.run()}
-    return cfg, params, init_drafter_params(cfg, jax.random.key(5)), prompts, want, plain
+    return cfg, params, drafter, prompts, want, plain
 
 
 def _run(engine, prompts, sp=SamplingParams(max_new_tokens=NEW, stop_on_eos=False)):
@@ -168,15 +163,22 @@ def test_one_compile_per_bucket_and_width(setup):
     assert after == before and eng.stats["spec_steps"] > 2000
 
 
-def test_bad_speculative_settings_name_the_value(setup):
+def test_bad_speculative_settings_name_the_value(setup, tmp_path):
+    import shutil
+
+    from v41cp.checkpoint import CheckpointError
+
     cfg, params, drafter, _, _, _ = setup
+    shutil.copytree(default_checkpoint(), tmp_path / "ckpt")
+    shutil.rmtree(tmp_path / "ckpt" / "params" / "dspark")                    # a checkpoint without mtp.* tensors
+    with pytest.raises(CheckpointError, match="holds no DSpark tensors"):
+        open_drafter(tmp_path / "ckpt", cfg)
     for n in (0, cfg.dspark_block_size + 1):
         with pytest.raises(ValueError, match=f"num_draft_tokens must be an integer in \\[1, dspark_block_size=4\\], "
                                              f"got {n}"):
             Engine(params, cfg, CAP, speculative=Speculative(drafter, n))
-    plain_cfg, _ = load(default_checkpoint())
     with pytest.raises(ValueError, match="needs DSpark stages.*num_nextn_predict_layers=0"):
-        Engine(params, plain_cfg, CAP, speculative=Speculative(drafter, 2))
+        Engine(params, cfg.replace(num_nextn_predict_layers=0), CAP, speculative=Speculative(drafter, 2))
     with pytest.raises(ValueError, match="algorithm 'eagle' is not supported"):
         Engine(params, cfg, CAP, speculative=Speculative(drafter, 2, algorithm="eagle"))
     eng = Engine(params, cfg, CAP, speculative=Speculative(None, 2, proposer=lambda *_: [1, 999]))

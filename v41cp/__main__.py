@@ -154,7 +154,24 @@ def _engine(args, capacity):
     cfg, params = open_checkpoint(args.checkpoint or default_checkpoint(), mesh=mesh,
                                   rules=parallel.rules() if parallel is not None else None,
                                   fake_quant=not args.no_fake_quant, progress=_progress(args), **_backends(args))
-    return cfg, Engine(params, cfg, capacity, mesh=mesh, parallel=parallel)
+    return cfg, Engine(params, cfg, capacity, mesh=mesh, parallel=parallel, speculative=_speculative(args, cfg))
+
+
+def _speculative(args, cfg):
+    """The `Speculative` settings of ``--speculative-algorithm`` / ``--speculative-num-draft-tokens`` (None: off);
+    the drafter's weights come from the checkpoint's ``mtp.*`` tensors."""
+    if getattr(args, "speculative_algorithm", None) is None:
+        if getattr(args, "speculative_num_draft_tokens", None) is not None:
+            raise ValueError("--speculative-num-draft-tokens needs --speculative-algorithm dspark")
+        return None
+    from v41cp.checkpoint import default_checkpoint, open_drafter
+    from v41cp.serving.speculative import Speculative, check_speculative
+
+    n = args.speculative_num_draft_tokens
+    spec = Speculative(None, cfg.dspark_block_size if n is None else n, args.speculative_algorithm)
+    check_speculative(cfg, spec)                      # the settings first: a clear error before any weight is read
+    return Speculative(open_drafter(args.checkpoint or default_checkpoint(), cfg), spec.num_draft_tokens,
+                       args.speculative_algorithm)
 
 
 def _progress(args) -> bool:
@@ -220,6 +237,14 @@ def _prefill_flags(p) -> None:
     p.add_argument("--span-chunk", type=int, help="span prefill in passes of this many rows per prompt "
                    "(later passes continue from the cached history; implies --span-prefill)")
     p.add_argument("--ced", action="store_true", help="CED narrowing of prefill (exact)")
+
+
+def _speculative_flags(p) -> None:
+    p.add_argument("--speculative-algorithm", choices=("dspark",),
+                   help="speculative decoding with the checkpoint's DSpark drafter (mtp.*): exact (greedy tokens as "
+                        "without it; sampling lossless)")
+    p.add_argument("--speculative-num-draft-tokens", type=int,
+                   help="drafts verified per step, 1 … dspark_block_size (default: the block size)")
 
 
 def _backend_flags(p) -> None:
@@ -316,10 +341,14 @@ def cmd_generate(args) -> int:
                "prefill_s": round(st["prefill_s"], 3), "decode_steps": st["decode_steps"],
                "decode_tokens": st["decode_tokens"], "decode_s": round(st["decode_s"], 3),
                "compiles": eng.compile_counts()}
+    if eng.speculative is not None:
+        timings["speculative"] = eng.speculative_stats()
     if args.json:
         out = []
         for i, r in enumerate(results):
             row = {"prompt_ids": r["prompt_ids"], "output_ids": r["output_ids"], "finish_reason": r["finish_reason"]}
+            if "speculative" in r:
+                row["speculative"] = r["speculative"]
             if codec is not None:
                 row["text"] = texts[i]
             out.append(row)
@@ -362,17 +391,23 @@ def _bench_rows(eng, cfg, lengths, args) -> list[dict]:
         before = dict(eng.stats)
         eng.step()                                              # prefill round (+ first decode round)
         prefill_s = eng.stats["prefill_s"] - before["prefill_s"]
-        lat = []
+        lat, emitted = [], []
         while eng.pending:
+            done = sum(len(r.output) for r in eng.requests.values())
             t0 = time.perf_counter()
             eng.step()
             lat.append(time.perf_counter() - t0)
-        lat = np.asarray(lat[1:] or lat)                       # the first decode round may compile
-        rows.append({"context": n, "batch": args.batch, "prefill_tokens_per_s": round(n * args.batch / prefill_s, 1),
-                     "decode_step_ms_p50": round(float(np.percentile(lat, 50)) * 1e3, 3),
-                     "decode_step_ms_p90": round(float(np.percentile(lat, 90)) * 1e3, 3),
-                     "decode_step_ms_p99": round(float(np.percentile(lat, 99)) * 1e3, 3),
-                     "decode_tokens_per_s": round(args.batch / float(np.median(lat)), 1)})
+            emitted.append(sum(len(r.output) for r in eng.requests.values()) - done)
+        lat, emitted = np.asarray(lat[1:] or lat), np.asarray(emitted[1:] or emitted)   # the first round may compile
+        row = {"context": n, "batch": args.batch, "prefill_tokens_per_s": round(n * args.batch / prefill_s, 1),
+               "decode_step_ms_p50": round(float(np.percentile(lat, 50)) * 1e3, 3),
+               "decode_step_ms_p90": round(float(np.percentile(lat, 90)) * 1e3, 3),
+               "decode_step_ms_p99": round(float(np.percentile(lat, 99)) * 1e3, 3),
+               "decode_tokens_per_s": round(args.batch / float(np.median(lat)), 1)}
+        if eng.speculative is not None:         # several tokens per step: the rate of the tokens emitted
+            row["decode_tokens_per_s"] = round(float(emitted.sum() / lat.sum()), 1)
+            row["tokens_per_step"] = round(float(emitted.mean()), 3)
+        rows.append(row)
     return rows
 
 
@@ -432,6 +467,8 @@ def cmd_bench(args) -> int:
            "topology": {"devices": args.devices, "tp_size": args.tp_size or args.devices,
                         "kv_parallel_size": args.kv_parallel_size, "dcp_merge": args.dcp_merge, "dcp_q": args.dcp_q},
            "rows": rows, "compiles": eng.compile_counts()}
+    if eng.speculative is not None:
+        out["speculative"] = eng.speculative_stats()
     if args.kind == "prefill":
         for r in out["rows"]:
             for k in [k for k in r if k.startswith("decode")]:
@@ -544,6 +581,7 @@ def main(argv=None) -> int:
     _topology_flags(g)
     _backend_flags(g)
     _prefill_flags(g)
+    _speculative_flags(g)
     g.add_argument("--no-fake-quant", action="store_true")
     g.add_argument("--json", action="store_true")
     v = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
@@ -556,6 +594,7 @@ def main(argv=None) -> int:
     _topology_flags(v)
     _backend_flags(v)
     _prefill_flags(v)
+    _speculative_flags(v)
     v.add_argument("--no-fake-quant", action="store_true")
     b = sub.add_parser("bench", help="decode / prefill benchmark of the engine, or of the kernels (prints JSON)")
     b.add_argument("kind", choices=("decode", "prefill", "kernels"))
@@ -566,6 +605,7 @@ def main(argv=None) -> int:
     _topology_flags(b)
     _backend_flags(b)
     _prefill_flags(b)
+    _speculative_flags(b)
     b.add_argument("--cache-budget-mib", type=int, default=64,
                    help="per-device global-page budget for max_resident_tokens (decode)")
     b.add_argument("--no-fake-quant", action="store_true")

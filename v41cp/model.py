@@ -35,7 +35,8 @@ from v41cp.layers.mhc import HyperConnection, collapse, mhc_layer
 from v41cp.layers.moe import MoE
 from v41cp.sharding.rules import AxisRules, ShardingContext, TP_RULES, constrain, param_shardings
 
-__all__ = ["Transformer", "forward", "forward_with_hidden", "forward_with_features", "forward_debug", "init_params",
+__all__ = ["Transformer", "forward", "forward_with_hidden", "forward_with_features", "forward_debug",
+           "embedding_and_head", "init_params",
            "abstract_params", "shard_params", "engram_inputs"]
 
 
@@ -142,6 +143,11 @@ class Transformer(nn.Module):
         logits = jnp.einsum("bsh,hv->bsv", h.astype(jnp.float32), head, precision=jax.lax.Precision.HIGHEST)
         logits = constrain(logits, ("batch", None, "vocab"), self.shard)
         return logits, hidden, cache
+
+
+def embedding_and_head(params) -> tuple[jax.Array, jax.Array]:
+    """The target's token embedding ``[vocab, H]`` and FP32 head ``[H, vocab]``, which the DSpark drafter shares."""
+    return params["embed"], params["head"]
 
 
 def engram_inputs(cfg: ModelConfig, tokens) -> np.ndarray:

@@ -6,13 +6,14 @@ the name mapping to the model's tree, conversion to orbax, and sharded restore.
 * `load_released_dir` / `place_released` — straight onto a mesh, each device reading only its own shard;
 * `params_from_released` — a mapping of released names to unquantized arrays → parameter tree;
 * `convert` / `load` — orbax checkpoint in the model's own tree, restored onto a mesh;
+* `open_drafter` — the DSpark drafter's parameters (``mtp.*``) of either layout;
 * `write_released` — write a parameter-name mapping in the release's quantized layout.
 """
 
 from pathlib import Path
 
 from v41cp.checkpoint.names import CheckpointError, IGNORED_PREFIXES, params_from_released, released_to_tree
-from v41cp.checkpoint.orbax_io import convert, load
+from v41cp.checkpoint.orbax_io import convert, load, load_drafter
 from v41cp.checkpoint.placement import LoadReport, load_released_dir, place_released
 from v41cp.checkpoint.released import ReleasedCheckpoint, load_config_dir
 from v41cp.checkpoint.safetensors_io import ReleasedFiles, SafetensorsFile, write_safetensors
@@ -21,7 +22,7 @@ from v41cp.checkpoint.writer import write_released
 __all__ = ["CheckpointError", "IGNORED_PREFIXES", "params_from_released", "released_to_tree", "convert", "load",
            "ReleasedCheckpoint", "load_config_dir", "load_released_dir", "place_released", "LoadReport", "ReleasedFiles",
            "SafetensorsFile", "write_safetensors", "write_released", "default_checkpoint", "default_released_checkpoint",
-           "open_checkpoint"]
+           "open_checkpoint", "open_drafter", "load_drafter"]
 
 _CHECKPOINTS = Path(__file__).resolve().parents[2] / "checkpoints"
 
@@ -45,3 +46,11 @@ def open_checkpoint(path, mesh=None, rules=None, progress: bool = False, **overr
     if (Path(path) / "manifest.json").exists():
         return load(path, mesh=mesh, rules=rules or TP_RULES, progress=progress, **overrides)
     return load_released_dir(path, mesh=mesh, rules=rules, progress=progress, **overrides)
+
+
+def open_drafter(path, cfg):
+    """The DSpark drafter's parameter tree (`v41cp.drafter`, host arrays, dequantized) of a converted checkpoint or
+    a released-layout directory; `CheckpointError` when it has no ``mtp.*`` tensors."""
+    if (Path(path) / "manifest.json").exists():
+        return load_drafter(path, cfg)
+    return ReleasedCheckpoint(path, cfg).drafter_params()

@@ -218,6 +218,31 @@ def _abstract_subtrees(cfg: ModelConfig, mesh: Mesh | None, rules: AxisRules) ->
     return out
 
 
+def load_drafter(path: str | os.PathLike, cfg: ModelConfig) -> dict:
+    """The DSpark drafter's parameter tree (`v41cp.drafter`, host NumPy) of a converted checkpoint: its
+    ``params/dspark`` tensors (stored as released) decoded."""
+    from v41cp.checkpoint.names import drafter_params_from_released
+    from v41cp.checkpoint.released import decode_stored
+
+    where = Path(path) / "params" / "dspark"
+    if not where.exists():
+        raise CheckpointError(f"{str(path)!r} holds no DSpark tensors (mtp.*): speculative decoding with 'dspark' "
+                              f"needs them")
+    flat: dict[str, np.ndarray] = {}
+
+    def walk(node, prefix):
+        for k, v in node.items():
+            if isinstance(v, dict):
+                walk(v, prefix + (k,))
+            else:
+                flat[".".join(prefix + (k,))] = np.asarray(v)
+
+    walk(_checkpointer().restore(where), ())
+    scale = lambda k: flat.get(k[: -len(".weight")] + ".scale") if k.endswith(".weight") else None
+    tensors = {k: decode_stored(k, v, scale(k)) for k, v in flat.items() if not k.endswith(".scale")}
+    return drafter_params_from_released(cfg.replace(keep_quantized=False), tensors)
+
+
 def load(path: str | os.PathLike, cfg: ModelConfig | None = None, mesh: Mesh | None = None,
          rules: AxisRules = TP_RULES, progress: bool = False, **overrides: Any) -> tuple[ModelConfig, dict]:
     """Restore a converted checkpoint: (config, parameter tree of jax.Arrays).

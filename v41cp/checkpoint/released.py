@@ -71,6 +71,18 @@ def load_config_dir(path: str | os.PathLike, **overrides: Any) -> ModelConfig:
     return cfg
 
 
+def decode_stored(key: str, raw: np.ndarray, scale: np.ndarray | None) -> np.ndarray:
+    """A stored tensor decoded to FP32 by its format: FP4 rows (packed int8), FP8 rows (Engram tables) or FP8
+    32×32 blocks; as stored when it has no scale."""
+    if scale is None:
+        return raw
+    if raw.dtype == np.int8:
+        return dequant_fp4_rows(raw, scale)
+    if ".engram.embed." in key:
+        return dequant_fp8_rows(raw, scale)
+    return dequant_fp8_blocks(raw, scale)
+
+
 class ReleasedCheckpoint:
     """A validated released-layout checkpoint. ``overrides`` replace config fields (``dtype``, ``fake_quant``)."""
 
@@ -171,17 +183,18 @@ class ReleasedCheckpoint:
     # ------------------------------------------------------------------ reading
     def read(self, key: str) -> np.ndarray:
         """Tensor ``key`` decoded to FP32 (quantized) or as stored (unquantized), from the memory map."""
-        info = self.files.tensors[key]
-        raw = self.files.read(key)
         scale_key = key[: -len(".weight")] + ".scale"
-        if scale_key not in self.files:
-            return raw
-        scale = self.files.read(scale_key)
-        if info.dtype == "I8":
-            return dequant_fp4_rows(raw, scale)
-        if ".engram.embed." in key:
-            return dequant_fp8_rows(raw, scale)
-        return dequant_fp8_blocks(raw, scale)
+        return decode_stored(key, self.files.read(key), self.files.read(scale_key) if scale_key in self.files else None)
+
+    def drafter_params(self) -> dict:
+        """The DSpark drafter's parameter tree (`v41cp.drafter`) from the ``mtp.*`` tensors, decoded (host)."""
+        from v41cp.checkpoint.names import drafter_params_from_released
+
+        keys = [k for k in self.files if k.startswith("mtp.") and not k.endswith(".scale")]
+        if not keys:
+            raise CheckpointError(f"{str(self.path)!r} holds no DSpark tensors (mtp.*): speculative decoding "
+                                  f"with 'dspark' needs them")
+        return drafter_params_from_released(self.cfg.replace(keep_quantized=False), {k: self.read(k) for k in keys})
 
     @property
     def subtree_names(self) -> list[str]:

@@ -5,10 +5,10 @@ Used to build release-format checkpoints from unquantized weights: the embedded 
 Storage per tensor (`release_storage`):
 
 * ``fp8``  — dense projections (``wq_a wq_b wkv wo_a wo_b``, ``indexer.wq_b``, shared experts,
-  ``engram.wkv``): e4m3 + e8m0 scales over 32×32 blocks;
+  ``engram.wkv``, DSpark's ``main_proj``): e4m3 + e8m0 scales over 32×32 blocks;
 * ``fp4``  — routed experts: packed e2m1 + per-row / 32-column e8m0 scales;
 * ``fp8_rows`` — Engram tables: e4m3 + per-row / 32-column e8m0 scales;
-* ``fp32`` — ``hc_*``, ``attn_sink``, gate biases, compressor weights, ``head``;
+* ``fp32`` — ``hc_*``, ``attn_sink``, gate biases, compressor weights, ``head``, DSpark's confidence head;
 * ``bf16`` — everything else (embedding, norms, indexer ``wk`` / ``weights_proj``, router weight, …).
 
 Tensors stream through: each is quantized when it arrives and shards are flushed at
@@ -33,10 +33,11 @@ from v41cp.config import ModelConfig
 
 __all__ = ["release_storage", "released_shapes", "write_released"]
 
-_FP8 = re.compile(r".*\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]|engram\.wkv)\.weight$")
+_FP8 = re.compile(r".*\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]|engram\.wkv"
+                  r"|main_proj)\.weight$")
 _FP4 = re.compile(r".*\.ffn\.experts\.\d+\.w[123]\.weight$")
 _FP32 = re.compile(r"(^head\.weight$)|(.*\.(hc_(attn|ffn)_(fn|base|scale)|attn\.attn_sink|ffn\.gate\.bias(_vl)?"
-                   r"|attn\.compressor\..*)$)")
+                   r"|attn\.compressor\..*|confidence_head\.proj\.weight)$)")
 
 
 def release_storage(name: str) -> str:

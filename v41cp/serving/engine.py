@@ -21,6 +21,7 @@ import numpy as np
 
 from v41cp.config import ModelConfig
 from v41cp.engram_hash import engram_hash_ids
+from v41cp.model import embedding_and_head
 from v41cp.serving.allocator import BlockAllocator
 from v41cp.serving.dcp import DCPPlan
 from v41cp.serving.span_metadata import build_span_metadata, round_up, row_capacities
@@ -177,6 +178,9 @@ class Engine:
         self.cfg, self.capacity = cfg, capacity
         if speculative is not None:
             check_speculative(cfg, speculative)
+            if speculative.params is None and speculative.proposer is None:
+                raise ValueError("speculative decoding needs the drafter's parameters (v41cp.checkpoint.open_drafter) "
+                                 "or a proposer")
         self.speculative = speculative
         self.parallel = parallel
         self.plan = None               # KVP / DCP layout (pages split over cp)
@@ -474,7 +478,7 @@ class Engine:
             hist = req.history
             anchors[i], pos[i], slots[i] = hist[-1], len(hist) - 1, self.alloc.slot(req.rid)
         if spec.proposer is None:
-            drafts, _ = draft_step(self.dparams, self.params["embed"], self.params["head"], cfg, self.dcache,
+            drafts, _ = draft_step(self.dparams, *embedding_and_head(self.params), cfg, self.dcache,
                                    jnp.asarray(slots), jnp.asarray(anchors), jnp.asarray(pos), n)
             drafts = np.asarray(drafts)
         else:
@@ -554,7 +558,9 @@ class Engine:
 
     @staticmethod
     def compile_counts() -> dict[str, int]:
-        """Compilations so far of the jitted decode step, token-serial prefill chunk and span prefill (one per
-        bucket expected; the span prefill also once more for continuing passes)."""
+        """Compilations so far of the jitted decode step, token-serial prefill chunk, span prefill and the
+        speculative verification and draft steps (one per bucket — and verification width — expected; the span
+        prefill also once more for continuing passes)."""
         return {"decode_step": decode_step._cache_size(), "prefill_chunk": prefill_chunk._cache_size(),
-                "prefill_span": span_compile_count()}
+                "prefill_span": span_compile_count(), "verify_step": verify_step._cache_size(),
+                "draft_step": draft_step._cache_size()}

@@ -56,7 +56,7 @@ class Speculative:
 
 
 def check_speculative(cfg: ModelConfig, spec: Speculative) -> None:
-    """Raise ValueError naming the offending value of ``spec`` for ``cfg``."""
+    """Raise ValueError naming the offending setting of ``spec`` for ``cfg`` (its weights are not looked at)."""
     if spec.algorithm != "dspark":
         raise ValueError(f"speculative algorithm {spec.algorithm!r} is not supported (choose 'dspark')")
     if not cfg.has_dspark:
@@ -70,9 +70,6 @@ def check_speculative(cfg: ModelConfig, spec: Speculative) -> None:
     if n + 1 > cfg.sliding_window:
         raise ValueError(f"speculative num_draft_tokens={n}: n + 1 verification rows exceed sliding_window="
                          f"{cfg.sliding_window}")
-    if spec.params is None and spec.proposer is None:
-        raise ValueError("speculative decoding needs the drafter's parameters (the checkpoint has no mtp.* tensors) "
-                         "or a proposer")
 
 
 def init_draft_cache(cfg: ModelConfig, max_batch: int, sharding=None) -> dict:
@@ -84,7 +81,9 @@ def init_draft_cache(cfg: ModelConfig, max_batch: int, sharding=None) -> dict:
 
 
 def _call(params, cfg, method, *args):
-    return Drafter(cfg).apply({"params": params}, *args, method=method)
+    # the drafter is loaded dequantized (`v41cp.checkpoint.open_drafter`) whatever the target keeps
+    return Drafter(cfg.replace(keep_quantized=False) if cfg.keep_quantized else cfg).apply(
+        {"params": params}, *args, method=method)
 
 
 @partial(jax.jit, static_argnames=("cfg",), donate_argnames=("dcache",))
