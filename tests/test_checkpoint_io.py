@@ -207,14 +207,15 @@ def test_cli_convert_in_parallel_workers_equals_serial(tmp_path, converted):
 
 
 def test_unquantized_export_and_dspark_vision_tensors(tmp_path):
-    """The same names stored FP32 without scales (other frameworks' exports) load to the same tree;
-    mtp.* tensors go to their own subtree, vision tensors are skipped."""
+    """The same names stored FP32 without scales (other frameworks' exports) load to the same tree, the DSpark
+    drafter too; mtp.* tensors go to their own subtree of a conversion (and decode to the same drafter), vision
+    tensors are skipped."""
     from v41cp.checkpoint import write_released
     from v41cp.checkpoint.safetensors_io import ReleasedFiles
 
     quantized = ReleasedCheckpoint(RELEASED)
     names = [k for k in quantized.files if not k.endswith(".scale")]
-    extra = {"mtp.0.main_norm.weight": np.ones(64, np.float32), "vision.blocks.0.w": np.zeros(3, np.float32)}
+    extra = {"vision.blocks.0.w": np.zeros(3, np.float32)}
     tensors = [(k, np.asarray(quantized.read(k), np.float32)) for k in names] + list(extra.items())
     write_released(tmp_path / "fp32", json.loads((RELEASED / "config.json").read_text()), tensors,
                    tokenizer=RELEASED / "tokenizer.json", quantize=False)
@@ -223,7 +224,14 @@ def test_unquantized_export_and_dspark_vision_tensors(tmp_path):
     for a, b in zip(jax.tree.leaves(quantized.params()), jax.tree.leaves(plain.params())):
         np.testing.assert_array_equal(a, b)
     summary = convert(tmp_path / "fp32", tmp_path / "conv", progress=False)
-    assert summary["dspark_tensors"] == 1 and (tmp_path / "conv" / "params" / "dspark").exists()
+    mtp = [k for k in names if k.startswith("mtp.")]
+    assert summary["dspark_tensors"] == len(mtp) > 0 and (tmp_path / "conv" / "params" / "dspark").exists()
+    from v41cp.checkpoint import open_drafter
+
+    want = quantized.drafter_params()
+    for other in (plain.drafter_params(), open_drafter(tmp_path / "conv", quantized.cfg)):
+        for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(other)):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_in_jit_decoders_match_host_decoders():
