@@ -1,7 +1,8 @@
 """DSpark speculative decoding (`v41cp.serving.speculative`) against plain decoding on the same weights.
 
-* greedy speculative = plain greedy, token for token: one device (token-serial and span prefill, CED on) and
-  KVP = DCP = 2, prompts and outputs crossing the window (8), pair (2), page (4) and candidate-block boundaries;
+* greedy speculative = plain greedy, token for token: one device (token-serial and span prefill, CED on), plain
+  TP 2, KVP = DCP ∈ {2, 8}, and after a model-wide QCP 4 prefill (KVP = DCP 4, CED on); prompts and outputs
+  crossing the window (8), pair (2), page (4) and candidate-block boundaries;
 * every acceptance length 0 … n by injected proposals (the target's own greedy continuation with a wrong token at
   draft j): tokens identical to plain greedy, and the caches after the run equal plain decoding's (rejected rows
   rolled back), with exactly j drafts kept per full step;
@@ -19,7 +20,9 @@ import numpy as np
 import pytest
 
 from helpers import assert_same_records, cache_by_virtual_block, rel_err
+from v41cp import model
 from v41cp.checkpoint import default_checkpoint, load, open_drafter
+from v41cp.drafter import Drafter
 from v41cp.serving.engine import Capacity, Engine, SamplingParams
 from v41cp.serving.speculative import Speculative, accept_drafts
 from v41cp.sharding.topology import ParallelConfig
@@ -50,22 +53,59 @@ def _run(engine, prompts, sp=SamplingParams(max_new_tokens=NEW, stop_on_eos=Fals
     return {r["id"]: r for r in engine.run()}
 
 
-@pytest.mark.parametrize("variant", ["serial", "span-ced", "kvp2"])
+TOPOLOGIES = {
+    "tp2": ParallelConfig(tp_size=2),                                              # plain attention TP
+    "kvp2": ParallelConfig(tp_size=2, kv_parallel_size=2, decode_context_parallel_size=2),
+    "kvp8": ParallelConfig(tp_size=8, kv_parallel_size=8, decode_context_parallel_size=8),
+    # model-wide QCP prefill (CED on) over attention TP 4, pages over KVP 4, DCP decode: the prompt's features
+    # come back to span order from the ranks that own the rows
+    "qcp4-kvp4-ced": ParallelConfig(tp_size=4, query_context_parallel_size=4, kv_parallel_size=4,
+                                    decode_context_parallel_size=4),
+}
+
+
+@pytest.mark.parametrize("variant", ["serial", "span-ced", *TOPOLOGIES])
 def test_greedy_speculative_equals_plain_greedy(setup, variant):
     cfg, params, drafter, prompts, want, _ = setup
     cap, kw = CAP, {}
     if variant == "span-ced":
         cap = dataclasses.replace(CAP, span_prefill=True, ced=True)
-    elif variant == "kvp2":
-        kw = {"parallel": ParallelConfig(tp_size=2, kv_parallel_size=2, decode_context_parallel_size=2)}
+    elif variant in TOPOLOGIES:
+        kw = {"parallel": TOPOLOGIES[variant]}
+        cap = dataclasses.replace(CAP, ced=variant.endswith("ced"))
     eng = Engine(params, cfg, cap, speculative=Speculative(drafter, N), **kw)
-    out = _run(eng, prompts)
+    sp = SamplingParams(max_new_tokens=NEW, stop_on_eos=False)
+    for rid, p in prompts.items():
+        eng.submit(rid, p, sp)
+    eng.step()                                 # every request admitted (3 batch slots), prefilled, one step
+    slots = {rid: eng.alloc.slot(rid) for rid in prompts}
+    after_prefill = {rid: list(eng.requests[rid].history[:-1]) for rid in prompts}
+    for rid in prompts:                        # mostly the prompt's rows (the prefill's features)
+        _check_draft_cache(eng, cfg, params, drafter, slots[rid], after_prefill[rid], variant)
+    out = {r["id"]: r for r in eng.run()}
     for rid in prompts:
         assert out[rid]["output_ids"] == want[rid], (variant, rid)
         st = out[rid]["speculative"]
         assert st["emitted_tokens"] == NEW - 1 and st["drafts_proposed"] <= N * st["target_steps"]
-    print(f"\n[speculative {variant}] random drafter: {eng.speculative_stats()}")
+    print(f"\n[speculative {variant}] untrained drafter: {eng.speculative_stats()}")
     assert eng.alloc.free_blocks == eng.num_blocks
+    for rid in prompts:                        # the kept verification rows' features
+        _check_draft_cache(eng, cfg, params, drafter, slots[rid], prompts[rid] + want[rid][:-1], variant)
+
+
+def _check_draft_cache(eng, cfg, params, drafter, slot, fed, tag):
+    """The draft cache of batch slot ``slot`` holds each stage's context keys of the target features of the last
+    ``W`` fed positions, as the full-sequence forward computes them."""
+    w = cfg.sliding_window
+    padded = np.zeros((1, CAP.max_tokens), np.int32)             # causal: right padding keeps the features
+    padded[0, :len(fed)] = fed
+    _, feats = model.forward_with_features(params, cfg, padded)
+    pos = np.arange(max(len(fed) - w, 0), len(fed))
+    d = Drafter(cfg)
+    main_x = d.apply({"params": drafter}, feats[:, pos], method=Drafter.main_x)
+    keys = np.asarray(d.apply({"params": drafter}, main_x, pos[None], method=Drafter.context_keys))[:, 0]
+    got = np.asarray(eng.dcache["keys"])[:, slot, pos % w]
+    assert rel_err(got, keys) <= 1e-5, (tag, len(fed), rel_err(got, keys))
 
 
 @pytest.mark.parametrize("j", range(N + 1))

@@ -43,11 +43,20 @@ __all__ = ["Drafter", "target_features", "init_drafter_params", "abstract_drafte
            "draft_from_features"]
 
 
-def target_features(cfg: ModelConfig, taps: dict) -> jax.Array:
+def target_features(cfg: ModelConfig, taps: dict, narrow=None) -> jax.Array:
     """The target's DSpark features from a forward's ``taps`` collection (each target layer's attention-input
     streams, mean over hc, ``[B, T, H]``: `v41cp.model.Block`) → ``[B, T, n · H]`` in
-    ``dspark_target_layer_ids`` order."""
-    return jnp.concatenate([taps[f"layers_{i}"]["dspark"][0] for i in cfg.dspark_target_layer_ids], axis=-1)
+    ``dspark_target_layer_ids`` order. ``narrow``: in a CED-narrowed cached step, the map from all rows to the
+    decoder rows (`PagedRows.ced_split`), applied to the taps of target layers before the CED boundary (which saw
+    every row; the later ones saw the decoder rows only)."""
+    from v41cp.ced import ced_boundary
+
+    boundary = ced_boundary(cfg) if narrow is not None else None
+    out = []
+    for i in cfg.dspark_target_layer_ids:
+        t = taps[f"layers_{i}"]["dspark"][0]
+        out.append(narrow(t) if boundary is not None and i < boundary else t)
+    return jnp.concatenate(out, axis=-1)
 
 
 class DraftAttention(nn.Module):

@@ -104,7 +104,8 @@ def _forward_rows(params: dict, cache: dict, meta: StepRows, cfg: ModelConfig, p
             from v41cp.drafter import target_features
 
             (logits, _, cache), taps = call(mutable=["taps"])
-            feats = rows.last_rows(target_features(cfg, taps["taps"]), features)
+            narrow = rows.ced_split()[2] if rows.narrows else None
+            feats = rows.last_rows(target_features(cfg, taps["taps"], narrow), features)
         else:
             logits, _, cache = call()
         if undo:

@@ -223,9 +223,6 @@ class Engine:
                       "decode_s": 0.0, "step_s": deque(maxlen=4096), "ced_encoder_only_rows": 0}
         self.dparams = self.dcache = None
         if speculative is not None:
-            if self.span and lay.query_parallel:
-                raise ValueError("speculative decoding with model-wide QCP prefill (query_context_parallel_size > 1) "
-                                 "is not built yet: the prompt's DSpark features are not gathered back to span order")
             rep = None if mesh is None else NamedSharding(mesh, PartitionSpec())
             if speculative.params is not None:
                 self.dparams = speculative.params if rep is None else jax.device_put(speculative.params, rep)

@@ -18,7 +18,8 @@ only moves keys (the same interface as `v41cp.serving.paged_rows.PagedRows`):
   row tiles × key tiles with a running top-k (`v41cp.layers.tiled_select`): no ``[rows, history]`` intermediate;
 * `ced_split` — CED narrowing at the boundary: the retained decoder rows stay on the rank that owned them
   (``dec_slots``), restored to span order by ``dec_span_index``; no row is redistributed;
-* `sampled` — each request's sampled row (on one rank) to every rank by one all-reduce of ``B`` rows.
+* `sampled` — each request's sampled row (on one rank) to every rank by one all-reduce of ``B`` rows;
+  `last_rows` — each request's last rows (DSpark's target features) the same way.
 """
 
 from __future__ import annotations
@@ -93,6 +94,21 @@ class QCPRows:
         mine = (at >= 0) & (at // c == self.grp.rank())
         hs = jnp.where(mine[:, None], h[0][jnp.clip(at % c, 0, c - 1)], jnp.zeros((), h.dtype))
         return self.grp.psum(hs)[:, None]
+
+    def last_rows(self, x: jax.Array, count: int):
+        """The last ``count`` rows of each request of this pass among the rows that reach the model's end (the
+        CED decoder rows of a narrowing pass), from the local rows ``x [1, C, …]``, in span order on every rank:
+        ``(rows [B, count, …], positions [B, count], valid [B, count])`` — each row from its owner rank by one
+        all-reduce of ``B · count`` rows (the rows are never all gathered)."""
+        f = self.ced_split()[1] if self.narrows else self
+        b, s = f.index.shape
+        c = x.shape[1]
+        local = f.lengths[:, None] - count + jnp.arange(count, dtype=jnp.int32)[None]          # [B, count]
+        valid = local >= 0
+        at = jnp.where(valid, jnp.take_along_axis(f.index, jnp.clip(local, 0, s - 1), axis=1), -1)
+        mine = valid & (at // c == self.grp.rank())
+        rows = jnp.where(mine[..., None], x[0][jnp.clip(at % c, 0, c - 1)], jnp.zeros((), x.dtype))
+        return self.grp.psum(rows), f.starts[:, None] + local, valid
 
     def _span(self, a: jax.Array) -> jax.Array:
         return self.grp.to_span(a[0], self.index)                                     # [1,C,·] → [B,S,·]

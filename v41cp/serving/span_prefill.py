@@ -93,17 +93,26 @@ class SpanLayout:
         return int(np.prod([self.mesh.shape[a] for a in self.axes])) if self.query_parallel else 1
 
 
-def _qcp_body(params, cache, meta: SpanMetadata, cfg: ModelConfig, layout: SpanLayout):
-    """The one model over this rank's rows (inside the map): ``(logits [B, vocab/N], cache)``."""
+def _qcp_body(params, cache, meta: SpanMetadata, cfg: ModelConfig, layout: SpanLayout, features: int = 0):
+    """The one model over this rank's rows (inside the map): ``(logits [B, vocab/N], cache)``, and with
+    ``features`` the DSpark target features of each request's last ``features`` rows in span order
+    (`QCPRows.last_rows`)."""
     from v41cp.model import Transformer
     from v41cp.serving.qcp_rows import QCPRows
     from v41cp.sharding.row_group import RowGroup
 
     grp = RowGroup(layout.mesh, layout.axes, chunk_bytes=16 * layout.tile_bytes)
     rows = QCPRows(cfg, grp, meta, cache, layout.kv_parallel, layout.tile_bytes)
-    logits, _, cache = Transformer(cfg, grp).apply({"params": params}, meta.tokens, meta.engram_ids, rows=rows,
-                                                   cache=cache, logits_at=meta.sampled)
-    return logits[:, 0], cache
+    call = lambda **kw: Transformer(cfg, grp).apply({"params": params}, meta.tokens, meta.engram_ids, rows=rows,
+                                                    cache=cache, logits_at=meta.sampled, **kw)
+    if not features:
+        logits, _, cache = call()
+        return logits[:, 0], cache
+    from v41cp.drafter import target_features
+
+    (logits, _, cache), taps = call(mutable=["taps"])
+    narrow = rows.ced_split()[2] if rows.narrows else None
+    return logits[:, 0], cache, rows.last_rows(target_features(cfg, taps["taps"], narrow), features)
 
 
 def _specs(cfg: ModelConfig, layout: SpanLayout, params, cache, meta):
@@ -121,19 +130,20 @@ def _specs(cfg: ModelConfig, layout: SpanLayout, params, cache, meta):
     return pspec, cspec, mspec, vocab
 
 
-def _run(params, cache, meta: SpanMetadata, cfg: ModelConfig, layout: SpanLayout):
+def _run(params, cache, meta: SpanMetadata, cfg: ModelConfig, layout: SpanLayout, features: int = 0):
     with jax.default_matmul_precision("highest" if cfg.dtype == "float32" else "default"):
         pspec, cspec, mspec, hspec = _specs(cfg, layout, params, cache, meta)
-        body = partial(_qcp_body, cfg=cfg, layout=layout)
+        body = partial(_qcp_body, cfg=cfg, layout=layout, features=features)
         # as in the DCP islands: JAX's Pallas interpreter trips its own varying-axes check (CPU only)
         check = not (cfg.indexer_backend == "pallas" and interpret_mode())
-        return jax.shard_map(body, mesh=layout.mesh, in_specs=(pspec, cspec, mspec),
-                             out_specs=(P(None, *hspec[1:]), cspec), check_vma=check)(params, cache, meta)
+        out_specs = (P(None, *hspec[1:]), cspec) + (((P(), P(), P()),) if features else ())
+        return jax.shard_map(body, mesh=layout.mesh, in_specs=(pspec, cspec, mspec), out_specs=out_specs,
+                             check_vma=check)(params, cache, meta)
 
 
-@partial(jax.jit, static_argnames=("cfg", "layout"), donate_argnames=("cache",))
-def _prefill_qcp(params, cache: dict, meta: SpanMetadata, cfg: ModelConfig, layout: SpanLayout):
-    return _run(params, cache, meta, cfg, layout)
+@partial(jax.jit, static_argnames=("cfg", "layout", "features"), donate_argnames=("cache",))
+def _prefill_qcp(params, cache: dict, meta: SpanMetadata, cfg: ModelConfig, layout: SpanLayout, features: int = 0):
+    return _run(params, cache, meta, cfg, layout, features)
 
 
 @partial(jax.jit, static_argnames=("cfg", "plan", "operator", "features"), donate_argnames=("cache",))
@@ -183,10 +193,8 @@ def prefill_span(params, cache: dict, meta: SpanMetadata, cfg: ModelConfig, layo
     """Prefill the prompts of ``meta`` (`build_span_metadata`) in one pass: ``(logits [B, vocab] FP32 of each
     prompt's last row — zeros for an empty row or a pass without it —, updated cache)``. See the module
     docstring. ``features > 0``: also the DSpark target features of each request's last ``features`` rows of the
-    pass (``([B, F, n·H], positions [B, F], valid [B, F])``); not yet under model-wide QCP."""
-    if features and layout.query_parallel:
-        raise NotImplementedError("span prefill: DSpark target features under model-wide QCP are not built yet "
-                                  "(query_context_parallel_size > 1)")
+    pass (``([B, F, n·H], positions [B, F], valid [B, F])``, replicated; under model-wide QCP gathered back to
+    span order from the ranks that own the rows)."""
     return _dispatch(params, cache, meta, cfg, layout, lower=False, features=features)
 
 
@@ -200,7 +208,7 @@ def _dispatch(params, cache, meta, cfg, layout, lower: bool, features: int = 0):
         raise ValueError(f"span prefill: the metadata plans {meta.n} ranks but the layout splits rows over "
                          f"{layout.n} (query_context_parallel_size)")
     if layout.query_parallel:          # (on a one-device mesh: the same program over a one-rank group)
-        fn, args = _prefill_qcp, (params, cache, meta, cfg, layout)
+        fn, args = _prefill_qcp, (params, cache, meta, cfg, layout) + ((features,) if features else ())
     else:
         fn, args = _prefill_rows, (params, cache, _span_rows(cfg, meta), cfg, _layout_plan(cfg, layout),
                                    layout.operator) + ((features,) if features else ())
