@@ -137,6 +137,7 @@ def test_every_acceptance_length_rolls_back_exactly(setup, j):
             assert_same_records(got[key], ref[key], key)
         else:
             assert rel_err(got[key], ref[key]) <= 1e-5, key
+    assert eng.load()["speculative"] == eng.speculative_stats()          # what the server's /health shows
     if j == N:
         stats = eng.speculative_stats()
         print(f"\n[speculative ideal acceptance] target steps per token {stats['target_steps_per_token']:.3f} "

@@ -287,11 +287,14 @@ class Engine:
         return out
 
     def load(self) -> dict:
-        """Requests waiting / running and free cache blocks (a health probe)."""
+        """Requests waiting / running and free cache blocks (a health probe); speculative counters when on."""
         status = [r.status for r in self.requests.values()]
-        return {"waiting": status.count("waiting"), "running": status.count("running"),
-                "free_blocks": self.alloc.free_blocks, "total_blocks": self.num_blocks,
-                "free_slots": self.alloc.free_slots}
+        out = {"waiting": status.count("waiting"), "running": status.count("running"),
+               "free_blocks": self.alloc.free_blocks, "total_blocks": self.num_blocks,
+               "free_slots": self.alloc.free_slots}
+        if self.speculative is not None:                 # the server's /health shows them
+            out["speculative"] = self.speculative_stats()
+        return out
 
     def result(self, rid) -> dict:
         r = self.requests[rid]
