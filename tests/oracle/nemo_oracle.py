@@ -115,6 +115,21 @@ def build_model(text: dict, seed: int, tokenizer, dtype: str = "float32"):
     return model
 
 
+def seeded_target(text: dict, args):
+    """The port's target model of config ``text`` (``--set`` overrides applied, its dtype from ``--dtype``; the
+    Engram compressed vocabulary of the synthetic tokenizer written into ``text``), seeded by ``--seed``:
+    ``(model, tokenizer, token_map or None)``."""
+    text.update(parse_overrides(args.set))
+    text.pop("dtype", None)
+    tok, fast = synthetic_tokenizer(text["vocab_size"])
+    token_map = None
+    if text.get("engram_layer_ids"):
+        from nemo_automodel.components.models.deepseek_v41.engram import _compressed_token_map
+        token_map, compressed = _compressed_token_map(fast)
+        text["engram_compressed_vocab_size"] = compressed
+    return build_model(text, args.seed, fast, args.dtype), tok, token_map
+
+
 def load_released_weights(model, directory):
     """Load a released-layout checkpoint (quantized or not) through the port's own adapter
     (``from_hf``: its dequantization, renaming and expert merging). Returns the port's dequantized
@@ -153,14 +168,7 @@ def cmd_model(args):
             text.pop(k, None)
     else:
         text = dict(PRESETS[args.preset])
-    text.update(parse_overrides(args.set))
-    text.pop("dtype", None)
-    tok, fast = synthetic_tokenizer(text["vocab_size"])
-    if text.get("engram_layer_ids"):
-        from nemo_automodel.components.models.deepseek_v41.engram import _compressed_token_map
-        token_map, compressed = _compressed_token_map(fast)
-        text["engram_compressed_vocab_size"] = compressed
-    model = build_model(text, args.seed, fast, args.dtype)
+    model, tok, token_map = seeded_target(text, args)
     dequantized = None
     if args.weights:
         dequantized = load_released_weights(model, args.weights)
@@ -275,14 +283,7 @@ def cmd_dspark(args):
         attention.quantize_cache = lambda values, **_: values
         import_module(f"{NEMO}.dspark").quantize_cache = lambda values, **_: values
     text = dict(PRESETS[args.preset])
-    text.update(parse_overrides(args.set))
-    text.pop("dtype", None)
-    tok, fast = synthetic_tokenizer(text["vocab_size"])
-    if text.get("engram_layer_ids"):
-        from nemo_automodel.components.models.deepseek_v41.engram import _compressed_token_map
-        _, compressed = _compressed_token_map(fast)
-        text["engram_compressed_vocab_size"] = compressed
-    model = build_model(text, args.seed, fast, args.dtype)
+    model, tok, _ = seeded_target(text, args)
     tcfg = model.config.text_config
     backend = BackendConfig(attn="eager", linear="torch", rms_norm="torch_fp32", experts="torch", dispatcher="torch")
     torch.manual_seed(args.seed + 3)
