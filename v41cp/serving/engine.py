@@ -6,7 +6,9 @@ each reserves the blocks for its whole prompt + output budget, so no running req
 preempted) and prefills them (a prefill round, chunk by chunk), then runs one decode round for every
 running request. Sampling is greedy, or temperature / top-p with a per-request seed (deterministic:
 the draw of output token ``i`` uses ``default_rng([seed, i])``). A request stops on EOS (unless
-disabled) or after ``max_new_tokens``; `cancel` frees it at once.
+disabled) or after ``max_new_tokens``; `cancel` frees it at once. With ``speculative`` (`v41cp.serving.speculative`:
+the DSpark drafter, or injected proposals) a decode round drafts ``n`` tokens per request, verifies them in one
+``n + 1``-row step and keeps the accepted ones (greedy tokens as without it; sampling lossless).
 """
 
 from __future__ import annotations
