@@ -10,13 +10,31 @@ Under KVP (``kv_parallel_size = N > 1``) block ids are virtual: block ``v`` live
 local row ``v // N`` (`v41cp.sharding.ownership`). A request's ``i``-th block is taken from residue class
 ``(i + s) % N``, where ``s`` (its first block's residue) is chosen at admission as the feasible residue
 with the most free blocks, so every request's pages are cyclic over the ranks and the ranks fill evenly.
+
+Prefix caching (`v41cp.serving.prefix_cache`): a request may start with *shared* blocks it reads but never
+writes or frees (``admit(..., prefix=...)``; its own blocks continue the prefix's residue class), and may hand
+blocks it wrote to the cache (`give`); the cache returns blocks it evicts with `free`.
 """
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 
-__all__ = ["AllocationError", "BlockAllocator"]
+import numpy as np
+
+__all__ = ["AllocationError", "BlockAllocator", "content_residue"]
+
+
+def content_residue(prompt, block_tokens: int, n: int) -> int:
+    """The KVP residue class a request whose prompt starts with ``prompt``'s first block prefers: a hash of that
+    block's tokens mod ``n``. Placement then depends on content only, so two runs of the same prompt put every page
+    on the same rank (the DCP merge adds per-rank partials: another placement rounds differently), prompts sharing
+    a prefix share their page cycle (prefix caching), and different prompts spread over the ranks."""
+    if n == 1:
+        return 0
+    head = np.asarray(list(prompt[:block_tokens]), np.int64).tobytes()
+    return zlib.crc32(head) % n
 
 
 class AllocationError(ValueError):
@@ -29,6 +47,8 @@ class _Request:
     tokens: int
     blocks: list[int] = field(default_factory=list)
     residue: int = 0                       # residue class of the first block (KVP)
+    shared: int = 0                        # leading blocks borrowed from the prefix cache
+    given: set = field(default_factory=set)  # positions of blocks handed to the prefix cache
 
 
 class BlockAllocator:
@@ -74,8 +94,10 @@ class BlockAllocator:
     def _take(self, first: int, count: int, residue: int) -> list[int]:
         return [self._free[(i + residue) % self.n].pop() for i in range(first, first + count)]
 
-    def _residue_for(self, count: int) -> int | None:
-        fits = [r for r in range(self.n) if self._fits(0, count, r)]
+    def _residue_for(self, count: int, first: int = 0, residue: int | None = None) -> int | None:
+        if residue is not None:
+            return residue if self._fits(first, count - first, residue) else None
+        fits = [r for r in range(self.n) if self._fits(first, count - first, r)]
         return max(fits, key=lambda r: (len(self._free[r]), -r)) if fits else None
 
     @property
@@ -108,13 +130,17 @@ class BlockAllocator:
         count = self.blocks_needed(tokens)
         return 0 < tokens <= self.capacity_tokens and -(-count // self.n) <= self.num_blocks // self.n
 
-    def can_admit(self, tokens: int) -> bool:
-        return (0 < tokens <= self.capacity_tokens and self.free_slots > 0
-                and self._residue_for(self.blocks_needed(tokens)) is not None)
+    def can_admit(self, tokens: int, prefix_blocks: int = 0, residue: int | None = None) -> bool:
+        """Whether a request of ``tokens`` tokens fits now, its first ``prefix_blocks`` blocks shared (then its
+        own blocks are in the prefix's ``residue`` class)."""
+        return (0 < tokens <= self.capacity_tokens and self.free_slots > 0 and prefix_blocks <= self.blocks_needed(tokens)
+                and self._residue_for(self.blocks_needed(tokens), prefix_blocks, residue) is not None)
 
     # ------------------------------------------------------------------ mutations
-    def admit(self, rid, tokens: int) -> list[int]:
-        """Reserve a slot and the blocks for ``tokens`` tokens of new request ``rid``; returns its blocks."""
+    def admit(self, rid, tokens: int, prefix=(), residue: int | None = None) -> list[int]:
+        """Reserve a slot and the blocks for ``tokens`` tokens of new request ``rid``; returns its blocks.
+        ``prefix``: block ids its history starts with, shared (read only; not freed by this request); under KVP
+        they must be cyclic from ``residue`` (the residue class of the first block) and the new blocks follow."""
         if rid in self._requests:
             raise AllocationError(f"request id {rid!r} is already active")
         if type(tokens) is not int or tokens <= 0:
@@ -125,12 +151,21 @@ class BlockAllocator:
                                   f"{self.block_tokens} tokens)")
         if not self._free_slots:
             raise AllocationError(f"request {rid!r}: all {self.max_batch} batch slots are in use")
-        need = self.blocks_needed(tokens)
-        residue = self._residue_for(need)
-        if residue is None:
-            raise AllocationError(f"request {rid!r}: needs {need} blocks, {self.free_blocks} free"
+        need, first = self.blocks_needed(tokens), len(prefix)
+        if first > need:
+            raise AllocationError(f"request {rid!r}: {first} shared blocks exceed the {need} its {tokens} tokens need")
+        if prefix:
+            residue = prefix[0] % self.n if residue is None else residue
+            bad = [b for i, b in enumerate(prefix) if b % self.n != (i + residue) % self.n]
+            if bad:
+                raise AllocationError(f"request {rid!r}: shared block {bad[0]} breaks the cyclic page order from "
+                                      f"residue {residue}")
+        got = self._residue_for(need, first, residue)
+        if got is None:
+            raise AllocationError(f"request {rid!r}: needs {need - first} blocks, {self.free_blocks} free"
                                   + (f" (per rank: {[len(f) for f in self._free]})" if self.n > 1 else ""))
-        req = _Request(self._free_slots.pop(), tokens, self._take(0, need, residue), residue)
+        req = _Request(self._free_slots.pop(), tokens, list(prefix) + self._take(first, need - first, got), got,
+                       shared=first)
         self._requests[rid] = req
         return list(req.blocks)
 
@@ -151,14 +186,33 @@ class BlockAllocator:
         req.tokens = tokens
         return new
 
-    def release(self, rid) -> None:
-        """Free everything of request ``rid`` (completion or cancellation)."""
+    def give(self, rid, positions) -> None:
+        """Hand the blocks at ``positions`` of request ``rid``'s table to the prefix cache: the request keeps
+        reading them, `release` no longer frees them."""
         req = self._req(rid)
-        del self._requests[rid]
-        for b in req.blocks:
+        positions = [int(i) for i in positions]
+        bad = [i for i in positions if not req.shared <= i < len(req.blocks)]
+        if bad:
+            raise AllocationError(f"request {rid!r}: block position {bad[0]} is not one of its own "
+                                  f"({req.shared}..{len(req.blocks) - 1})")
+        req.given.update(positions)
+
+    def free(self, blocks) -> None:
+        """Return blocks the prefix cache held (evicted) to the free lists."""
+        for b in blocks:
+            if not 0 <= b < self.num_blocks or b in self._free[b % self.n]:
+                raise AllocationError(f"block {b!r} cannot be freed: out of range or already free")
+        for b in blocks:
             self._free[b % self.n].append(b)
         for f in self._free:
             f.sort(reverse=True)
+
+    def release(self, rid) -> None:
+        """Free everything request ``rid`` owns (completion or cancellation): not its shared blocks, not the
+        blocks it gave to the prefix cache."""
+        req = self._req(rid)
+        del self._requests[rid]
+        self.free([b for i, b in enumerate(req.blocks) if i >= req.shared and i not in req.given])
         self._free_slots.append(req.slot)
         self._free_slots.sort(reverse=True)
 
@@ -166,9 +220,14 @@ class BlockAllocator:
     cancel = release
 
     # ------------------------------------------------------------------ checks
-    def check(self) -> None:
-        """Raise AssertionError unless every block / slot is owned exactly once or free exactly once."""
-        owned = [b for r in self._requests.values() for b in r.blocks]
+    def check(self, cached=()) -> None:
+        """Raise AssertionError unless every block / slot is owned exactly once or free exactly once; ``cached``:
+        the blocks the prefix cache holds (shared blocks of requests must be among them)."""
+        cached = list(cached)
+        owned = [b for r in self._requests.values() for i, b in enumerate(r.blocks)
+                 if i >= r.shared and i not in r.given] + cached
+        shared = {b for r in self._requests.values() for i, b in enumerate(r.blocks) if i < r.shared or i in r.given}
+        assert shared <= set(cached), "a request shares a block the prefix cache does not hold"
         assert len(owned) == len(set(owned)), "a block is owned twice"
         assert not set(owned) & set(self._free_blocks), "a block is both owned and free"
         assert sorted(owned + self._free_blocks) == list(range(self.num_blocks)), "a block leaked"

@@ -9,6 +9,8 @@ the draw of output token ``i`` uses ``default_rng([seed, i])``). A request stops
 disabled) or after ``max_new_tokens``; `cancel` frees it at once. With ``speculative`` (`v41cp.serving.speculative`:
 the DSpark drafter, or injected proposals) a decode round drafts ``n`` tokens per request, verifies them in one
 ``n + 1``-row step and keeps the accepted ones (greedy tokens as without it; sampling lossless).
+With ``Capacity(prefix_caching=True)`` a prompt that starts with cached whole blocks reuses their pages and the
+stored slot state and prefills only the rest (`v41cp.serving.prefix_cache`): bit-identical to a cold prefill.
 """
 
 from __future__ import annotations
@@ -24,8 +26,13 @@ import numpy as np
 from v41cp.config import ModelConfig
 from v41cp.engram_hash import engram_hash_ids
 from v41cp.model import embedding_and_head
-from v41cp.serving.allocator import BlockAllocator
+from v41cp.serving.allocator import BlockAllocator, content_residue
 from v41cp.serving.dcp import DCPPlan
+from v41cp.serving.prefix_cache import PrefixCache
+from v41cp.serving.prefix_cache import admit as prefix_admit
+from v41cp.serving.prefix_cache import grow as prefix_grow
+from v41cp.serving.request_state import request_state
+from v41cp.serving.slot_state import put_slot_state, state_bytes, take_slot_state
 from v41cp.serving.span_metadata import build_span_metadata, round_up, row_capacities
 from v41cp.serving.span_prefill import SpanLayout, prefill_span
 from v41cp.serving.span_prefill import compile_count as span_compile_count
@@ -67,8 +74,13 @@ class Capacity:
     span_prefill: bool = False
     span_chunk: int | None = None          # span prefill rows per request per pass (None: the whole prompt)
     max_waiting: int = 64                  # queued requests beyond this are rejected at submit
+    # exact prefix caching (token-serial prefill; `v41cp.serving.prefix_cache`) and its stored slot states at most
+    prefix_caching: bool = False
+    prefix_states: int | None = None       # default: 4 per batch slot
 
     def __post_init__(self):
+        if self.prefix_states is not None and (type(self.prefix_states) is not int or self.prefix_states <= 0):
+            raise ValueError(f"capacity prefix_states must be a positive integer or None, got {self.prefix_states!r}")
         if self.span_chunk is not None and (type(self.span_chunk) is not int or self.span_chunk <= 0):
             raise ValueError(f"capacity span_chunk must be a positive integer or None, got {self.span_chunk!r}")
         for name in ("max_batch", "max_tokens", "block_tokens", "prefill_chunk"):
@@ -104,6 +116,9 @@ class _Request:
     finish_reason: str | None = None
     last_logits: np.ndarray | None = None  # FP32 logits that produced the latest output token
     spec: dict = field(default_factory=lambda: {"steps": 0, "proposed": 0, "accepted": 0, "emitted": 0})
+    cached: int = 0                        # prompt tokens reused from the prefix cache (not prefilled)
+    prefix_nodes: list = field(default_factory=list)   # prefix-cache nodes this request holds
+    cuts: tuple = ()                       # prompt positions where its prefill stores a slot state
 
     @property
     def history(self) -> list[int]:
@@ -220,6 +235,17 @@ class Engine:
         self.cache = init_cache(cfg, num_blocks, capacity.block_tokens, capacity.max_batch,
                                 None if self.plan else cache_sharding, plan=self.plan)
         self.alloc = BlockAllocator(num_blocks, capacity.block_tokens, capacity.max_batch, capacity.max_blocks, n)
+        self.prefix = None
+        if capacity.prefix_caching:
+            if self.span:
+                raise ValueError("prefix caching resumes the token-serial prefill from a stored boundary (bit-identical "
+                                 "to a cold prefill); it does not combine with span prefill / query context "
+                                 f"parallelism (span_prefill={capacity.span_prefill}, span_chunk={capacity.span_chunk}, "
+                                 f"query-parallel={lay.query_parallel}, operator QCP={lay.operator is not None})")
+            if capacity.ced:
+                raise ValueError("prefix caching does not combine with CED narrowing (capacity ced=True): a narrowed "
+                                 "prefill leaves the decoder layers' window rows of a mid-prompt boundary unwritten")
+            self.prefix = PrefixCache(capacity.block_tokens, capacity.prefix_states or 4 * capacity.max_batch)
         self.requests: "OrderedDict[object, _Request]" = OrderedDict()
         self.stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_steps": 0, "decode_tokens": 0,
                       "decode_s": 0.0, "step_s": deque(maxlen=4096), "ced_encoder_only_rows": 0}
@@ -276,7 +302,7 @@ class Engine:
         if req is None or req.status not in ("waiting", "running"):
             raise ValueError(f"cannot cancel unknown or finished request {rid!r}")
         if req.status == "running":
-            self.alloc.cancel(rid)
+            self._free(req)
         req.status, req.finish_reason = "cancelled", "cancelled"
 
     def release(self, rid) -> dict:
@@ -296,12 +322,14 @@ class Engine:
                "free_slots": self.alloc.free_slots}
         if self.speculative is not None:                 # the server's /health shows them
             out["speculative"] = self.speculative_stats()
+        if self.prefix is not None:
+            out["prefix_cache"] = self.prefix_stats()
         return out
 
     def result(self, rid) -> dict:
         r = self.requests[rid]
         out = {"id": rid, "prompt_ids": r.prompt, "output_ids": r.output, "status": r.status,
-               "finish_reason": r.finish_reason}
+               "finish_reason": r.finish_reason, "cached_tokens": r.cached}
         if self.speculative is not None:
             out["speculative"] = _spec_stats(r.spec)
         return out
@@ -317,9 +345,8 @@ class Engine:
         admitted = []
         for req in [r for r in self.requests.values() if r.status == "waiting"]:
             need = len(req.prompt) + req.sampling.max_new_tokens - 1      # tokens that enter the cache
-            if not self.alloc.can_admit(max(need, 1)):
+            if not self._admit(req, max(need, 1)):
                 break                                                     # FIFO: wait for capacity
-            self.alloc.admit(req.rid, max(need, 1))
             req.status = "running"
             admitted.append(req)
             if not self.span:
@@ -345,7 +372,63 @@ class Engine:
         elif len(req.output) >= req.sampling.max_new_tokens:
             req.status, req.finish_reason = "done", "length"
         if req.status == "done":
-            self.alloc.finish(req.rid)
+            self._free(req)
+
+    # ------------------------------------------------------------------ admission and prefix caching
+    def _admit(self, req: _Request, need: int) -> bool:
+        """Reserve ``need`` tokens of blocks and a slot for ``req`` (False: not now); with prefix caching it
+        reuses its prompt's longest cached prefix (`v41cp.serving.prefix_cache.admit`) and its slot gets the
+        state stored there."""
+        if self.prefix is None:
+            residue = content_residue(req.prompt, self.capacity.block_tokens, self.alloc.n)
+            if not self.alloc.can_admit(need, 0, residue):
+                if not self.alloc.can_admit(need):
+                    return False
+                residue = None                               # the content placement is full: any that fits
+            self.alloc.admit(req.rid, need, residue=residue)
+            return True
+        got = prefix_admit(self.alloc, self.prefix, req.rid, req.prompt, need)
+        if got is None:
+            return False
+        req.cached, req.prefix_nodes, req.cuts = got.cached, got.nodes, got.cuts
+        if got.cached:
+            self.cache, self.dcache = put_slot_state(self.cache, self.alloc.slot(req.rid), got.state, self.dcache)
+        return True
+
+    def _store_prefix(self, req: _Request, cut: int) -> None:
+        """``req``'s prefill has reached ``cut``: its blocks join the prefix cache, the slot state is stored."""
+        node = prefix_grow(self.alloc, self.prefix, req.rid, req.prompt, req.prefix_nodes, cut)
+        if node.state is None:
+            self.prefix.set_state(node, take_slot_state(self.cache, self.alloc.slot(req.rid), self.dcache))
+
+    def _free(self, req: _Request) -> None:
+        """Free ``req``'s slot and own blocks and drop its references on cached blocks (finish or cancel)."""
+        self.alloc.release(req.rid)
+        if self.prefix is not None:
+            self.prefix.release(req.prefix_nodes)
+            req.prefix_nodes = []
+
+    def prefix_stats(self) -> dict:
+        """Prefix-cache counters: lookups, hits, prompt / reused tokens (``hit_rate`` = reused / prompt tokens),
+        cached blocks and stored states (and their bytes per device), evictions."""
+        out = self.prefix.summary()
+        out["prefill_tokens_saved"] = out["hit_tokens"]
+        held = [n.state for n in self.prefix._nodes if n.state is not None]
+        out["state_bytes"] = sum(state_bytes(s) for s in held)
+        return out
+
+    def check(self) -> None:
+        """Raise AssertionError unless pages, slots and the prefix cache are consistent (tests, debugging)."""
+        self.alloc.check(self.prefix.blocks if self.prefix is not None else ())
+        if self.prefix is not None:
+            self.prefix.check()
+            held = {id(n) for r in self.requests.values() if r.status == "running" for n in r.prefix_nodes}
+            refs = {}
+            for r in self.requests.values():
+                for n in r.prefix_nodes:
+                    refs[id(n)] = refs.get(id(n), 0) + 1
+            assert all(n.refs == refs.get(id(n), 0) for n in self.prefix._nodes), "prefix references disagree"
+            assert held == set(refs), "a finished request holds prefix nodes"
 
     def _table(self, rid) -> np.ndarray:
         t = np.full(self.capacity.max_blocks, -1, np.int32)
@@ -363,7 +446,9 @@ class Engine:
         # CED narrowing: rows before the decoder's dependency halo run the encoder (+ boundary prepass) only
         encoder_rows = max(0, n - ced_rows(cfg)) if self.capacity.ced and ced_boundary(cfg) is not None else 0
         spans = [(a, min(a + c, encoder_rows), True) for a in range(0, encoder_rows, c)]
-        spans += [(a, min(a + c, n), False) for a in range(encoder_rows, n, c)]
+        # from the reused prefix on; chunks also end at the boundaries where the prefix cache stores a state
+        bounds = sorted({*range(max(encoder_rows, req.cached), n, c), *req.cuts, n})
+        spans += [(a, end, False) for a, end in zip(bounds, bounds[1:])]
         last = None
         for a, end, encoder_only in spans:
             m = end - a
@@ -385,9 +470,11 @@ class Engine:
                 logits, self.cache = prefill_chunk(self.params, self.cache, metas, cfg, encoder_only, self.step_plan)
             if not encoder_only:
                 last = np.asarray(logits[m - 1, 0])
+            if end in req.cuts:
+                self._store_prefix(req, end)
         req.last_logits = last
         req.output.append(sample_token(last, req.sampling, 0))
-        self.stats["prefill_tokens"] += n
+        self.stats["prefill_tokens"] += n - req.cached
         self.stats["ced_encoder_only_rows"] += encoder_rows
         self.stats["prefill_s"] += time.perf_counter() - t0
         self._finish_if_done(req)
@@ -552,6 +639,17 @@ class Engine:
         replicated = on_dev({k: v for k, v in self.cache.items() if k not in ("ckv", "ikey")})
         return {"global_pages": pages, "replicated_state": replicated, "total": pages + replicated,
                 "pages_per_device": self.num_blocks // (self.plan.n if self.plan else 1)}
+
+    def request_state(self, rid) -> dict:
+        """Running request ``rid``'s decode state as host bytes (`v41cp.serving.request_state`): its complete
+        entries of every global group as stored, and its slot state; ``tokens``: the positions it holds."""
+        req = self.requests.get(rid)
+        if req is None or req.status != "running":
+            raise ValueError(f"request {rid!r} is not running: its decode state is not held")
+        tokens = len(req.history) - 1                     # the newest output token is not in the cache yet
+        slot = take_slot_state(self.cache, self.alloc.slot(rid), self.dcache)
+        out = request_state(self.cache, self.alloc.blocks(rid), tokens, self.capacity.block_tokens, self.alloc.n, slot)
+        return {**out, "tokens": tokens}
 
     def compiled_decode_text(self) -> str:
         """Optimized HLO of this engine's decode step (its static bucket), for structure checks."""

@@ -1,0 +1,197 @@
+"""Exact prefix caching (`v41cp.serving.prefix_cache`): the block tree with the allocator under random operations, and
+engines whose prefix hits give the cold engine's logits, tokens and cache bytes bit for bit (1 device, KVP = DCP 2
+and 8)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from v41cp.serving.allocator import BlockAllocator
+from v41cp.serving.prefix_cache import PrefixCache, admit, grow
+
+
+# ------------------------------------------------------------------------------------------ host bookkeeping
+@pytest.mark.parametrize("kvp", [1, 4])
+def test_random_operations_never_free_a_held_block(kvp):
+    """Requests from a few shared prefixes are admitted (hits, branch points, evictions under a small pool),
+    prefilled past their cut points and finished in random order; after every operation every block is held,
+    cached or free exactly once, no running request's block is free or evicted, every reused state is the one
+    stored for exactly that prefix, and pages stay cyclic over the KVP ranks."""
+    rng = np.random.default_rng(kvp)
+    bt, cap_blocks = 4, 12
+    alloc = BlockAllocator(16 * kvp, bt, 4, cap_blocks, kvp)
+    cache = PrefixCache(bt, max_states=6)
+    stems = [rng.integers(0, 5, 40).tolist() for _ in range(3)]
+    running, rid, hits, evicted = {}, 0, 0, 0
+    for _ in range(600):
+        op = rng.integers(3)
+        if op == 0:                                                   # a new request
+            stem = stems[rng.integers(3)]
+            cut = int(rng.integers(1, 30))
+            prompt = stem[:cut] + rng.integers(5, 9, int(rng.integers(1, 9))).tolist()
+            need = len(prompt) + int(rng.integers(0, 6))
+            if not alloc.fits_when_empty(need):
+                continue
+            before = cache.stats["evicted_blocks"]
+            got = admit(alloc, cache, rid, prompt, need)
+            evicted += cache.stats["evicted_blocks"] - before
+            if got is None:
+                assert rid not in alloc
+                continue
+            if got.cached:
+                hits += 1
+                assert got.state == ("state", tuple(prompt[:got.cached])), "a hit restores another prefix's state"
+                assert alloc.blocks(rid)[: got.cached // bt] == [n.block for n in got.nodes[: got.cached // bt]]
+            assert got.cached < len(prompt) and got.cached % bt == 0
+            running[rid] = (prompt, got)
+            rid += 1
+        elif op == 1 and running:                                     # a prefill reaches its cut points
+            r = list(running)[rng.integers(len(running))]
+            prompt, got = running[r]
+            for c in got.cuts:
+                node = grow(alloc, cache, r, prompt, got.nodes, c)
+                cache.set_state(node, ("state", tuple(prompt[:c])))
+            running[r] = (prompt, dataclasses.replace(got, cuts=()))
+        elif op == 2 and running:                                     # a request ends
+            r = list(running)[rng.integers(len(running))]
+            alloc.release(r)
+            cache.release(running.pop(r)[1].nodes)
+        alloc.check(cache.blocks)
+        cache.check()
+        free = set(alloc._free_blocks)
+        for r in running:
+            assert not free & set(alloc.blocks(r)), "a running request's block is free"
+        held = {id(n) for _, g in running.values() for n in g.nodes}
+        assert all(n.refs > 0 for n in cache._nodes if id(n) in held)
+    assert hits > 20 and evicted > 5, (hits, evicted)
+
+
+def test_allocator_shares_blocks_without_freeing_them():
+    alloc = BlockAllocator(8, 4, 2, 4, 2)
+    assert alloc.admit("x", 8) == [0, 1]
+    alloc.give("x", [0, 1])                                 # the prefix cache holds them now
+    alloc.release("x")
+    alloc.check([0, 1])
+    with pytest.raises(ValueError, match="shared block 3 breaks the cyclic page order from residue 1"):
+        alloc.admit("a", 12, prefix=[1, 3])
+    assert alloc.admit("b", 12, prefix=[0, 1]) == [0, 1, 2]
+    with pytest.raises(ValueError, match="block position 1 is not one of its own"):
+        alloc.give("b", [1])
+    alloc.release("b")
+    alloc.check([0, 1])
+    assert alloc.free_blocks == 6
+    with pytest.raises(ValueError, match="block 2 cannot be freed"):
+        alloc.free([2])
+
+
+# ------------------------------------------------------------------------------------------ engines, bit for bit
+BT, W = 4, 8                                  # tiny model: pages of 4 tokens, window 8, ratio-2 and ratio-1 groups
+# (id, prefix of the shared stem, own tokens, max_new_tokens, submitted before step); expected cached tokens
+WORKLOAD = (
+    ("a", 22, 0, 3, 0),        # cold; stores its state at 20 (last whole block leaving a token to prefill)
+    ("dup", 22, 0, 4, 1),      # the same prompt: reuses 20 tokens, prefills 2
+    ("div", 20, 6, 3, 1),      # reuses 20 and diverges at the first new token
+    ("mid", 13, 5, 3, 2),      # shares 13 (inside a ratio-2 pair): no state at 12 -> cold, stores one there
+    ("mid2", 14, 3, 5, 3),     # reuses 12 (the branch point "mid" stored), 14 shared
+    ("short", 5, 2, 2, 4),     # shares one block: cold, stores its state at 4
+    ("short2", 4, 3, 3, 5),    # reuses 4 tokens, a hit shorter than the window
+)
+CACHED = {"a": 0, "dup": 20, "div": 20, "mid": 0, "mid2": 12, "short": 0, "short2": 4}
+
+
+@pytest.fixture(scope="module")
+def tiny_tp8():
+    import jax
+
+    from helpers import TOKEN_MAP, perturbed
+    from v41cp import model
+    from v41cp.config import preset
+
+    cfg = preset("tiny-tp8", engram_token_map=TOKEN_MAP)
+    return cfg, perturbed(model.init_params(cfg, jax.random.key(0)))
+
+
+def _prompts(cfg):
+    rng = np.random.default_rng(7)
+    stem = rng.integers(3, cfg.vocab_size, 24).tolist()
+    return {rid: stem[:shared] + rng.integers(3, cfg.vocab_size, own).tolist()
+            for rid, shared, own, _, _ in WORKLOAD}
+
+
+def _assert_same_state(got: dict, want: dict, rid) -> None:
+    """Two `Engine.request_state`s are the same bytes: every complete entry, the window rows of the request's last
+    W positions, the open ratio-2 pairs."""
+    import jax
+
+    assert got["tokens"] == want["tokens"], rid
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got["pages"]), jax.tree.leaves(want["pages"])):
+        np.testing.assert_array_equal(g, w, err_msg=f"{rid} {jax.tree_util.keystr(path)}")
+    rows = np.arange(max(0, got["tokens"] - W), got["tokens"]) % W
+    for g, w in zip(jax.tree.leaves(got["slot"]["swa"]), jax.tree.leaves(want["slot"]["swa"])):
+        np.testing.assert_array_equal(g[:, rows], w[:, rows], err_msg=f"{rid} window")
+    for name in ("open_kv", "open_score"):
+        for src in want["slot"][name]:
+            np.testing.assert_array_equal(got["slot"][name][src], want["slot"][name][src], err_msg=f"{rid} {name}")
+
+
+def _lockstep(params, cfg, cap, parallel=None):
+    """The workload through a cold engine and a prefix-caching one, step by step: every logits row the two emit and
+    every running request's cache bytes after every step are identical. Returns the prefix engine."""
+    from v41cp.serving.engine import Engine, SamplingParams
+
+    prompts = _prompts(cfg)
+    cold = Engine(params, cfg, cap, parallel=parallel)
+    warm = Engine(params, cfg, dataclasses.replace(cap, prefix_caching=True), parallel=parallel)
+    step = 0
+    while step == 0 or cold.pending:
+        for rid, _, _, new, at in WORKLOAD:
+            if at == step:
+                for e in (cold, warm):
+                    e.submit(rid, prompts[rid], SamplingParams(max_new_tokens=new, stop_on_eos=False))
+        cold.step()
+        warm.step()
+        warm.check()
+        step += 1
+        for rid, r in cold.requests.items():
+            s = warm.requests[rid]
+            assert s.output == r.output and s.status == r.status, rid
+            if r.last_logits is not None:
+                np.testing.assert_array_equal(s.last_logits, r.last_logits, err_msg=f"{rid} step {step}")
+            if r.status == "running":
+                _assert_same_state(warm.request_state(rid), cold.request_state(rid), rid)
+    assert not warm.pending and step < 40
+    assert {rid: warm.result(rid)["cached_tokens"] for rid in CACHED} == CACHED
+    assert all(cold.result(rid)["cached_tokens"] == 0 for rid in CACHED)
+    return cold, warm
+
+
+def test_prefix_hits_equal_cold_prefill_on_one_device(tiny_tp8):
+    from v41cp.serving.engine import Capacity
+
+    cfg, params = tiny_tp8
+    cap = Capacity(max_batch=3, max_tokens=32, block_tokens=BT, prefill_chunk=8)
+    cold, warm = _lockstep(params, cfg, cap)
+    st = warm.prefix_stats()
+    prompt_tokens = sum(shared + own for _, shared, own, _, _ in WORKLOAD)
+    assert st["hit_tokens"] == sum(CACHED.values()) and st["prompt_tokens"] == prompt_tokens
+    assert warm.stats["prefill_tokens"] == cold.stats["prefill_tokens"] - sum(CACHED.values())
+    assert st["hits"] == 4 and st["queries"] == len(WORKLOAD)
+    warm.check()
+    assert warm.alloc.free_blocks + st["cached_blocks"] == warm.num_blocks      # only the cache holds blocks now
+
+
+@pytest.mark.parametrize("n", [2, 8])
+def test_prefix_hits_equal_cold_prefill_under_kvp(tiny_tp8, n):
+    """KVP = DCP over n ranks: cached pages stay with their owners (a hit's own blocks continue the chain's page
+    cycle); short prompts leave most of the 8 ranks owning none of a request's pages."""
+    from v41cp.serving.engine import Capacity
+    from v41cp.sharding.topology import ParallelConfig
+
+    cfg, params = tiny_tp8
+    cap = Capacity(max_batch=3, max_tokens=32, block_tokens=BT, prefill_chunk=8)
+    par = ParallelConfig(tp_size=8, kv_parallel_size=n, decode_context_parallel_size=n)
+    _, warm = _lockstep(params, cfg, cap, par)
+    assert warm.alloc.n == n and warm.prefix_stats()["hits"] == 4

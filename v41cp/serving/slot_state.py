@@ -1,0 +1,60 @@
+"""A request's bounded state outside the pages — its batch slot's rows — taken out of and put into the caches.
+
+The slot state of ``slot`` (`v41cp.serving.paged_cache` layout): the window ring of every layer ``swa[:, slot]``
+(``[L, W, ·]``, stored bytes as they are), the open ratio-2 pair ``open_kv[g][slot] / open_score[g][slot]``
+(``[D]`` FP32 each), and with a drafter its context window ``keys[:, slot]`` (``[stages, W, D]``). Replicated on
+every rank under KVP (only pages are split), so a snapshot is too. What prefix caching stores at a block boundary
+(`v41cp.serving.prefix_cache`) and what a prefill → decode transfer carries besides the pages.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+
+__all__ = ["take_slot_state", "put_slot_state", "state_bytes"]
+
+_SLOT_AXIS = {"swa": 1, "open_kv": 0, "open_score": 0, "keys": 1}
+
+
+def _parts(cache: dict, dcache: dict | None) -> dict:
+    parts = {k: cache[k] for k in ("swa", "open_kv", "open_score")}
+    if dcache is not None:
+        parts["keys"] = dcache["keys"]
+    return parts
+
+
+@jax.jit
+def _take(parts: dict, slot: jax.Array) -> dict:
+    return {k: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, slot, _SLOT_AXIS[k], keepdims=False), v)
+            for k, v in parts.items()}
+
+
+@partial(jax.jit, donate_argnames=("parts",))
+def _put(parts: dict, slot: jax.Array, state: dict) -> dict:
+    def put(k, a, s):
+        idx = (slice(None),) * _SLOT_AXIS[k] + (slot,)
+        return a.at[idx].set(s)
+
+    return {k: jax.tree.map(lambda a, s: put(k, a, s), v, state[k]) for k, v in parts.items()}
+
+
+def take_slot_state(cache: dict, slot: int, dcache: dict | None = None) -> dict:
+    """A copy of slot ``slot``'s state (device arrays, replicated like the cache's per-request state)."""
+    return _take(_parts(cache, dcache), jax.numpy.int32(slot))
+
+
+def put_slot_state(cache: dict, slot: int, state: dict, dcache: dict | None = None) -> tuple[dict, dict | None]:
+    """``(cache, dcache)`` with slot ``slot``'s state replaced by ``state`` (from `take_slot_state` of a cache of
+    the same layout; the cache buffers are donated)."""
+    if (dcache is None) != ("keys" not in state):
+        raise ValueError("slot state and caches disagree on the drafter's context window")
+    parts = _put(_parts(cache, dcache), jax.numpy.int32(slot), state)
+    cache = {**cache, **{k: parts[k] for k in ("swa", "open_kv", "open_score")}}
+    return cache, (None if dcache is None else {**dcache, "keys": parts["keys"]})
+
+
+def state_bytes(state: dict) -> int:
+    """Bytes of one slot state (per device: it is replicated)."""
+    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(state))
