@@ -56,10 +56,11 @@ def test_forward_rejects_bad_token_id():
 def _assert_greedy_of_forward(out):
     """Every generated token is the argmax of the XLA full forward over the sequence so far."""
     cfg, params = load(default_checkpoint())
+    width = -(-max(len(r["prompt_ids"]) + len(r["output_ids"]) - 1 for r in out["requests"]) // 8) * 8
     for r in out["requests"]:
         seq = list(r["prompt_ids"])
         for tok in r["output_ids"]:
-            padded = np.zeros((1, 8), np.int32)          # causal: right padding keeps the logits; one compile
+            padded = np.zeros((1, width), np.int32)      # causal: right padding keeps the logits; one compile
             padded[0, :len(seq)] = seq
             assert tok == int(np.argmax(np.asarray(model.forward(params, cfg, padded))[0, len(seq) - 1]))
             seq.append(tok)
@@ -105,6 +106,21 @@ def test_generate_with_dspark_speculative_decoding():
     _assert_greedy_of_forward(out)
     res = _cli("generate", "--speculative-algorithm", "dspark", "--speculative-num-draft-tokens", "9")
     assert res.returncode == 2 and "num_draft_tokens must be an integer in [1, dspark_block_size=4], got 9" in res.stderr
+
+
+def test_generate_with_prefix_caching():
+    """``generate --enable-prefix-caching``: the second prompt starts with the first one's two whole 4-token blocks
+    and reuses them (``cached_tokens`` in its JSON row, the counters in the timings); tokens as the full forward."""
+    first = [5, 17, 42, 9, 8, 7, 6, 11, 12, 13]
+    res = _cli("generate", "--json", "--enable-prefix-caching", "--block-tokens", "4", "--max-new-tokens", "3",
+               "--prompt-ids", ",".join(map(str, first)), "--prompt-ids", ",".join(map(str, first[:9] + [99, 98])))
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert [r["cached_tokens"] for r in out["requests"]] == [0, 8]
+    st = out["timings"]["prefix_cache"]
+    assert (st["hits"], st["hit_tokens"], st["prompt_tokens"]) == (1, 8, 21)
+    assert out["timings"]["prefill_tokens"] == 21 - 8
+    _assert_greedy_of_forward(out)
 
 
 def test_generate_without_a_chat_format_says_so(tmp_path):

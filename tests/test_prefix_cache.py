@@ -181,6 +181,11 @@ def test_prefix_hits_equal_cold_prefill_on_one_device(tiny_tp8):
     assert st["hits"] == 4 and st["queries"] == len(WORKLOAD)
     warm.check()
     assert warm.alloc.free_blocks + st["cached_blocks"] == warm.num_blocks      # only the cache holds blocks now
+    assert warm.load()["free_blocks"] == warm.num_blocks                         # every cached block reclaimable
+    # the stored states: exactly the spec's bytes each (window rings of every layer + open ratio-2 pairs)
+    from v41cp.serving.cache_spec import CacheSpec
+
+    assert st["states"] == 6 and st["state_bytes"] == 6 * CacheSpec(cfg, BT, quantized=cfg.fake_quant).prefix_state_bytes
 
 
 @pytest.mark.parametrize("n", [2, 8])

@@ -25,7 +25,8 @@ PROMPTS = ["w1 w2 w3", "W4 w9 w30 W31 w2", "w7", "x200 w5 W5 w6 w6 w100", "w3 w3
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess("--max-batch", "8", "--max-context", str(CAPACITY), "--max-waiting", "8")
+    srv = ServerProcess("--max-batch", "8", "--max-context", str(CAPACITY), "--max-waiting", "8",
+                        "--enable-prefix-caching")
     yield srv
     assert srv.stop() in CLEAN_EXIT, srv.output()[-3000:]
 
@@ -93,6 +94,21 @@ def test_chat_plain_and_streamed(server, client, codec):
     assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens and not chunks[-1].choices
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == msg.content
     server.wait_idle()
+
+
+def test_repeated_prompt_reuses_the_prefix_cache(server, client):
+    """With ``--enable-prefix-caching`` a prompt sent again reuses its whole 16-token blocks (all but the block
+    holding its last token): ``usage.prompt_tokens_details.cached_tokens`` says how many, the text is the same."""
+    prompt = " ".join(f"w{i}" for i in range(10, 50))
+    args = dict(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+    first = client.completions.create(**args)
+    again = client.completions.create(**args)
+    n = first.usage.prompt_tokens
+    assert n > 32 and first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16
+    assert again.choices[0].text == first.choices[0].text
+    h = server.wait_idle()
+    assert h["prefix_cache"]["hits"] >= 1 and h["prefix_cache"]["cached_blocks"] >= 2
 
 
 def test_concurrent_streams_equal_each_request_alone(server, client):

@@ -228,7 +228,8 @@ def _backends(args) -> dict:
 def _prefill_options(args) -> dict:
     """Engine prefill options of ``--span-prefill`` / ``--span-chunk`` / ``--ced``."""
     return {"span_prefill": args.span_prefill or args.span_chunk is not None, "ced": args.ced,
-            "span_chunk": args.span_chunk}
+            "span_chunk": args.span_chunk, "prefix_caching": args.enable_prefix_caching,
+            "prefix_states": args.prefix_states}
 
 
 def _prefill_flags(p) -> None:
@@ -237,6 +238,11 @@ def _prefill_flags(p) -> None:
     p.add_argument("--span-chunk", type=int, help="span prefill in passes of this many rows per prompt "
                    "(later passes continue from the cached history; implies --span-prefill)")
     p.add_argument("--ced", action="store_true", help="CED narrowing of prefill (exact)")
+    p.add_argument("--enable-prefix-caching", action="store_true",
+                   help="reuse the cached pages and stored state of a prompt's longest cached whole-block prefix "
+                        "(exact: bit-identical to a cold prefill; token-serial prefill only)")
+    p.add_argument("--prefix-states", type=int,
+                   help="slot states the prefix cache stores at most (default: 4 per batch row)")
 
 
 def _speculative_flags(p) -> None:
@@ -343,10 +349,13 @@ def cmd_generate(args) -> int:
                "compiles": eng.compile_counts()}
     if eng.speculative is not None:
         timings["speculative"] = eng.speculative_stats()
+    if eng.prefix is not None:
+        timings["prefix_cache"] = eng.prefix_stats()
     if args.json:
         out = []
         for i, r in enumerate(results):
-            row = {"prompt_ids": r["prompt_ids"], "output_ids": r["output_ids"], "finish_reason": r["finish_reason"]}
+            row = {"prompt_ids": r["prompt_ids"], "output_ids": r["output_ids"], "finish_reason": r["finish_reason"],
+                   "cached_tokens": r["cached_tokens"]}
             if "speculative" in r:
                 row["speculative"] = r["speculative"]
             if codec is not None:
@@ -469,6 +478,8 @@ def cmd_bench(args) -> int:
            "rows": rows, "compiles": eng.compile_counts()}
     if eng.speculative is not None:
         out["speculative"] = eng.speculative_stats()
+    if eng.prefix is not None:
+        out["prefix_cache"] = eng.prefix_stats()
     if args.kind == "prefill":
         for r in out["rows"]:
             for k in [k for k in r if k.startswith("decode")]:

@@ -99,6 +99,12 @@ class CacheSpec:
     def compressor_state_bytes_per_request(self) -> int:
         return sum((g.ratio - 1) * 2 * self.cfg.head_dim * 4 for g in self.groups)
 
+    @property
+    def prefix_state_bytes(self) -> int:
+        """Bytes of one stored slot state (`v41cp.serving.slot_state`, without a drafter): the window rings of
+        every layer and the open ratio-2 pairs — what exact prefix caching keeps per reusable boundary."""
+        return self.swa_bytes_per_request + self.compressor_state_bytes_per_request
+
     def blocks_for(self, tokens: int) -> int:
         """Logical blocks that hold ``tokens`` tokens."""
         return -(-tokens // self.block_tokens)
@@ -113,4 +119,5 @@ class CacheSpec:
                         "bytes_per_block": g.entries_per_block * g.bytes_per_entry} for g in self.groups],
             "global_bytes_per_token": self.global_bytes_per_token, "block_bytes": self.block_bytes,
             "compressor_state_bytes_per_request": self.compressor_state_bytes_per_request,
+            "prefix_state_bytes": self.prefix_state_bytes,
         }

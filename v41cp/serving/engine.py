@@ -315,10 +315,12 @@ class Engine:
         return out
 
     def load(self) -> dict:
-        """Requests waiting / running and free cache blocks (a health probe); speculative counters when on."""
+        """Requests waiting / running and free cache blocks (a health probe; with prefix caching the blocks only
+        the prefix cache holds count as free: they are evicted on demand); speculative / prefix-cache counters."""
         status = [r.status for r in self.requests.values()]
+        reclaimable = self.prefix.reclaimable if self.prefix is not None else 0
         out = {"waiting": status.count("waiting"), "running": status.count("running"),
-               "free_blocks": self.alloc.free_blocks, "total_blocks": self.num_blocks,
+               "free_blocks": self.alloc.free_blocks + reclaimable, "total_blocks": self.num_blocks,
                "free_slots": self.alloc.free_slots}
         if self.speculative is not None:                 # the server's /health shows them
             out["speculative"] = self.speculative_stats()

@@ -40,6 +40,7 @@ class TokenEvent:
     ids: tuple[int, ...]                 # output token ids new since the previous event
     finish_reason: str | None = None     # eos | length | cancelled, on the request's last event
     error: str | None = None             # set when the request ended abnormally (shutdown, failed step)
+    cached_tokens: int = 0               # prompt tokens the request reused from the prefix cache
 
     @property
     def final(self) -> bool:
@@ -204,7 +205,8 @@ class EngineLoop:
             stream.sent += len(new)
             finished = req.status in ("done", "cancelled")
             if new or finished:
-                stream.emit(TokenEvent(new, finish_reason=req.finish_reason if finished else None))
+                stream.emit(TokenEvent(new, finish_reason=req.finish_reason if finished else None,
+                                       cached_tokens=req.cached))
             if finished:
                 del self._streams[rid]
                 eng.release(rid)

@@ -206,10 +206,12 @@ def build_app(loop: EngineLoop, codec: TextCodec | None, model_name: str) -> Fas
             self.ids: list[int] = []
             self.reason: str | None = None
             self.error: str | None = None
+            self.cached = 0
 
         async def deltas(self):
             """Yields text deltas (``""`` for a step without new text) until the request ends."""
             async for ev in self.handle:
+                self.cached = ev.cached_tokens
                 if ev.error is not None:
                     self.error = ev.error
                     return
@@ -236,7 +238,8 @@ def build_app(loop: EngineLoop, codec: TextCodec | None, model_name: str) -> Fas
 
         def usage(self) -> dict:
             n = len(self.handle.prompt_ids)
-            return {"prompt_tokens": n, "completion_tokens": len(self.ids), "total_tokens": n + len(self.ids)}
+            return {"prompt_tokens": n, "completion_tokens": len(self.ids), "total_tokens": n + len(self.ids),
+                    "prompt_tokens_details": {"cached_tokens": self.cached}}
 
     async def collect(run: _Run, request: Request) -> str:
         """The whole text, cancelling the request if the client goes away meanwhile."""

@@ -86,6 +86,11 @@ class PrefixCache:
         return [n.block for n in self._nodes]
 
     @property
+    def reclaimable(self) -> int:
+        """Blocks no running request holds (evicted on demand; a held node's chain up to the root is held too)."""
+        return sum(n.refs == 0 for n in self._nodes)
+
+    @property
     def states(self) -> int:
         return sum(n.state is not None for n in self._nodes)
 
@@ -116,7 +121,7 @@ class PrefixCache:
     def summary(self) -> dict:
         st = self.stats
         return {**st, "hit_rate": st["hit_tokens"] / st["prompt_tokens"] if st["prompt_tokens"] else 0.0,
-                "cached_blocks": len(self._nodes), "states": self.states}
+                "cached_blocks": len(self._nodes), "reclaimable_blocks": self.reclaimable, "states": self.states}
 
     # ------------------------------------------------------------------ references
     def acquire(self, nodes) -> None:
