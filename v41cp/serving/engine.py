@@ -191,8 +191,11 @@ class Engine:
     (`v41cp.serving.span_prefill`), whose caches the decode step (DCP under KVP) reads as they are."""
 
     def __init__(self, params, cfg: ModelConfig, capacity: Capacity = Capacity(), mesh=None,
-                 parallel: ParallelConfig | None = None, speculative: Speculative | None = None):
-        self.cfg, self.capacity = cfg, capacity
+                 parallel: ParallelConfig | None = None, speculative: Speculative | None = None,
+                 devices=None, role: str = "both"):
+        if role not in ("both", "prefill", "decode"):
+            raise ValueError(f"engine role must be 'both', 'prefill' or 'decode', got {role!r}")
+        self.cfg, self.capacity, self.role = cfg, capacity, role
         if speculative is not None:
             check_speculative(cfg, speculative)
             if speculative.params is None and speculative.proposer is None:
@@ -204,7 +207,10 @@ class Engine:
         self.step_plan = None          # what the cached steps run with: the KVP plan, or plain TP's selection split
         n = 1
         if parallel is not None and mesh is None:
-            mesh = parallel.make_mesh(jax.devices()[:parallel.num_devices])
+            devices = list(jax.devices() if devices is None else devices)
+            if len(devices) < parallel.num_devices:
+                raise ValueError(f"the topology needs {parallel.num_devices} devices, {len(devices)} given")
+            mesh = parallel.make_mesh(devices[:parallel.num_devices])
         if mesh is not None:
             from jax.sharding import NamedSharding, PartitionSpec
 
@@ -342,12 +348,23 @@ class Engine:
 
     # ------------------------------------------------------------------ rounds
     def step(self) -> None:
-        """One prefill round (admissions) then one decode round."""
+        """One prefill round (admissions) then one decode round (a prefill-role engine: the prefill round only)."""
         t0 = time.perf_counter()
+        self.prefill_round()
+        if self.role != "prefill":
+            self.decode_round()
+        self.stats["step_s"].append(time.perf_counter() - t0)
+
+    def _need(self, req: _Request) -> int:
+        """Tokens of blocks ``req`` reserves: its prompt and outputs (a prefill-role engine: the prompt only)."""
+        extra = 0 if self.role == "prefill" else req.sampling.max_new_tokens - 1
+        return max(len(req.prompt) + extra, 1)
+
+    def prefill_round(self) -> list:
+        """Admit waiting requests that fit (FIFO) and prefill them; returns the admitted ids."""
         admitted = []
         for req in [r for r in self.requests.values() if r.status == "waiting"]:
-            need = len(req.prompt) + req.sampling.max_new_tokens - 1      # tokens that enter the cache
-            if not self._admit(req, max(need, 1)):
+            if not self._admit(req, self._need(req)):
                 break                                                     # FIFO: wait for capacity
             req.status = "running"
             admitted.append(req)
@@ -355,10 +372,45 @@ class Engine:
                 self._prefill(req)
         if self.span and admitted:
             self._prefill_span(admitted)
+        return [r.rid for r in admitted]
+
+    def decode_round(self) -> None:
+        """One decode round of every running request (none on a prefill-role engine)."""
         running = [r for r in self.requests.values() if r.status == "running" and r.output]
-        if running:
+        if running and self.role != "prefill":
             self._decode(running)
-        self.stats["step_s"].append(time.perf_counter() - t0)
+
+    # ------------------------------------------------------------------ disaggregated roles
+    def adopt(self, rid, prompt, sampling: SamplingParams, output, last_logits=None, residue: int | None = None):
+        """Take over request ``rid`` prefilled elsewhere (a decode-role engine): reserve its slot and the blocks of
+        its whole budget (page cycle from ``residue``; default the content placement) and register it running with
+        ``output`` (its first token(s)). Returns its block ids — the caller then fills its pages and slot state
+        (`v41cp.serving.pd_transfer`) — or None when it does not fit now (nothing changed)."""
+        if rid in self.requests and self.requests[rid].status in ("waiting", "running"):
+            raise RequestError(f"request id {rid!r} is already active", "request_id")
+        req = _Request(rid, [int(t) for t in prompt], sampling, output=[int(t) for t in output],
+                       status="running", last_logits=last_logits)
+        need = self._need(req)
+        residue = content_residue(req.prompt, self.capacity.block_tokens, self.alloc.n) if residue is None else residue
+        if not self.alloc.fits_when_empty(need):
+            raise RequestError(f"request {rid!r}: {need} cached tokens do not fit this engine's capacity",
+                               "max_new_tokens")
+        if not self.alloc.can_admit(need, 0, residue):
+            return None
+        blocks = self.alloc.admit(rid, need, residue=residue)
+        self.requests[rid] = req
+        return blocks
+
+    def hand_off(self, rid) -> dict:
+        """Forget running request ``rid`` (a prefill-role engine, after its state moved to a decode engine): its
+        slot and pages are free. Returns its result as of now."""
+        req = self.requests.get(rid)
+        if req is None or req.status != "running":
+            raise ValueError(f"cannot hand off unknown or inactive request {rid!r}")
+        self._free(req)
+        out = self.result(rid)
+        del self.requests[rid]
+        return out
 
     def run(self, max_steps: int = 1_000_000) -> list[dict]:
         for _ in range(max_steps):

@@ -1,0 +1,144 @@
+"""Prefill / decode disaggregation on 8 simulated devices (`v41cp.serving.disaggregated`): prefill on devices 0-3,
+decode on 4-7, the request's cache moved by the page-owner transfer plan — equal to the aggregated engine of the
+decode topology bit for bit (logits, tokens, every cache byte), the bytes moved equal to the plan's count."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import TOKEN_MAP, perturbed
+from v41cp import model
+from v41cp.config import preset
+from v41cp.serving.engine import Capacity, Engine, SamplingParams
+from v41cp.serving.pd_transfer import plan_transfer
+from v41cp.sharding.topology import ParallelConfig
+
+CAP = Capacity(max_batch=3, max_tokens=32, block_tokens=4, prefill_chunk=8)
+# ragged prompts: a partial last page (13), one shorter than a page (2: most ranks own none of its pages), whole
+# pages (8), a late arrival that reuses a freed slot
+PROMPTS = {"a": (13, 5, 0), "b": (2, 3, 0), "c": (8, 6, 0), "late": (11, 4, 3)}
+W = 8
+
+
+@pytest.fixture(scope="module")
+def tiny_tp8():
+    cfg = preset("tiny-tp8", engram_token_map=TOKEN_MAP)
+    return cfg, perturbed(model.init_params(cfg, jax.random.key(0)))
+
+
+def _same_state(got: dict, want: dict, rid) -> None:
+    assert got["tokens"] == want["tokens"], rid
+    for g, w in zip(jax.tree.leaves(got["pages"]), jax.tree.leaves(want["pages"])):
+        np.testing.assert_array_equal(g, w, err_msg=f"{rid} pages")
+    rows = np.arange(max(0, got["tokens"] - W), got["tokens"]) % W
+    for g, w in zip(jax.tree.leaves(got["slot"]["swa"]), jax.tree.leaves(want["slot"]["swa"])):
+        np.testing.assert_array_equal(g[:, rows], w[:, rows], err_msg=f"{rid} window")
+    for name in ("open_kv", "open_score"):
+        for g, w in zip(jax.tree.leaves(got["slot"][name]), jax.tree.leaves(want["slot"][name])):
+            np.testing.assert_array_equal(g, w, err_msg=f"{rid} {name}")
+
+
+DECODE = ParallelConfig(tp_size=4, kv_parallel_size=2, decode_context_parallel_size=2)   # 2 TP replicas per owner
+
+
+def _drive(eng, prompts, check):
+    """The workload through ``eng`` (submissions at their steps); ``check(step, eng)`` after every step."""
+    step = 0
+    while step == 0 or eng.pending:
+        for rid, (_, new, at) in PROMPTS.items():
+            if at == step:
+                eng.submit(rid, prompts[rid], SamplingParams(max_new_tokens=new, stop_on_eos=False))
+        eng.step()
+        step += 1
+        check(step, eng)
+    assert step < 20
+
+
+@pytest.fixture(scope="module")
+def aggregated(tiny_tp8):
+    """The aggregated engine on the decode topology: per step, every request's output, status, last logits and
+    (running) cache bytes."""
+    cfg, params = tiny_tp8
+    rng = np.random.default_rng(4)
+    prompts = {rid: rng.integers(3, cfg.vocab_size, n).tolist() for rid, (n, _, _) in PROMPTS.items()}
+    record = []
+
+    def keep(step, eng):
+        record.append({rid: (list(r.output), r.status, r.last_logits,
+                             eng.request_state(rid) if r.status == "running" else None)
+                       for rid, r in eng.requests.items()})
+
+    _drive(Engine(params, cfg, CAP, parallel=DECODE), prompts, keep)
+    return prompts, record
+
+
+@pytest.mark.parametrize("prefill_kvp", [2, 1])
+def test_disaggregated_equals_aggregated(tiny_tp8, aggregated, prefill_kvp):
+    """Decode KVP = DCP 2 in decode TP 4 (each owner's pages on two TP replicas). Prefill KVP 2: rank-matched, every
+    page stays on its rank index; prefill KVP 1: relayout from the one prefill rank to the two decode owners. Step
+    by step against the aggregated engine on the decode topology: every request's tokens, every logits row and
+    every running request's cache bytes are equal."""
+    from v41cp.serving.disaggregated import DisaggregatedEngine
+
+    cfg, params = tiny_tp8
+    prompts, record = aggregated
+    pre = ParallelConfig(tp_size=4, kv_parallel_size=prefill_kvp, decode_context_parallel_size=prefill_kvp)
+    pd = DisaggregatedEngine(params, cfg, CAP, pre, DECODE)
+    assert {d.id for d in pd.prefill.mesh.devices.flat} == {0, 1, 2, 3}
+    assert {d.id for d in pd.decode.mesh.devices.flat} == {4, 5, 6, 7}
+
+    def compare(step, eng):
+        for rid, (output, status, logits, state) in record[step - 1].items():
+            got = eng.result(rid)
+            assert got["output_ids"] == output and got["status"] == status, (rid, step)
+            if rid in eng.requests and logits is not None:
+                np.testing.assert_array_equal(eng.requests[rid].last_logits, logits, err_msg=f"{rid} step {step}")
+            if state is not None:
+                assert rid in eng.decode.requests               # every running request decodes on devices 4-7
+                _same_state(eng.decode.request_state(rid), state, rid)
+
+    _drive(pd, prompts, compare)
+    assert not pd.prefill.requests
+    assert pd.prefill.alloc.free_blocks == pd.prefill.num_blocks
+    t = pd.transfers
+    assert [x["id"] for x in t] == list(PROMPTS)
+    for x in t:
+        assert x["bytes"] == x["planned_bytes"] > 0, x
+        assert x["mode"] == ("rank-matched" if prefill_kvp == 2 else "relayout")
+        assert all((s == d) if prefill_kvp == 2 else s == 0 for s, d in x["rank_pairs"]), x
+    # the 2-token prompt: one page, one ratio-2 entry, two ratio-1 entries, one destination rank
+    short = next(x for x in t if x["id"] == "b")
+    assert short["pages"] == 1 and sorted(short["entries"].values()) == [1, 2] and len(short["rank_pairs"]) == 1
+
+
+def test_transfer_plan_counts_and_refusals():
+    """Entries of a partial last page stop at the true token count; each decode rank receives exactly the pages it
+    owns; unsupported size pairs are refused naming them."""
+    # 13 tokens in pages of 4: ratio 2 -> 6 complete entries (2 per page), ratio 1 -> 13
+    plan = plan_transfer([5, 9, 2, 7], [8, 1, 10, 3], 13, 4, {"g2": 2, "g1": 1}, 1, 4)
+    assert plan.entries("g2") == 6 and plan.entries("g1") == 13 and plan.pages == 4
+    for group in ("g1", "g2"):
+        for (src_rank, dst_rank), (s_rows, d_rows, _) in plan.copies[group].items():
+            assert src_rank == 0
+            owned = {b // 4 for b in (8, 1, 10, 3) if b % 4 == dst_rank}
+            assert set(d_rows.tolist()) <= owned
+    assert plan.rank_pairs() == {(0, 0), (0, 1), (0, 2), (0, 3)}
+    with pytest.raises(ValueError, match="prefill KVP 2 cannot feed decode KVP = DCP 4"):
+        plan_transfer([0], [0], 3, 4, {"g": 1}, 2, 4)
+    with pytest.raises(ValueError, match="must continue the prefill's page cycle"):
+        plan_transfer([0, 1], [1, 2], 8, 4, {"g": 1}, 2, 2)
+    with pytest.raises(ValueError, match="needs 2 pages: the prefill holds 1"):
+        plan_transfer([0], [0, 1], 5, 4, {"g": 1}, 1, 1)
+
+
+def test_disaggregation_refuses_bad_topologies(tiny_tp8):
+    from v41cp.serving.disaggregated import DisaggregatedEngine
+
+    cfg, params = tiny_tp8
+    with pytest.raises(ValueError, match="prefill KVP 4 cannot feed decode KVP = DCP 2"):
+        DisaggregatedEngine(params, cfg, CAP, ParallelConfig(tp_size=4, kv_parallel_size=4,
+                                                              decode_context_parallel_size=4), DECODE)
+    with pytest.raises(ValueError, match="8 prefill \\+ 4 decode devices, but only 8 are given"):
+        DisaggregatedEngine(params, cfg, CAP, ParallelConfig(tp_size=8), DECODE)

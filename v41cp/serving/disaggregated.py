@@ -1,0 +1,146 @@
+"""Prefill / decode disaggregation in one program: a prefill role and a decode role on disjoint device sets.
+
+`DisaggregatedEngine(params, cfg, capacity, prefill=ParallelConfig, decode=ParallelConfig, devices)` runs a
+prefill-role `Engine` on the first ``prefill.num_devices`` devices (attention TP with its QCP / KVP: the token-serial
+or span prefill of that topology) and a decode-role `Engine` on the next ``decode.num_devices`` (KVP = DCP decode).
+Every `step`: the prefill role admits and prefills (reserving only the prompt's pages); each prefilled request that
+the decode role can take (FIFO) gets its decode slot and blocks, its cache moves by the page-owner transfer plan
+(`v41cp.serving.pd_transfer`: rank-matched when the KVP sizes are equal, relayout from prefill KVP 1), and the
+prefill role frees it; then the decode role runs one decode round. A request whose first token already ends it
+finishes on the prefill role. The interface is the `Engine`'s (``submit / step / run / result / cancel / load``).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from v41cp.config import ModelConfig
+from v41cp.serving.engine import Capacity, Engine, SamplingParams
+from v41cp.serving.pd_transfer import check_sizes, execute, plan_transfer, ratios_of
+from v41cp.sharding.topology import ParallelConfig
+
+__all__ = ["DisaggregatedEngine"]
+
+
+class DisaggregatedEngine:
+    """See the module docstring. ``devices``: the devices of both roles (default: the host's), prefill first."""
+
+    def __init__(self, params, cfg: ModelConfig, capacity: Capacity, prefill: ParallelConfig,
+                 decode: ParallelConfig, devices=None):
+        devices = list(jax.devices() if devices is None else devices)
+        p, d = prefill.num_devices, decode.num_devices
+        if p + d > len(devices):
+            raise ValueError(f"disaggregation: {p} prefill + {d} decode devices, but only {len(devices)} are given")
+        check_sizes(prefill.kv_parallel_size, decode.kv_parallel_size)
+        if capacity.prefix_caching:
+            raise ValueError("disaggregation with prefix caching (capacity prefix_caching=True) is not supported yet")
+        self.cfg, self.capacity = cfg, capacity
+        self.prefill = Engine(params, cfg, capacity, parallel=prefill, devices=devices[:p], role="prefill")
+        self.decode = Engine(params, cfg, capacity, parallel=decode, devices=devices[p:p + d], role="decode")
+        self.speculative = self.prefix = None
+        self._finished: dict = {}                      # requests whose first token ended them (on the prefill role)
+        self.transfers: list[dict] = []
+        leaf = jax.tree.leaves(self.decode.cache["swa"])[0]
+        self._dst_state_sharding = leaf.sharding
+        self._dst_devices = len(leaf.sharding.device_set)
+        pool = jax.tree.leaves(self.decode.cache["ckv"])[0] if self.decode.cache["ckv"] else None
+        self._dst_replicas = 1 if pool is None else self._dst_devices // self.decode.alloc.n
+
+    # ------------------------------------------------------------------ the Engine interface
+    def submit(self, rid, prompt_ids, sampling: SamplingParams = SamplingParams()) -> None:
+        if rid in self.decode.requests and self.decode.requests[rid].status == "running":
+            raise ValueError(f"request id {rid!r} is already active")
+        self._finished.pop(rid, None)
+        self.prefill.submit(rid, prompt_ids, sampling)
+
+    def cancel(self, rid) -> None:
+        eng = self.decode if rid in self.decode.requests else self.prefill
+        eng.cancel(rid)
+
+    def release(self, rid) -> dict:
+        if rid in self._finished:
+            return self._finished.pop(rid)
+        eng = self.decode if rid in self.decode.requests else self.prefill
+        return eng.release(rid)
+
+    @property
+    def requests(self) -> dict:
+        return {**self.prefill.requests, **self.decode.requests}
+
+    def result(self, rid) -> dict:
+        if rid in self._finished:
+            return self._finished[rid]
+        return (self.decode if rid in self.decode.requests else self.prefill).result(rid)
+
+    @property
+    def pending(self) -> bool:
+        return self.prefill.pending or self.decode.pending
+
+    def run(self, max_steps: int = 1_000_000) -> list[dict]:
+        order = list(self.prefill.requests)
+        for _ in range(max_steps):
+            if not self.pending:
+                break
+            self.step()
+        return [self.result(rid) for rid in order]
+
+    @property
+    def stats(self) -> dict:
+        p, d = self.prefill.stats, self.decode.stats
+        return {"prefill_tokens": p["prefill_tokens"], "prefill_s": p["prefill_s"], "decode_steps": d["decode_steps"],
+                "decode_tokens": d["decode_tokens"], "decode_s": d["decode_s"], "step_s": d["step_s"],
+                "ced_encoder_only_rows": p["ced_encoder_only_rows"], "transfers": self.transfer_stats()}
+
+    def transfer_stats(self) -> dict:
+        t = self.transfers
+        return {"requests": len(t), "pages": sum(x["pages"] for x in t), "bytes": sum(x["bytes"] for x in t),
+                "modes": sorted({x["mode"] for x in t})}
+
+    def load(self) -> dict:
+        p, d = self.prefill.load(), self.decode.load()
+        return {"waiting": p["waiting"], "running": p["running"] + d["running"], "free_blocks": d["free_blocks"],
+                "total_blocks": d["total_blocks"], "free_slots": d["free_slots"],
+                "prefill": p, "decode": d, "transfers": self.transfer_stats()}
+
+    compile_counts = staticmethod(Engine.compile_counts)
+
+    # ------------------------------------------------------------------ rounds
+    def step(self) -> None:
+        self.prefill.prefill_round()
+        for rid, req in list(self.prefill.requests.items()):
+            if req.status == "done":                                   # ended by its first token
+                self._finished[rid] = self.prefill.release(rid)
+            elif req.status == "running" and req.output and not self._hand_over(rid, req):
+                break                                                  # the decode role is full: FIFO
+        self.decode.decode_round()
+
+    def _hand_over(self, rid, req) -> bool:
+        """Move prefilled request ``rid`` to the decode role (False: it has no room now)."""
+        pre, dec = self.prefill, self.decode
+        src = pre.alloc.blocks(rid)
+        rank_matched = pre.alloc.n == dec.alloc.n
+        residue = src[0] % dec.alloc.n if rank_matched else None
+        dst = dec.adopt(rid, req.prompt, req.sampling, req.output, req.last_logits, residue)
+        if dst is None:
+            return False
+        bt = self.capacity.block_tokens
+        plan = plan_transfer(src, dst, len(req.prompt), bt, ratios_of(pre.cache, bt), pre.alloc.n, dec.alloc.n)
+        slot_state_bytes = _state_bytes(pre)
+        planned = plan.bytes(pre.cache, self._dst_replicas, self._dst_devices, slot_state_bytes)
+        dec.cache, moved = execute(plan, pre.cache, dec.cache, pre.alloc.slot(rid), dec.alloc.slot(rid),
+                                   self._dst_state_sharding)
+        self.transfers.append({"id": rid, "mode": plan.mode, "tokens": plan.tokens, "pages": plan.pages,
+                               "entries": {g: plan.entries(g) for g in plan.copies}, "bytes": moved,
+                               "planned_bytes": planned, "rank_pairs": sorted(plan.rank_pairs())})
+        pre.hand_off(rid)
+        return True
+
+
+def _state_bytes(engine: Engine) -> int:
+    """Bytes of one slot state of ``engine``'s cache (window rings of every layer, open ratio-2 pairs)."""
+    total = 0
+    for name in ("swa", "open_kv", "open_score"):
+        for a in jax.tree.leaves(engine.cache[name]):
+            total += a.dtype.itemsize * int(np.prod(a.shape)) // a.shape[1 if name == "swa" else 0]
+    return total
