@@ -123,6 +123,21 @@ def test_generate_with_prefix_caching():
     _assert_greedy_of_forward(out)
 
 
+def test_generate_disaggregated_prefill_and_decode():
+    """``generate --devices 8 --prefill-devices 4 --kv-parallel-size 4``: prefill on devices 0-3 (KVP 4), decode on
+    4-7 (KVP = DCP 4), each request moved rank-matched; the greedy tokens of the full forward. A prefill KVP that can
+    feed neither way is refused naming both sizes."""
+    res = _cli("generate", "--json", "--devices", "8", "--prefill-devices", "4", "--kv-parallel-size", "4",
+               "--prompt-ids", "5,17,42", "--prompt-ids", "9,8,7,6,5,4", "--max-new-tokens", "3")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["timings"]["transfers"]["requests"] == 2 and out["timings"]["transfers"]["modes"] == ["rank-matched"]
+    _assert_greedy_of_forward(out)
+    res = _cli("generate", "--devices", "8", "--prefill-devices", "4", "--kv-parallel-size", "4",
+               "--prefill-kv-parallel-size", "2")
+    assert res.returncode == 2 and "prefill KVP 2 cannot feed decode KVP = DCP 4" in res.stderr
+
+
 def test_generate_without_a_chat_format_says_so(tmp_path):
     (tmp_path / "tokenizer.json").write_bytes((Path(default_checkpoint()) / "tokenizer.json").read_bytes())
     res = _cli("generate", "--checkpoint", str(tmp_path), "--prompt", "w1", "--chat")

@@ -148,6 +148,8 @@ def _engine(args, capacity):
     from v41cp.checkpoint import default_checkpoint, open_checkpoint
     from v41cp.serving.engine import Engine
 
+    if getattr(args, "prefill_devices", None) is not None:
+        return _disaggregated_engine(args, capacity)
     parallel = _parallel(args)
     mesh = parallel.make_mesh() if parallel is not None else None
     # straight onto the mesh: each device reads only its own shard of every parameter
@@ -155,6 +157,88 @@ def _engine(args, capacity):
                                   rules=parallel.rules() if parallel is not None else None,
                                   fake_quant=not args.no_fake_quant, progress=_progress(args), **_backends(args))
     return cfg, Engine(params, cfg, capacity, mesh=mesh, parallel=parallel, speculative=_speculative(args, cfg))
+
+
+def _disaggregated_engine(args, capacity):
+    """Prefill on the first ``--prefill-devices`` devices (their attention TP, with the QCP flags and
+    ``--prefill-kv-parallel-size``), decode on the rest (``--kv-parallel-size`` = DCP)."""
+    from v41cp.checkpoint import default_checkpoint, open_checkpoint
+    from v41cp.serving.disaggregated import DisaggregatedEngine
+    from v41cp.sharding.topology import ParallelConfig
+
+    p, devices = args.prefill_devices, _global_devices(args)
+    if not 0 < p < devices:
+        raise ValueError(f"topology: --prefill-devices {p} must be at least 1 and leave decode devices of the "
+                         f"{devices} devices")
+    if args.tp_size is not None:
+        raise ValueError("topology: --tp-size does not apply with --prefill-devices (each role's attention TP is its "
+                         "device count)")
+    if getattr(args, "speculative_algorithm", None) is not None:
+        raise ValueError("speculative decoding with --prefill-devices is not supported yet")
+    if getattr(args, "nnodes", 1) > 1:
+        raise ValueError("--prefill-devices across processes (--nnodes > 1) is not supported yet: the transfer "
+                         "copies pages device to device inside one process")
+    d = devices - p
+    kvp = args.kv_parallel_size
+    dcp = args.decode_context_parallel_size or kvp
+    pre_kvp = args.prefill_kv_parallel_size
+    if pre_kvp is None:
+        pre_kvp = kvp if p % kvp == 0 else 1
+    qcp = {k: getattr(args, k) for k in ("query_context_parallel_size", "indexer_query_parallel_size",
+                                         "attention_query_parallel_size", "indexer_query_min_tokens",
+                                         "attention_query_min_tokens", "attention_query_swa_min_tokens")}
+    prefill = ParallelConfig(tp_size=p, kv_parallel_size=pre_kvp, decode_context_parallel_size=pre_kvp, **qcp)
+    decode = ParallelConfig(tp_size=d, kv_parallel_size=kvp, decode_context_parallel_size=dcp,
+                            dcp_merge=args.dcp_merge, dcp_q=args.dcp_q)
+    cfg, params = open_checkpoint(args.checkpoint or default_checkpoint(), fake_quant=not args.no_fake_quant,
+                                  progress=_progress(args), **_backends(args))
+    return cfg, DisaggregatedEngine(params, cfg, capacity, prefill, decode)
+
+
+def _global_devices(args) -> int:
+    """Devices of the global mesh: ``--devices`` per process times ``--nnodes``."""
+    return args.devices * getattr(args, "nnodes", 1)
+
+
+def _distributed_flags(p) -> None:
+    d = p.add_argument_group("multi-host (jax.distributed; SGLang's names)")
+    d.add_argument("--nnodes", type=int, default=1, help="processes (hosts) in the program; --devices counts each "
+                   "one's local devices, the topology flags describe the global mesh")
+    d.add_argument("--node-rank", type=int, default=0, help="this process's rank in [0, --nnodes); rank 0 prints")
+    d.add_argument("--dist-init-addr", help="HOST:PORT of rank 0's coordinator (required with --nnodes > 1)")
+
+
+def _start_distributed(args) -> None:
+    """``jax.distributed.initialize`` for ``--nnodes > 1`` (gloo collectives between CPU processes); ranks > 0 print
+    nothing on stdout."""
+    import os
+
+    n, rank, addr = args.nnodes, args.node_rank, args.dist_init_addr
+    if type(n) is not int or n < 1:
+        raise ValueError(f"--nnodes must be a positive integer, got {n!r}")
+    if n == 1:
+        return
+    if not 0 <= rank < n:
+        raise ValueError(f"--node-rank {rank} is outside [0, --nnodes {n})")
+    host, _, port = (addr or "").rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"--dist-init-addr must be HOST:PORT with --nnodes {n}, got {addr!r}")
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")     # CPU processes; GPUs use NCCL
+    jax.distributed.initialize(coordinator_address=addr, num_processes=n, process_id=rank)
+    if rank:
+        sys.stdout = open(os.devnull, "w")
+
+
+def _pd_flags(p) -> None:
+    d = p.add_argument_group("prefill / decode disaggregation (one program, disjoint devices)")
+    d.add_argument("--prefill-devices", type=int,
+                   help="prefill on the first N of --devices (attention TP N, with the QCP flags), decode on the rest "
+                        "(KVP = DCP from --kv-parallel-size); requests move by page-owner transfer plans")
+    d.add_argument("--prefill-kv-parallel-size", type=int,
+                   help="the prefill's KVP: 1 (relayout to the decode owners) or equal to the decode's (rank-matched); "
+                        "default: the decode's when it divides --prefill-devices, else 1")
 
 
 def _speculative(args, cfg):
@@ -269,15 +353,16 @@ def _parallel(args, kv_parallel_size=None):
     kvp = args.kv_parallel_size if kv_parallel_size is None else kv_parallel_size
     dcp = kvp if kv_parallel_size is not None or args.decode_context_parallel_size is None \
         else args.decode_context_parallel_size
-    tp = args.tp_size or args.devices
-    if args.devices % tp:
-        raise ValueError(f"topology: --tp-size {tp} does not divide --devices {args.devices}")
+    devices = _global_devices(args)
+    tp = args.tp_size or devices
+    if devices % tp:
+        raise ValueError(f"topology: --tp-size {tp} does not divide the {devices} devices")
     qcp = {k: getattr(args, k) for k in ("query_context_parallel_size", "indexer_query_parallel_size",
                                          "attention_query_parallel_size", "indexer_query_min_tokens",
                                          "attention_query_min_tokens", "attention_query_swa_min_tokens")}
-    if args.devices == 1 and kvp == 1 and dcp == 1:
+    if devices == 1 and kvp == 1 and dcp == 1:
         return None
-    return ParallelConfig(tp_size=tp, dp_size=args.devices // tp, kv_parallel_size=kvp,
+    return ParallelConfig(tp_size=tp, dp_size=devices // tp, kv_parallel_size=kvp,
                           decode_context_parallel_size=dcp, dcp_merge=args.dcp_merge, dcp_q=args.dcp_q, **qcp)
 
 
@@ -351,6 +436,8 @@ def cmd_generate(args) -> int:
         timings["speculative"] = eng.speculative_stats()
     if eng.prefix is not None:
         timings["prefix_cache"] = eng.prefix_stats()
+    if hasattr(eng, "transfer_stats"):
+        timings["transfers"] = eng.transfer_stats()
     if args.json:
         out = []
         for i, r in enumerate(results):
@@ -473,7 +560,7 @@ def cmd_bench(args) -> int:
     rows = _bench_rows(eng, cfg, lengths, args)
     out = {"bench": args.kind, "capacity": {"max_batch": cap.max_batch, "max_tokens": cap.max_tokens,
                                              "block_tokens": cap.block_tokens},
-           "topology": {"devices": args.devices, "tp_size": args.tp_size or args.devices,
+           "topology": {"devices": _global_devices(args), "tp_size": args.tp_size or _global_devices(args),
                         "kv_parallel_size": args.kv_parallel_size, "dcp_merge": args.dcp_merge, "dcp_q": args.dcp_q},
            "rows": rows, "compiles": eng.compile_counts()}
     if eng.speculative is not None:
@@ -590,6 +677,8 @@ def main(argv=None) -> int:
     g.add_argument("--ignore-eos", action="store_true", help="keep generating after the EOS token")
     _capacity_flags(g)
     _topology_flags(g)
+    _pd_flags(g)
+    _distributed_flags(g)
     _backend_flags(g)
     _prefill_flags(g)
     _speculative_flags(g)
@@ -603,6 +692,8 @@ def main(argv=None) -> int:
     v.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
     _capacity_flags(v, max_batch=8, max_context=256)
     _topology_flags(v)
+    _pd_flags(v)
+    _distributed_flags(v)
     _backend_flags(v)
     _prefill_flags(v)
     _speculative_flags(v)
@@ -614,6 +705,7 @@ def main(argv=None) -> int:
     b.add_argument("--batch", type=int, default=1)
     b.add_argument("--steps", type=int, default=32, help="decode steps per length")
     _topology_flags(b)
+    _distributed_flags(b)
     _backend_flags(b)
     _prefill_flags(b)
     _speculative_flags(b)
@@ -646,6 +738,9 @@ def main(argv=None) -> int:
     _topology_flags(n)
     _backend_flags(n)
     args = p.parse_args(argv)
+    if getattr(args, "nnodes", 1) > 1 and args.cmd == "serve":
+        p.error("serve across processes (--nnodes > 1) is not supported yet: the followers would need every HTTP "
+                "request broadcast to them")
     if getattr(args, "devices", 1) > 1 and "jax" not in sys.modules:
         import os
 
@@ -660,6 +755,8 @@ def main(argv=None) -> int:
     from v41cp.config import ConfigError
 
     try:
+        if hasattr(args, "nnodes"):
+            _start_distributed(args)
         return {"info": cmd_info, "forward": cmd_forward, "convert": cmd_convert, "generate": cmd_generate,
                 "serve": cmd_serve, "bench": cmd_bench, "plan": cmd_plan}[args.cmd](args)
     except (ConfigError, CheckpointError, ValueError) as e:

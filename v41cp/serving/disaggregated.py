@@ -39,7 +39,7 @@ class DisaggregatedEngine:
         self.prefill = Engine(params, cfg, capacity, parallel=prefill, devices=devices[:p], role="prefill")
         self.decode = Engine(params, cfg, capacity, parallel=decode, devices=devices[p:p + d], role="decode")
         self.speculative = self.prefix = None
-        self._finished: dict = {}                      # requests whose first token ended them (on the prefill role)
+        self._finished: dict = {}                      # rid -> (request, result): ended by its first token
         self.transfers: list[dict] = []
         leaf = jax.tree.leaves(self.decode.cache["swa"])[0]
         self._dst_state_sharding = leaf.sharding
@@ -60,17 +60,19 @@ class DisaggregatedEngine:
 
     def release(self, rid) -> dict:
         if rid in self._finished:
-            return self._finished.pop(rid)
+            return self._finished.pop(rid)[1]
         eng = self.decode if rid in self.decode.requests else self.prefill
         return eng.release(rid)
 
     @property
     def requests(self) -> dict:
-        return {**self.prefill.requests, **self.decode.requests}
+        """Every request either role holds (and those their first token ended), by id."""
+        return {**{rid: req for rid, (req, _) in self._finished.items()}, **self.prefill.requests,
+                **self.decode.requests}
 
     def result(self, rid) -> dict:
         if rid in self._finished:
-            return self._finished[rid]
+            return self._finished[rid][1]
         return (self.decode if rid in self.decode.requests else self.prefill).result(rid)
 
     @property
@@ -110,7 +112,7 @@ class DisaggregatedEngine:
         self.prefill.prefill_round()
         for rid, req in list(self.prefill.requests.items()):
             if req.status == "done":                                   # ended by its first token
-                self._finished[rid] = self.prefill.release(rid)
+                self._finished[rid] = (req, self.prefill.release(rid))
             elif req.status == "running" and req.output and not self._hand_over(rid, req):
                 break                                                  # the decode role is full: FIFO
         self.decode.decode_round()

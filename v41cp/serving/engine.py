@@ -28,6 +28,7 @@ from v41cp.engram_hash import engram_hash_ids
 from v41cp.model import embedding_and_head
 from v41cp.serving.allocator import BlockAllocator, content_residue
 from v41cp.serving.dcp import DCPPlan
+from v41cp.serving.host import fetch
 from v41cp.serving.prefix_cache import PrefixCache
 from v41cp.serving.prefix_cache import admit as prefix_admit
 from v41cp.serving.prefix_cache import grow as prefix_grow
@@ -523,7 +524,7 @@ class Engine:
             else:
                 logits, self.cache = prefill_chunk(self.params, self.cache, metas, cfg, encoder_only, self.step_plan)
             if not encoder_only:
-                last = np.asarray(logits[m - 1, 0])
+                last = fetch(logits[m - 1, 0])
             if end in req.cuts:
                 self._store_prefix(req, end)
         req.last_logits = last
@@ -566,7 +567,7 @@ class Engine:
                 self._write_context(np.asarray(slots), feats, pos, ok)
             else:
                 logits, self.cache = prefill_span(self.params, self.cache, meta, cfg, self.span_layout)
-            logits = np.asarray(logits)
+            logits = fetch(logits)
             for i, req in enumerate(reqs):
                 if starts[i] < ends[i] == totals[i]:                 # this pass holds the prompt's last row
                     req.last_logits = logits[i]
@@ -601,7 +602,7 @@ class Engine:
             eng[i] = engram_ids_for_last(cfg, hist)
         meta = DecodeMetadata(*(jnp.asarray(a) for a in (tok, pos, slots, tables, active, eng)), b, mb)
         logits, self.cache = decode_step(self.params, self.cache, meta, cfg, self.step_plan)
-        logits = np.asarray(logits)
+        logits = fetch(logits)
         for i, req in enumerate(rows):
             req.last_logits = logits[i]
             req.output.append(sample_token(logits[i], req.sampling, len(req.output)))
@@ -623,7 +624,7 @@ class Engine:
         if spec.proposer is None:
             drafts, _ = draft_step(self.dparams, *embedding_and_head(self.params), cfg, self.dcache,
                                    jnp.asarray(slots), jnp.asarray(anchors), jnp.asarray(pos), n)
-            drafts = np.asarray(drafts)
+            drafts = fetch(drafts)
         else:
             drafts = np.zeros((b, n), np.int32)
             for i, req in enumerate(rows):
@@ -641,7 +642,7 @@ class Engine:
         meta = StepRows(*(jnp.asarray(a) for a in (tok, pos, lengths, slots, tables, eng)), b, mb, r)
         logits, self.cache, undo, (feats, fpos, fok) = verify_step(self.params, self.cache, meta, cfg,
                                                                    self.step_plan, features=True)
-        logits = np.asarray(logits)
+        logits = fetch(logits)
         kept, emitted_total = np.zeros(b, np.int32), 0
         for i, req in enumerate(rows):
             sp = req.sampling
