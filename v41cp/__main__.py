@@ -175,9 +175,6 @@ def _disaggregated_engine(args, capacity):
                          "device count)")
     if getattr(args, "speculative_algorithm", None) is not None:
         raise ValueError("speculative decoding with --prefill-devices is not supported yet")
-    if getattr(args, "nnodes", 1) > 1:
-        raise ValueError("--prefill-devices across processes (--nnodes > 1) is not supported yet: the transfer "
-                         "copies pages device to device inside one process")
     d = devices - p
     kvp = args.kv_parallel_size
     dcp = args.decode_context_parallel_size or kvp
@@ -738,6 +735,9 @@ def main(argv=None) -> int:
     _topology_flags(n)
     _backend_flags(n)
     args = p.parse_args(argv)
+    if getattr(args, "nnodes", 1) > 1 and getattr(args, "prefill_devices", None) is not None:
+        p.error("--prefill-devices across processes (--nnodes > 1) is not supported yet: the transfer copies pages "
+                "device to device inside one process")
     if getattr(args, "nnodes", 1) > 1 and args.cmd == "serve":
         p.error("serve across processes (--nnodes > 1) is not supported yet: the followers would need every HTTP "
                 "request broadcast to them")
