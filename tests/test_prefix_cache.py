@@ -65,7 +65,7 @@ def test_random_operations_never_free_a_held_block(kvp):
         for r in running:
             assert not free & set(alloc.blocks(r)), "a running request's block is free"
         held = {id(n) for _, g in running.values() for n in g.nodes}
-        assert all(n.refs > 0 for n in cache._nodes if id(n) in held)
+        assert all(n.refs > 0 for n in cache.nodes if id(n) in held)
     assert hits > 20 and evicted > 5, (hits, evicted)
 
 

@@ -468,7 +468,7 @@ class Engine:
         cached blocks and stored states (and their bytes per device), evictions."""
         out = self.prefix.summary()
         out["prefill_tokens_saved"] = out["hit_tokens"]
-        held = [n.state for n in self.prefix._nodes if n.state is not None]
+        held = [n.state for n in self.prefix.nodes if n.state is not None]
         out["state_bytes"] = sum(state_bytes(s) for s in held)
         return out
 
@@ -482,7 +482,7 @@ class Engine:
             for r in self.requests.values():
                 for n in r.prefix_nodes:
                     refs[id(n)] = refs.get(id(n), 0) + 1
-            assert all(n.refs == refs.get(id(n), 0) for n in self.prefix._nodes), "prefix references disagree"
+            assert all(n.refs == refs.get(id(n), 0) for n in self.prefix.nodes), "prefix references disagree"
             assert held == set(refs), "a finished request holds prefix nodes"
 
     def _table(self, rid) -> np.ndarray:

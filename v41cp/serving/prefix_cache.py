@@ -86,6 +86,10 @@ class PrefixCache:
         return [n.block for n in self._nodes]
 
     @property
+    def nodes(self) -> tuple[PrefixNode, ...]:
+        return tuple(self._nodes)
+
+    @property
     def reclaimable(self) -> int:
         """Blocks no running request holds (evicted on demand; a held node's chain up to the root is held too)."""
         return sum(n.refs == 0 for n in self._nodes)
