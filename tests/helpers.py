@@ -123,3 +123,19 @@ def assert_same_records(got: np.ndarray, want: np.ndarray, key: str) -> None:
     packed = ("'ckv'" in key or "'ikey'" in key) and "'q'" in key
     steps = np.maximum(*map(np.abs, nibbles)) if packed else np.abs(g - w)
     assert (steps == 1).all(), (key, g, w)
+
+
+def assert_same_request_state(got: dict, want: dict, rid, window: int) -> None:
+    """Two `Engine.request_state`s hold the same bytes: every complete entry of every group, the window rows of the
+    request's last ``window`` positions (other ring rows are not the request's), the open ratio-2 pairs."""
+    import jax
+
+    assert got["tokens"] == want["tokens"], rid
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got["pages"]), jax.tree.leaves(want["pages"])):
+        np.testing.assert_array_equal(g, w, err_msg=f"{rid} {jax.tree_util.keystr(path)}")
+    rows = np.arange(max(0, got["tokens"] - window), got["tokens"]) % window
+    for g, w in zip(jax.tree.leaves(got["slot"]["swa"]), jax.tree.leaves(want["slot"]["swa"])):
+        np.testing.assert_array_equal(g[:, rows], w[:, rows], err_msg=f"{rid} window")
+    for name in ("open_kv", "open_score"):
+        for g, w in zip(jax.tree.leaves(got["slot"][name]), jax.tree.leaves(want["slot"][name])):
+            np.testing.assert_array_equal(g, w, err_msg=f"{rid} {name}")

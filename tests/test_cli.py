@@ -1,11 +1,17 @@
 """The main job: ``python -m v41cp info`` / ``forward`` on the embedded tiny checkpoint."""
 
 import json
+import os
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
+import pytest
+
+from server_harness import free_port
 
 from v41cp import model
 from v41cp.checkpoint import default_checkpoint, load
@@ -14,6 +20,33 @@ from v41cp.serving.text import TextCodec
 
 def _cli(*args):
     return subprocess.run([sys.executable, "-m", "v41cp", *args], capture_output=True, text=True, timeout=600)
+
+
+def two_processes(*args: str, timeout: float = 480) -> list[tuple[int, str, str]]:
+    """``python -m v41cp ARGS --nnodes 2 --node-rank r --dist-init-addr 127.0.0.1:PORT`` for r = 0, 1 at once
+    (``--devices`` in ARGS: each one's local devices); each one's (exit status, stdout, stderr)."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}     # each process sets its own device count
+    env["JAX_PLATFORMS"] = "cpu"
+    files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-m", "v41cp", *args, "--nnodes", "2", "--node-rank", str(r),
+                               "--dist-init-addr", f"127.0.0.1:{port}"], env=env, stdout=out, stderr=err, text=True)
+             for r, (out, err) in enumerate(files)]
+    try:
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.wait(max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    result = []
+    for p, (out, err) in zip(procs, files):
+        out.seek(0)
+        err.seek(0)
+        result.append((p.returncode, out.read(), err.read()))
+    return result
 
 
 def test_info_lists_every_layer_role():
@@ -144,17 +177,52 @@ def test_generate_without_a_chat_format_says_so(tmp_path):
     assert res.returncode == 2 and "provides no chat format" in res.stderr, res.stderr
 
 
-def test_generate_with_model_wide_qcp_and_kvp():
-    """``generate --query-context-parallel-size 4 --kv-parallel-size 4 --ced --span-chunk 2``: span prefill under
-    QCP 4 (CED on) in 2-row passes, DCP decode over the KVP 4 pages; the greedy tokens of the full forward; two
-    span-prefill compiles (the first pass, the continuing passes)."""
-    res = _cli("generate", "--json", "--devices", "4", "--query-context-parallel-size", "4", "--kv-parallel-size",
-               "4", "--ced", "--span-chunk", "2", "--prompt-ids", "5,17,42", "--prompt-ids", "9,8,7,6",
-               "--max-new-tokens", "3")
+# model-wide QCP 8 prefill (CED on, 2-row passes) and DCP decode over KVP 8: one process, then two (test_multihost)
+QCP8 = ("generate", "--json", "--query-context-parallel-size", "8", "--kv-parallel-size", "8", "--ced",
+        "--span-chunk", "2", "--prompt-ids", "5,17,42", "--prompt-ids", "9,8,7,6",
+        "--max-new-tokens", "4", "--ignore-eos")
+
+
+@pytest.fixture(scope="module")
+def qcp8_one_process():
+    res = _cli(*QCP8, "--devices", "8")
     assert res.returncode == 0, res.stderr
-    out = json.loads(res.stdout)
+    return json.loads(res.stdout)
+
+
+def test_generate_with_model_wide_qcp_and_kvp(qcp8_one_process):
+    """``generate --query-context-parallel-size 8 --kv-parallel-size 8 --ced --span-chunk 2``: span prefill under
+    QCP 8 (CED on) in 2-row passes, DCP decode over the KVP 8 pages; the greedy tokens of the full forward; two
+    span-prefill compiles (the first pass, the continuing passes)."""
+    out = qcp8_one_process
     assert out["timings"]["compiles"]["prefill_span"] == 2 and out["timings"]["compiles"]["prefill_chunk"] == 0
+    assert [len(r["output_ids"]) for r in out["requests"]] == [4, 4]
     _assert_greedy_of_forward(out)
+
+
+def test_two_processes_equal_one_process(qcp8_one_process):
+    """Two processes on 127.0.0.1 through `jax.distributed` (gloo between CPU processes), 4 devices each, one global
+    mesh of 8: the QCP 8 prefill's zigzag rows and the KVP 8 pages span both processes (the DCP merge and the
+    distributed top-k through gloo); rank 0 prints the one-process run's tokens, rank 1 prints nothing. Bounded in
+    time, both processes killed on failure."""
+    (rc0, out0, err0), (rc1, out1, err1) = two_processes(*QCP8, "--devices", "4")
+    assert rc0 == 0 and rc1 == 0, (err0[-3000:], err1[-3000:])
+    assert out1 == ""
+    two = json.loads(out0)
+    assert two["requests"] == qcp8_one_process["requests"]
+    assert two["timings"]["compiles"] == qcp8_one_process["timings"]["compiles"]
+
+
+def test_distributed_flags_are_validated():
+    res = _cli("generate", "--nnodes", "2", "--node-rank", "2", "--dist-init-addr", "127.0.0.1:1")
+    assert res.returncode == 2 and "--node-rank 2 is outside [0, --nnodes 2)" in res.stderr
+    res = _cli("generate", "--nnodes", "2", "--dist-init-addr", "localhost")
+    assert res.returncode == 2 and "--dist-init-addr must be HOST:PORT" in res.stderr
+    res = _cli("serve", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:1")
+    assert res.returncode == 2 and "serve across processes (--nnodes > 1) is not supported yet" in res.stderr
+    res = _cli("generate", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:1", "--devices", "4", "--prefill-devices",
+               "4")
+    assert res.returncode == 2 and "--prefill-devices across processes" in res.stderr
 
 
 def test_topology_flags_are_validated():

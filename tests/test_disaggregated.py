@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import TOKEN_MAP, perturbed
+from helpers import TOKEN_MAP, assert_same_request_state, perturbed
 from v41cp import model
 from v41cp.config import preset
 from v41cp.serving.engine import Capacity, Engine, SamplingParams
@@ -26,18 +26,6 @@ W = 8
 def tiny_tp8():
     cfg = preset("tiny-tp8", engram_token_map=TOKEN_MAP)
     return cfg, perturbed(model.init_params(cfg, jax.random.key(0)))
-
-
-def _same_state(got: dict, want: dict, rid) -> None:
-    assert got["tokens"] == want["tokens"], rid
-    for g, w in zip(jax.tree.leaves(got["pages"]), jax.tree.leaves(want["pages"])):
-        np.testing.assert_array_equal(g, w, err_msg=f"{rid} pages")
-    rows = np.arange(max(0, got["tokens"] - W), got["tokens"]) % W
-    for g, w in zip(jax.tree.leaves(got["slot"]["swa"]), jax.tree.leaves(want["slot"]["swa"])):
-        np.testing.assert_array_equal(g[:, rows], w[:, rows], err_msg=f"{rid} window")
-    for name in ("open_kv", "open_score"):
-        for g, w in zip(jax.tree.leaves(got["slot"][name]), jax.tree.leaves(want["slot"][name])):
-            np.testing.assert_array_equal(g, w, err_msg=f"{rid} {name}")
 
 
 DECODE = ParallelConfig(tp_size=4, kv_parallel_size=2, decode_context_parallel_size=2)   # 2 TP replicas per owner
@@ -97,7 +85,7 @@ def test_disaggregated_equals_aggregated(tiny_tp8, aggregated, prefill_kvp):
                 np.testing.assert_array_equal(eng.requests[rid].last_logits, logits, err_msg=f"{rid} step {step}")
             if state is not None:
                 assert rid in eng.decode.requests               # every running request decodes on devices 4-7
-                _same_state(eng.decode.request_state(rid), state, rid)
+                assert_same_request_state(eng.decode.request_state(rid), state, rid, W)
 
     _drive(pd, prompts, compare)
     assert not pd.prefill.requests

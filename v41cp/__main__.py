@@ -222,10 +222,13 @@ def _start_distributed(args) -> None:
         raise ValueError(f"--dist-init-addr must be HOST:PORT with --nnodes {n}, got {addr!r}")
     import jax
 
+    # native libraries (gloo) log on file descriptor 1: send it to stderr, keep Python's stdout for the results
+    sys.stdout.flush()
+    results = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = os.fdopen(results, "w") if rank == 0 else open(os.devnull, "w")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")     # CPU processes; GPUs use NCCL
     jax.distributed.initialize(coordinator_address=addr, num_processes=n, process_id=rank)
-    if rank:
-        sys.stdout = open(os.devnull, "w")
 
 
 def _pd_flags(p) -> None:
@@ -353,7 +356,9 @@ def _parallel(args, kv_parallel_size=None):
     devices = _global_devices(args)
     tp = args.tp_size or devices
     if devices % tp:
-        raise ValueError(f"topology: --tp-size {tp} does not divide the {devices} devices")
+        nodes = getattr(args, "nnodes", 1)
+        raise ValueError(f"topology: --tp-size {tp} does not divide --devices {args.devices}"
+                         + (f" x --nnodes {nodes} = {devices}" if nodes > 1 else ""))
     qcp = {k: getattr(args, k) for k in ("query_context_parallel_size", "indexer_query_parallel_size",
                                          "attention_query_parallel_size", "indexer_query_min_tokens",
                                          "attention_query_min_tokens", "attention_query_swa_min_tokens")}
