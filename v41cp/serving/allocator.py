@@ -199,9 +199,12 @@ class BlockAllocator:
 
     def free(self, blocks) -> None:
         """Return blocks the prefix cache held (evicted) to the free lists."""
+        blocks = list(blocks)
+        free = {b for f in self._free for b in f}
         for b in blocks:
-            if not 0 <= b < self.num_blocks or b in self._free[b % self.n]:
+            if not 0 <= b < self.num_blocks or b in free:
                 raise AllocationError(f"block {b!r} cannot be freed: out of range or already free")
+            free.add(b)
         for b in blocks:
             self._free[b % self.n].append(b)
         for f in self._free:

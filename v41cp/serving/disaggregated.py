@@ -13,11 +13,11 @@ finishes on the prefill role. The interface is the `Engine`'s (``submit / step /
 from __future__ import annotations
 
 import jax
-import numpy as np
 
 from v41cp.config import ModelConfig
 from v41cp.serving.engine import Capacity, Engine, SamplingParams
 from v41cp.serving.pd_transfer import check_sizes, execute, plan_transfer, ratios_of
+from v41cp.serving.slot_state import slot_state_bytes
 from v41cp.sharding.topology import ParallelConfig
 
 __all__ = ["DisaggregatedEngine"]
@@ -128,8 +128,7 @@ class DisaggregatedEngine:
             return False
         bt = self.capacity.block_tokens
         plan = plan_transfer(src, dst, len(req.prompt), bt, ratios_of(pre.cache, bt), pre.alloc.n, dec.alloc.n)
-        slot_state_bytes = _state_bytes(pre)
-        planned = plan.bytes(pre.cache, self._dst_replicas, self._dst_devices, slot_state_bytes)
+        planned = plan.bytes(pre.cache, self._dst_replicas, self._dst_devices, slot_state_bytes(pre.cache))
         dec.cache, moved = execute(plan, pre.cache, dec.cache, pre.alloc.slot(rid), dec.alloc.slot(rid),
                                    self._dst_state_sharding)
         self.transfers.append({"id": rid, "mode": plan.mode, "tokens": plan.tokens, "pages": plan.pages,
@@ -137,12 +136,3 @@ class DisaggregatedEngine:
                                "planned_bytes": planned, "rank_pairs": sorted(plan.rank_pairs())})
         pre.hand_off(rid)
         return True
-
-
-def _state_bytes(engine: Engine) -> int:
-    """Bytes of one slot state of ``engine``'s cache (window rings of every layer, open ratio-2 pairs)."""
-    total = 0
-    for name in ("swa", "open_kv", "open_score"):
-        for a in jax.tree.leaves(engine.cache[name]):
-            total += a.dtype.itemsize * int(np.prod(a.shape)) // a.shape[1 if name == "swa" else 0]
-    return total

@@ -17,14 +17,9 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from v41cp.serving.paged_cache import entries_per_block, store_rows
+from v41cp.serving.paged_cache import entries_per_block, page_rows, store_rows
 
 __all__ = ["request_state", "window_rows"]
-
-
-def _rows(blocks, kvp: int, pool_rows: int) -> np.ndarray:
-    v = np.asarray(blocks, np.int64)
-    return v if kvp == 1 else (v % kvp) * (pool_rows // kvp) + v // kvp
 
 
 def request_state(cache: dict, blocks, tokens: int, block_tokens: int, kvp: int = 1,
@@ -35,7 +30,7 @@ def request_state(cache: dict, blocks, tokens: int, block_tokens: int, kvp: int 
         pages[name] = {}
         for src, store in cache[name].items():
             count = tokens // (block_tokens // entries_per_block(store))          # complete entries
-            rows = _rows(blocks, kvp, store_rows(store))
+            rows = np.asarray(page_rows(kvp, False, np.asarray(blocks, np.int32), store_rows(store)))
             pages[name][src] = jax.tree.map(lambda a: np.asarray(a)[rows].reshape(-1, *a.shape[2:])[:count], store)
     out = {"pages": pages}
     if slot_state is not None:

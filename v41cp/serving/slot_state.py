@@ -13,7 +13,7 @@ from functools import partial
 
 import jax
 
-__all__ = ["take_slot_state", "put_slot_state", "state_bytes"]
+__all__ = ["take_slot_state", "put_slot_state", "state_bytes", "slot_state_bytes"]
 
 _SLOT_AXIS = {"swa": 1, "open_kv": 0, "open_score": 0, "keys": 1}
 
@@ -53,6 +53,12 @@ def put_slot_state(cache: dict, slot: int, state: dict, dcache: dict | None = No
     parts = _put(_parts(cache, dcache), jax.numpy.int32(slot), state)
     cache = {**cache, **{k: parts[k] for k in ("swa", "open_kv", "open_score")}}
     return cache, (None if dcache is None else {**dcache, "keys": parts["keys"]})
+
+
+def slot_state_bytes(cache: dict, dcache: dict | None = None) -> int:
+    """Bytes of one slot's state in ``cache`` (what `take_slot_state` returns), from the layout alone."""
+    return sum(a.dtype.itemsize * a.size // a.shape[_SLOT_AXIS[k]]
+               for k, v in _parts(cache, dcache).items() for a in jax.tree.leaves(v))
 
 
 def state_bytes(state: dict) -> int:
