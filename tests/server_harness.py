@@ -20,21 +20,36 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """A server subprocess on a free loopback port; ``url`` is its base address (``…/v1`` for the client)."""
+    """A server subprocess on a free loopback port; ``url`` is its base address (``…/v1`` for the client).
 
-    def __init__(self, *flags: str, devices: int = 1, timeout: float = 420):
+    ``nnodes`` > 1: that many processes of one server (`jax.distributed` on 127.0.0.1, ``devices`` each): ``proc``
+    is rank 0 (the one serving HTTP), ``followers`` the others; `stop` signals rank 0, whose shutdown ends the
+    followers, and kills whatever is left when the time is up."""
+
+    def __init__(self, *flags: str, devices: int = 1, timeout: float = 420, nnodes: int = 1):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
         env["JAX_PLATFORMS"] = "cpu"
         if devices > 1:
             env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+        cmd = [sys.executable, "-m", "v41cp", "serve", "--host", "127.0.0.1", "--port", str(self.port), *flags]
+        dist = []
+        if nnodes > 1:
+            cmd += ["--devices", str(devices)]
+            dist = ["--nnodes", str(nnodes), "--dist-init-addr", f"127.0.0.1:{free_port()}"]
         self.out = tempfile.TemporaryFile("w+")      # a file, not a pipe: a chatty server never blocks on it
-        self.proc = subprocess.Popen([sys.executable, "-m", "v41cp", "serve", "--host", "127.0.0.1", "--port",
-                                      str(self.port), *flags], env=env, stdout=self.out,
+        self.follower_out = [tempfile.TemporaryFile("w+") for _ in range(1, nnodes)]
+        self.followers = [subprocess.Popen(cmd + dist + ["--node-rank", str(r)], env=env, stdout=out,
+                                           stderr=subprocess.STDOUT, text=True)
+                          for r, out in enumerate(self.follower_out, start=1)]
+        self.proc = subprocess.Popen(cmd + dist + (["--node-rank", "0"] if dist else []), env=env, stdout=self.out,
                                      stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            if any(p.poll() is not None for p in self.followers):
+                self.stop()
+                raise RuntimeError(f"a follower exited:\n{self.output()[-4000:]}")
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()[-4000:]}")
             try:
@@ -47,9 +62,13 @@ class ServerProcess:
         raise RuntimeError(f"server did not come up within {timeout} s")
 
     def output(self) -> str:
-        self.out.flush()
-        self.out.seek(0)
-        return self.out.read()
+        """Rank 0's output, then each follower's."""
+        text = []
+        for i, out in enumerate([self.out, *self.follower_out]):
+            out.flush()
+            out.seek(0)
+            text.append(out.read() if i == 0 else f"\n--- rank {i} ---\n" + out.read())
+        return "".join(text)
 
     def health(self) -> dict:
         return httpx.get(self.url + "/health", timeout=10).json()
@@ -67,11 +86,18 @@ class ServerProcess:
             time.sleep(0.1)
 
     def stop(self, sig=signal.SIGTERM, timeout: float = 30) -> int:
+        """Rank 0's exit status (the followers must have exited with 0, else ``-1`` is returned)."""
+        deadline = time.monotonic() + timeout
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
+        ok = True
+        for p in [self.proc, *self.followers]:
             try:
-                self.proc.wait(timeout)
+                p.wait(max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return self.proc.returncode
+                p.kill()
+                p.wait(10)
+                ok = False
+            if p is not self.proc and p.returncode != 0:
+                ok = False
+        return self.proc.returncode if ok else -1

@@ -211,25 +211,44 @@ def test_bad_fields_answer_400_naming_the_field(server, path, body, param, words
     assert after["free_blocks"] == before["free_blocks"] and after["steps"] == before["steps"]
 
 
-def test_kvp_dcp8_server_equals_one_device_and_shutdown_ends_requests_in_flight(server, client):
-    """A KVP = DCP = 8 server on 8 simulated devices answers what the one-device server answers; on SIGTERM a
-    request in flight gets an error event and [DONE] (no hang) and the server exits cleanly."""
-    dcp = ServerProcess("--max-batch", "8", "--max-context", str(CAPACITY), "--devices", "8",
-                        "--kv-parallel-size", "8", "--decode-context-parallel-size", "8")
+def test_kvp_dcp8_server_across_two_processes_equals_one_device(server, client):
+    """A KVP = DCP = 8 server over two processes (`jax.distributed` on 127.0.0.1, 4 devices each; rank 0 serves
+    HTTP and broadcasts each iteration's submits / cancels, rank 1 follows) answers what the one-device server
+    answers, concurrent requests included; a client that disconnects cancels its request on both ranks (the next
+    requests still agree); on SIGTERM a request in flight gets an error event and [DONE] (no hang), and both
+    processes exit cleanly."""
+    dcp = ServerProcess("--max-batch", "8", "--max-context", str(CAPACITY), "--kv-parallel-size", "8",
+                        "--decode-context-parallel-size", "8", devices=4, nnodes=2)
     try:
-        dclient = openai.OpenAI(base_url=dcp.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        for i in (0, 3, 4):
-            args = dict(model=MODEL, prompt=PROMPTS[i], max_tokens=40, temperature=0, ignore_eos=True)
-            one = client.completions.create(extra_body={"return_token_ids": True, "ignore_eos": True},
-                                            **{k: v for k, v in args.items() if k != "ignore_eos"})
-            eight = dclient.completions.create(extra_body={"return_token_ids": True, "ignore_eos": True},
-                                               **{k: v for k, v in args.items() if k != "ignore_eos"})
-            assert eight.choices[0].model_extra["token_ids"] == one.choices[0].model_extra["token_ids"]
-            assert eight.choices[0].text == one.choices[0].text
-        body = {"model": MODEL, "prompt": "w1", "max_tokens": 120, "temperature": 0, "ignore_eos": True,
+        dclient = openai.OpenAI(base_url=dcp.url + "/v1", api_key="unused", max_retries=0, timeout=180)
+
+        def both(i, max_tokens=24):
+            args = dict(model=MODEL, prompt=PROMPTS[i], max_tokens=max_tokens, temperature=0,
+                        extra_body={"return_token_ids": True, "ignore_eos": True})
+            return client.completions.create(**args), dclient.completions.create(**args)
+
+        async def concurrent(indices):
+            aclient = openai.AsyncOpenAI(base_url=dcp.url + "/v1", api_key="unused", max_retries=0, timeout=180)
+            return await asyncio.gather(*[aclient.completions.create(
+                model=MODEL, prompt=PROMPTS[i], max_tokens=24, temperature=0,
+                extra_body={"return_token_ids": True, "ignore_eos": True}) for i in indices])
+
+        for i, got in zip((0, 3, 4), asyncio.run(concurrent((0, 3, 4)))):
+            one = client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=24, temperature=0,
+                                            extra_body={"return_token_ids": True, "ignore_eos": True})
+            assert got.choices[0].model_extra["token_ids"] == one.choices[0].model_extra["token_ids"]
+            assert got.choices[0].text == one.choices[0].text
+        body = {"model": MODEL, "prompt": "w1 w2", "max_tokens": 100, "temperature": 0, "ignore_eos": True,
                 "stream": True}
-        events = []
         with httpx.Client(timeout=60) as http, http.stream("POST", dcp.url + "/v1/completions", json=body) as r:
+            next(line for line in r.iter_lines() if line.startswith("data: "))
+        h = dcp.wait_idle(timeout=60)            # cancelled on rank 0; rank 1 applied the broadcast cancel
+        assert h["free_blocks"] == h["total_blocks"]
+        one, two = both(1)
+        assert two.choices[0].model_extra["token_ids"] == one.choices[0].model_extra["token_ids"]
+        events = []
+        with httpx.Client(timeout=60) as http, http.stream("POST", dcp.url + "/v1/completions",
+                                                           json={**body, "prompt": "w1"}) as r:
             for line in r.iter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -239,5 +258,6 @@ def test_kvp_dcp8_server_equals_one_device_and_shutdown_ends_requests_in_flight(
         assert events[-1] == "[DONE]"
         assert json.loads(events[-2])["error"]["message"] == "the server is shutting down"
         assert dcp.proc.wait(30) in CLEAN_EXIT, dcp.output()[-3000:]
+        assert dcp.stop() in CLEAN_EXIT, dcp.output()[-3000:]        # and the follower exited with 0
     finally:
         dcp.stop()

@@ -470,8 +470,18 @@ def cmd_serve(args) -> int:
     codec = _codec(args, required=False)
     cap = _capacity(args, args.max_context)
     cfg, eng = _engine(args, cap)
+    control = None
+    if getattr(args, "nnodes", 1) > 1:            # rank 0 serves HTTP, the others follow its broadcast commands
+        from v41cp.serving.control_plane import ControlPlane
+        from v41cp.serving.server import run_follower
+
+        control = ControlPlane()
+        if not control.leader:
+            run_follower(eng, control)
+            return 0
     name = args.served_model_name or Path(args.checkpoint or default_checkpoint()).name
-    run_server(eng, codec, name, args.host, args.port, progress=sys.stderr.isatty(), log_level=args.log_level)
+    run_server(eng, codec, name, args.host, args.port, progress=sys.stderr.isatty(), log_level=args.log_level,
+               control=control)
     return 0
 
 
@@ -743,9 +753,6 @@ def main(argv=None) -> int:
     if getattr(args, "nnodes", 1) > 1 and getattr(args, "prefill_devices", None) is not None:
         p.error("--prefill-devices across processes (--nnodes > 1) is not supported yet: the transfer copies pages "
                 "device to device inside one process")
-    if getattr(args, "nnodes", 1) > 1 and args.cmd == "serve":
-        p.error("serve across processes (--nnodes > 1) is not supported yet: the followers would need every HTTP "
-                "request broadcast to them")
     if getattr(args, "devices", 1) > 1 and "jax" not in sys.modules:
         import os
 

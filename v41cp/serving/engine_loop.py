@@ -14,6 +14,9 @@ every prefill is computed on its own). Callers, from an asyncio event loop:
 * ``loop.shutdown()`` — every request in flight ends with an error event (never a hang), the thread exits.
 
 Finished requests are released from the engine at once, so a long-running server keeps no history.
+
+Across processes (``control``: a `ControlPlane`, on rank 0), each iteration's submits, cancels and shutdown are
+broadcast before the step, and the other ranks apply them in `control_plane.follow`.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import threading
 import traceback
 from dataclasses import dataclass
 
+from v41cp.serving.control_plane import Commands, ControlPlane, drop
 from v41cp.serving.engine import Engine, SamplingParams
 
 __all__ = ["EngineLoop", "LoopClosed", "RequestHandle", "TokenEvent"]
@@ -83,10 +87,12 @@ class _Stream:
 
 
 class EngineLoop:
-    """See the module docstring. ``idle_wait``: seconds the thread sleeps waiting for work when idle."""
+    """See the module docstring. ``idle_wait``: seconds the thread sleeps waiting for work when idle; ``control``:
+    the control plane to the follower processes (None: one process)."""
 
-    def __init__(self, engine: Engine, idle_wait: float = 0.05):
-        self.engine, self.idle_wait = engine, idle_wait
+    def __init__(self, engine: Engine, idle_wait: float = 0.05, control: ControlPlane | None = None):
+        self.engine, self.idle_wait, self.control = engine, idle_wait, control
+        self._ops = Commands()
         self._inbox: "queue.SimpleQueue" = queue.SimpleQueue()
         self._streams: dict[object, _Stream] = {}
         self._ids = itertools.count()
@@ -158,6 +164,10 @@ class EngineLoop:
                     cmd = self._inbox.get_nowait()
                 except queue.Empty:
                     cmd = None
+            if self.control is not None:     # the followers apply this iteration's commands, then step with us
+                ops, self._ops = self._ops, Commands()
+                ops.close = self._closing.is_set()
+                self.control.exchange(ops)
             if self._closing.is_set():
                 self._fail_all(getattr(self, "_reason", "the server is shutting down"))
                 self._drain_submissions()
@@ -188,11 +198,13 @@ class EngineLoop:
             except Exception as e:   # RequestError / EngineFull: nothing was changed
                 fut.set_exception(e)
                 return
+            self._ops.submit(rid, prompt, sampling)
             self._streams[rid] = stream
             fut.set_result(rid)
         elif cmd[0] == "cancel":
             rid = cmd[1]
             stream = self._streams.pop(rid, None)
+            self._ops.cancel(rid)
             self._drop(rid)
             if stream is not None:
                 stream.emit(TokenEvent((), finish_reason="cancelled"))
@@ -213,11 +225,7 @@ class EngineLoop:
 
     def _drop(self, rid) -> None:
         """Cancel request ``rid`` if it is still active and forget it (its pages and slot are free)."""
-        req = self.engine.requests.get(rid)
-        if req is not None:
-            if req.status in ("waiting", "running"):
-                self.engine.cancel(rid)
-            self.engine.release(rid)
+        drop(self.engine, rid)
 
     def _fail_all(self, message: str) -> None:
         for rid, stream in list(self._streams.items()):

@@ -9,6 +9,9 @@ of holding the shutdown; then uvicorn closes the connections and exits.
 Why FastAPI + uvicorn: the stack vLLM and SGLang serve the same API with; pydantic validates the request
 bodies (a bad field is reported by name), Starlette streams server-sent events and tells a handler when its
 client went away, and uvicorn is a maintained ASGI server — no HTTP parsing of our own.
+
+Across processes (``--nnodes``): rank 0 runs `run_server` with a `ControlPlane`, every other rank runs
+`run_follower` (the same warm-up, then `control_plane.follow` until rank 0 shuts down); no other rank listens.
 """
 
 from __future__ import annotations
@@ -16,11 +19,12 @@ from __future__ import annotations
 import sys
 import time
 
+from v41cp.serving.control_plane import ControlPlane, follow
 from v41cp.serving.engine import Engine, SamplingParams
 from v41cp.serving.engine_loop import EngineLoop
 from v41cp.serving.text import TextCodec
 
-__all__ = ["run_server", "warm_up"]
+__all__ = ["run_follower", "run_server", "warm_up"]
 
 
 def warm_up(engine: Engine, progress: bool = True) -> dict:
@@ -43,7 +47,7 @@ def warm_up(engine: Engine, progress: bool = True) -> dict:
 
 
 def run_server(engine: Engine, codec: TextCodec | None, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-               progress: bool = True, log_level: str = "info") -> None:
+               progress: bool = True, log_level: str = "info", control: ControlPlane | None = None) -> None:
     import uvicorn
 
     from v41cp.serving.openai_api import build_app
@@ -51,12 +55,16 @@ def run_server(engine: Engine, codec: TextCodec | None, model_name: str, host: s
     stages = warm_up(engine, progress)
     print(f"v41cp: warm-up compile {stages['warm_up_s']} s; serving {model_name!r} on http://{host}:{port}", file=sys.stderr,
           flush=True)
-    loop = EngineLoop(engine).start()
+    loop = EngineLoop(engine, control=control).start()
     app = build_app(loop, codec, model_name)
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
-            loop.shutdown()               # in-flight requests end with an error now, not after they finish
+            # in-flight requests end with an error now, not after they finish; across processes the followers get
+            # the closing message first, and every process leaves the distributed runtime together
+            loop.shutdown(join=control is not None)
+            if control is not None:
+                control.shutdown()
             super().handle_exit(sig, frame)
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10,
@@ -65,3 +73,14 @@ def run_server(engine: Engine, codec: TextCodec | None, model_name: str, host: s
         _Server(config).run()
     finally:
         loop.shutdown(join=True)
+        if control is not None:
+            control.shutdown()
+
+
+def run_follower(engine: Engine, control: ControlPlane) -> int:
+    """A rank > 0 of a multi-process server: the leader's warm-up in lock-step, then its iterations until it
+    closes; returns the steps taken."""
+    warm_up(engine, progress=False)
+    steps = follow(engine, control)
+    control.shutdown()
+    return steps

@@ -1,0 +1,136 @@
+"""The control plane of a server that spans processes (`jax.distributed`): rank 0 decides, every rank applies.
+
+Host control is SPMD: every process runs the same `Engine` over the one global mesh, and every step is a
+collective, so all processes must submit, cancel, step and release the same requests in the same order. Only rank
+0 serves HTTP. Its `EngineLoop` records what it did in one iteration (the requests it accepted, the ones it
+cancelled, whether it is shutting down) as a `Commands` message, broadcasts it before stepping, and the followers
+(`follow`) apply the same commands to their engines and step with it. What every process then does alone is
+deterministic (the scheduler, the release of finished requests), so the engines stay in lock-step.
+
+The broadcast is `jax.experimental.multihost_utils.broadcast_one_to_all` (a collective over all devices): first the
+message length, then its UTF-8 JSON bytes padded to a power-of-two bucket (a few compiled broadcasts in all). An
+idle server broadcasts an empty message every ``idle_wait`` seconds, so the followers wait inside a collective.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from v41cp.serving.engine import Engine, SamplingParams
+
+__all__ = ["Commands", "ControlPlane", "apply_commands", "drop", "follow", "release_finished"]
+
+
+@dataclass
+class Commands:
+    """One iteration of rank 0's engine loop: ``ops`` in the order its engine applied them — ``("submit", rid,
+    prompt ids, sampling fields)`` for each request it accepted, ``("cancel", rid)`` (a no-op for a request that is
+    gone) — and ``close``: the loop stops after this message."""
+    ops: list = field(default_factory=list)
+    close: bool = False
+
+    def encode(self) -> bytes:
+        return json.dumps({"ops": self.ops, "close": self.close}).encode()
+
+    @staticmethod
+    def decode(data: bytes) -> "Commands":
+        d = json.loads(data.decode())
+        return Commands([tuple(op) for op in d["ops"]], bool(d["close"]))
+
+    def submit(self, rid, prompt: list[int], sampling: SamplingParams) -> None:
+        if not isinstance(rid, (str, int)):
+            raise TypeError(f"request ids of a multi-process server must be str or int, got {rid!r}")
+        self.ops.append(("submit", rid, [int(t) for t in prompt], asdict(sampling)))
+
+    def cancel(self, rid) -> None:
+        self.ops.append(("cancel", rid))
+
+
+class ControlPlane:
+    """Broadcasts rank 0's `Commands` to every process (``exchange``: rank 0 passes its message, the followers
+    None; everyone gets rank 0's)."""
+
+    MIN_BUCKET = 256
+
+    def __init__(self):
+        import jax
+
+        self.rank, self.processes = jax.process_index(), jax.process_count()
+        self.messages = 0
+        self._shut = False
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def shutdown(self) -> None:
+        """Leave the distributed runtime in order (`jax.distributed.shutdown`: a barrier with the other processes),
+        once this process's loop has sent or received the closing message; idempotent."""
+        import jax
+
+        if not self._shut:
+            self._shut = True
+            jax.distributed.shutdown()
+
+    def exchange(self, commands: Commands | None) -> Commands:
+        from jax.experimental import multihost_utils
+
+        if self.leader != (commands is not None):
+            raise ValueError(f"rank {self.rank}: only rank 0 passes a message to exchange")
+        data = commands.encode() if self.leader else b""
+        n = int(multihost_utils.broadcast_one_to_all(np.asarray([len(data)], np.int64))[0])
+        bucket = max(self.MIN_BUCKET, 1 << (n - 1).bit_length())
+        buf = np.zeros(bucket, np.uint8)
+        buf[:len(data)] = np.frombuffer(data, np.uint8)
+        got = np.asarray(multihost_utils.broadcast_one_to_all(buf))[:n].tobytes()
+        self.messages += 1
+        return Commands.decode(got)
+
+
+def drop(engine: Engine, rid) -> None:
+    """Cancel request ``rid`` if it is still active and forget it (its pages and slot are free)."""
+    req = engine.requests.get(rid)
+    if req is not None:
+        if req.status in ("waiting", "running"):
+            engine.cancel(rid)
+        engine.release(rid)
+
+
+def apply_commands(engine: Engine, commands: Commands) -> None:
+    """A follower's side of one iteration: the leader's submits and cancels, in its order. A submit the leader's
+    engine accepted and this one refuses means the engines diverged: raised."""
+    for op in commands.ops:
+        if op[0] == "submit":
+            engine.submit(op[1], op[2], SamplingParams(**op[3]))
+        elif op[0] == "cancel":
+            drop(engine, op[1])
+        else:
+            raise ValueError(f"unknown control-plane operation {op[0]!r}")
+
+
+def release_finished(engine: Engine) -> None:
+    """Release every finished request, as the leader's loop does after each step once it has published them."""
+    for rid in [rid for rid, r in engine.requests.items() if r.status in ("done", "cancelled")]:
+        engine.release(rid)
+
+
+def follow(engine: Engine, control: ControlPlane) -> int:
+    """A follower rank's server loop: apply each broadcast iteration, step with the leader, until it closes.
+    Returns the number of steps taken."""
+    steps = 0
+    while True:
+        commands = control.exchange(None)
+        if commands.close:
+            return steps
+        apply_commands(engine, commands)
+        if engine.pending:
+            try:
+                engine.step()
+                steps += 1
+            except Exception:            # the leader's step failed too (the same program): it drops every request
+                for rid in list(engine.requests):
+                    drop(engine, rid)
+            release_finished(engine)
