@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -19,6 +20,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def subprocess_env(devices: int | None = None) -> dict:
+    """This environment for a child process on the CPU: the test run's XLA flags without its device count
+    (``devices`` sets one; None leaves it to the child's ``--devices``)."""
+    env = dict(os.environ)
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).split()
+    if devices is not None:
+        flags.append(f"--xla_force_host_platform_device_count={devices}")
+    env["XLA_FLAGS"] = " ".join(flags)
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
 class ServerProcess:
     """A server subprocess on a free loopback port; ``url`` is its base address (``…/v1`` for the client).
 
@@ -29,10 +42,7 @@ class ServerProcess:
     def __init__(self, *flags: str, devices: int = 1, timeout: float = 420, nnodes: int = 1):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        env["JAX_PLATFORMS"] = "cpu"
-        if devices > 1:
-            env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+        env = subprocess_env(devices if devices > 1 else None)
         cmd = [sys.executable, "-m", "v41cp", "serve", "--host", "127.0.0.1", "--port", str(self.port), *flags]
         dist = []
         if nnodes > 1:

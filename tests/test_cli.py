@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from server_harness import free_port
+from server_harness import free_port, subprocess_env
 
 from v41cp import model
 from v41cp.checkpoint import default_checkpoint, load
@@ -26,8 +26,7 @@ def two_processes(*args: str, timeout: float = 480) -> list[tuple[int, str, str]
     """``python -m v41cp ARGS --nnodes 2 --node-rank r --dist-init-addr 127.0.0.1:PORT`` for r = 0, 1 at once
     (``--devices`` in ARGS: each one's local devices); each one's (exit status, stdout, stderr)."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}     # each process sets its own device count
-    env["JAX_PLATFORMS"] = "cpu"
+    env = subprocess_env()                         # each process sets its own device count (--devices)
     files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(2)]
     procs = [subprocess.Popen([sys.executable, "-m", "v41cp", *args, "--nnodes", "2", "--node-rank", str(r),
                                "--dist-init-addr", f"127.0.0.1:{port}"], env=env, stdout=out, stderr=err, text=True)
@@ -156,19 +155,46 @@ def test_generate_with_prefix_caching():
     _assert_greedy_of_forward(out)
 
 
-def test_generate_disaggregated_prefill_and_decode():
-    """``generate --devices 8 --prefill-devices 4 --kv-parallel-size 4``: prefill on devices 0-3 (KVP 4), decode on
-    4-7 (KVP = DCP 4), each request moved rank-matched; the greedy tokens of the full forward. A prefill KVP that can
-    feed neither way is refused naming both sizes."""
-    res = _cli("generate", "--json", "--devices", "8", "--prefill-devices", "4", "--kv-parallel-size", "4",
-               "--prompt-ids", "5,17,42", "--prompt-ids", "9,8,7,6,5,4", "--max-new-tokens", "3")
+# PD with relayout (prefill KVP 1 -> decode KVP = DCP 4); a prompt shorter than a page and one of 19 tokens (two
+# pages, the last partial): one process, then two (the prefill role in process 0, the decode role in process 1)
+PD = ("generate", "--json", "--prefill-devices", "4", "--kv-parallel-size", "4", "--prefill-kv-parallel-size", "1",
+      "--prompt-ids", "5,17,42", "--prompt-ids", "9,8,7,6,5,4,3,2,1,2,3,4,5,6,7,8,9,10,11", "--max-new-tokens", "3")
+
+
+@pytest.fixture(scope="module")
+def pd_one_process():
+    res = _cli(*PD, "--devices", "8")
     assert res.returncode == 0, res.stderr
-    out = json.loads(res.stdout)
-    assert out["timings"]["transfers"]["requests"] == 2 and out["timings"]["transfers"]["modes"] == ["rank-matched"]
+    return json.loads(res.stdout)
+
+
+def test_generate_disaggregated_prefill_and_decode(pd_one_process):
+    """``generate --devices 8 --prefill-devices 4 --kv-parallel-size 4 --prefill-kv-parallel-size 1``: prefill on
+    devices 0-3 (KVP 1), decode on 4-7 (KVP = DCP 4), each request's pages relaid out to their decode owners; the
+    greedy tokens of the full forward; the bytes moved are the plans' count. A prefill KVP that can feed neither way
+    is refused naming both sizes."""
+    out = pd_one_process
+    t = out["timings"]["transfers"]
+    assert t["requests"] == 2 and t["modes"] == ["relayout"] and t["pages"] == 3
+    assert t["bytes"] == t["planned_bytes"]
     _assert_greedy_of_forward(out)
     res = _cli("generate", "--devices", "8", "--prefill-devices", "4", "--kv-parallel-size", "4",
                "--prefill-kv-parallel-size", "2")
     assert res.returncode == 2 and "prefill KVP 2 cannot feed decode KVP = DCP 4" in res.stderr
+
+
+def test_pd_across_two_processes_equals_one_process(pd_one_process):
+    """PD across processes: the prefill role on process 0's 4 devices, the decode role on process 1's; each
+    request's pages and slot state cross in one transfer collective (a ppermute over both processes' devices) as
+    stored bytes. Tokens, transfer counts, bytes moved (= the plans' count) and compiles equal the one-process run;
+    rank 0 prints, rank 1 prints nothing."""
+    (rc0, out0, err0), (rc1, out1, err1) = two_processes(*PD, "--devices", "4")
+    assert rc0 == 0 and rc1 == 0, (err0[-3000:], err1[-3000:])
+    assert out1 == ""
+    two = json.loads(out0)
+    assert two["requests"] == pd_one_process["requests"]
+    assert two["timings"]["transfers"] == pd_one_process["timings"]["transfers"]
+    assert two["timings"]["compiles"] == pd_one_process["timings"]["compiles"]
 
 
 def test_generate_without_a_chat_format_says_so(tmp_path):
@@ -218,11 +244,8 @@ def test_distributed_flags_are_validated():
     assert res.returncode == 2 and "--node-rank 2 is outside [0, --nnodes 2)" in res.stderr
     res = _cli("generate", "--nnodes", "2", "--dist-init-addr", "localhost")
     assert res.returncode == 2 and "--dist-init-addr must be HOST:PORT" in res.stderr
-    res = _cli("serve", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:1")
-    assert res.returncode == 2 and "serve across processes (--nnodes > 1) is not supported yet" in res.stderr
-    res = _cli("generate", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:1", "--devices", "4", "--prefill-devices",
-               "4")
-    assert res.returncode == 2 and "--prefill-devices across processes" in res.stderr
+    res = _cli("serve", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:1", "--devices", "4", "--prefill-devices", "4")
+    assert res.returncode == 2 and "serve with --prefill-devices across processes" in res.stderr
 
 
 def test_topology_flags_are_validated():

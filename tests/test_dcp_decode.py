@@ -161,22 +161,21 @@ def test_compiled_step_structure(merge, q_mode):
 def test_plain_tp_step_collectives_do_not_grow_with_history():
     """Plain TP 8 (KVP 1, replicated pages): with the selection's scoring split over the TP ranks
     (`DCPPlan.split_selection`) the decode step's collective bytes are identical for history capacities 8 and 64
-    blocks; the GSPMD step without it all-gathers per-head index score terms over the history (3.2× here)."""
+    blocks. (The GSPMD step without the split all-gathers per-head index score terms over the history: 3.2× more
+    bytes at 64 blocks than at 8 when measured; not recompiled here, the suite's time goes to what is asserted.)"""
     cfg, params = _model(True)
     par = ParallelConfig(tp_size=8)
     mesh = par.make_mesh()
     sharded = model.shard_params(params, cfg, mesh, par.rules())
     rep = NamedSharding(mesh, P())
     totals = {}
-    for name, plan in (("split", DCPPlan.split_selection(mesh)), ("gspmd", None)):
-        for mb in (8, 64):
-            cache = init_cache(cfg, B * mb, BT, B, rep)
-            text = decode_step.lower(sharded, cache, DecodeMetadata.idle(cfg, B, mb), cfg, plan).compile().as_text()
-            totals[name, mb] = collective_bytes(text)
-    print(f"\n[plain TP structure] step collective bytes (8 vs 64 blocks): split {totals['split', 8]} / "
-          f"{totals['split', 64]}, GSPMD {totals['gspmd', 8]} / {totals['gspmd', 64]}")
-    assert totals["split", 8] == totals["split", 64]
-    assert totals["gspmd", 64] > 3 * totals["gspmd", 8]
+    plan = DCPPlan.split_selection(mesh)
+    for mb in (8, 64):
+        cache = init_cache(cfg, B * mb, BT, B, rep)
+        text = decode_step.lower(sharded, cache, DecodeMetadata.idle(cfg, B, mb), cfg, plan).compile().as_text()
+        totals[mb] = collective_bytes(text)
+    print(f"\n[plain TP structure] step collective bytes (8 vs 64 blocks): split {totals[8]} / {totals[64]}")
+    assert totals[8] == totals[64] > 0
 
 
 def test_kvp_engine_with_ced_and_chunked_prefill_equals_single_device():

@@ -13,6 +13,7 @@ from v41cp import model
 from v41cp.config import preset
 from v41cp.serving.engine import Capacity, Engine, SamplingParams
 from v41cp.serving.pd_transfer import plan_transfer
+from v41cp.serving.pd_wire import check_pairing
 from v41cp.sharding.topology import ParallelConfig
 
 CAP = Capacity(max_batch=3, max_tokens=32, block_tokens=4, prefill_chunk=8)
@@ -62,18 +63,19 @@ def aggregated(tiny_tp8):
     return prompts, record
 
 
-@pytest.mark.parametrize("prefill_kvp", [2, 1])
-def test_disaggregated_equals_aggregated(tiny_tp8, aggregated, prefill_kvp):
+@pytest.mark.parametrize("prefill_kvp,transport", [(2, "copy"), (1, "copy"), (2, "collective"), (1, "collective")])
+def test_disaggregated_equals_aggregated(tiny_tp8, aggregated, prefill_kvp, transport):
     """Decode KVP = DCP 2 in decode TP 4 (each owner's pages on two TP replicas). Prefill KVP 2: rank-matched, every
-    page stays on its rank index; prefill KVP 1: relayout from the one prefill rank to the two decode owners. Step
-    by step against the aggregated engine on the decode topology: every request's tokens, every logits row and
-    every running request's cache bytes are equal."""
+    page stays on its rank index; prefill KVP 1: relayout from the one prefill rank to the two decode owners. Moved
+    by per-device copies, or by the collective PD across processes uses (packed byte vectors, one ppermute from
+    prefill device i to decode device i). Step by step against the aggregated engine on the decode topology: every
+    request's tokens, every logits row and every running request's cache bytes are equal."""
     from v41cp.serving.disaggregated import DisaggregatedEngine
 
     cfg, params = tiny_tp8
     prompts, record = aggregated
     pre = ParallelConfig(tp_size=4, kv_parallel_size=prefill_kvp, decode_context_parallel_size=prefill_kvp)
-    pd = DisaggregatedEngine(params, cfg, CAP, pre, DECODE)
+    pd = DisaggregatedEngine(params, cfg, CAP, pre, DECODE, transport=transport)
     assert {d.id for d in pd.prefill.mesh.devices.flat} == {0, 1, 2, 3}
     assert {d.id for d in pd.decode.mesh.devices.flat} == {4, 5, 6, 7}
 
@@ -119,6 +121,13 @@ def test_transfer_plan_counts_and_refusals():
         plan_transfer([0, 1], [1, 2], 8, 4, {"g": 1}, 2, 2)
     with pytest.raises(ValueError, match="needs 2 pages: the prefill holds 1"):
         plan_transfer([0], [0, 1], 5, 4, {"g": 1}, 1, 1)
+    # the collective pairs prefill device i with decode device i: rank-matched needs the same rank on both
+    check_pairing([0, 0, 1, 1], [0, 0, 1, 1], 2, 2)
+    check_pairing([0, 0, 0, 0], [0, 1, 0, 1], 1, 2)
+    with pytest.raises(ValueError, match=r"prefill device ranks \[0, 1, 0, 1\] and decode device ranks \[0, 0, 1, 1\]"):
+        check_pairing([0, 1, 0, 1], [0, 0, 1, 1], 2, 2)
+    with pytest.raises(ValueError, match="4 prefill devices, 2 decode devices"):
+        check_pairing([0, 0, 0, 0], [0, 1], 1, 2)
 
 
 def test_disaggregation_refuses_bad_topologies(tiny_tp8):

@@ -189,6 +189,10 @@ def _disaggregated_engine(args, capacity):
                             dcp_merge=args.dcp_merge, dcp_q=args.dcp_q)
     cfg, params = open_checkpoint(args.checkpoint or default_checkpoint(), fake_quant=not args.no_fake_quant,
                                   progress=_progress(args), **_backends(args))
+    if getattr(args, "nnodes", 1) > 1:            # prefill in process 0, decode in process 1
+        from v41cp.serving.pd_processes import CrossProcessDisaggregatedEngine
+
+        return cfg, CrossProcessDisaggregatedEngine(params, cfg, capacity, prefill, decode)
     return cfg, DisaggregatedEngine(params, cfg, capacity, prefill, decode)
 
 
@@ -750,13 +754,15 @@ def main(argv=None) -> int:
     _topology_flags(n)
     _backend_flags(n)
     args = p.parse_args(argv)
-    if getattr(args, "nnodes", 1) > 1 and getattr(args, "prefill_devices", None) is not None:
-        p.error("--prefill-devices across processes (--nnodes > 1) is not supported yet: the transfer copies pages "
-                "device to device inside one process")
+    if getattr(args, "nnodes", 1) > 1 and getattr(args, "prefill_devices", None) is not None and args.cmd != "generate":
+        p.error(f"{args.cmd} with --prefill-devices across processes (--nnodes > 1) is not supported yet: PD across "
+                "processes runs `generate` (prefill in process 0, decode in process 1)")
     if getattr(args, "devices", 1) > 1 and "jax" not in sys.modules:
         import os
 
-        os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={args.devices}")
+        flags = os.environ.get("XLA_FLAGS", "")
+        if "--xla_force_host_platform_device_count" not in flags:     # keep the user's other XLA flags
+            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}".strip()
     if args.cmd in ("generate", "bench") and (getattr(args, "max_new_tokens", 1) <= 0):
         p.error(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
     if args.cmd == "forward":

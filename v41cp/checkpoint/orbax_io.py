@@ -208,7 +208,7 @@ def _abstract_subtrees(cfg: ModelConfig, mesh: Mesh | None, rules: AxisRules) ->
 
     boxed = abstract_params(cfg)
     if mesh is None:
-        dev = jax.devices()[0]
+        dev = jax.local_devices()[0]            # this process's first (multi-process: each loads its own)
         shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(dev), nn.unbox(boxed))
     else:
         shardings = param_shardings(boxed, mesh, rules)

@@ -21,7 +21,7 @@ import numpy as np
 
 from v41cp.serving.engine import Engine, SamplingParams
 
-__all__ = ["Commands", "ControlPlane", "apply_commands", "drop", "follow", "release_finished"]
+__all__ = ["Commands", "ControlPlane", "apply_commands", "broadcast_json", "drop", "follow", "release_finished"]
 
 
 @dataclass
@@ -53,8 +53,6 @@ class ControlPlane:
     """Broadcasts rank 0's `Commands` to every process (``exchange``: rank 0 passes its message, the followers
     None; everyone gets rank 0's)."""
 
-    MIN_BUCKET = 256
-
     def __init__(self):
         import jax
 
@@ -76,18 +74,28 @@ class ControlPlane:
             jax.distributed.shutdown()
 
     def exchange(self, commands: Commands | None) -> Commands:
-        from jax.experimental import multihost_utils
-
         if self.leader != (commands is not None):
             raise ValueError(f"rank {self.rank}: only rank 0 passes a message to exchange")
-        data = commands.encode() if self.leader else b""
-        n = int(multihost_utils.broadcast_one_to_all(np.asarray([len(data)], np.int64))[0])
-        bucket = max(self.MIN_BUCKET, 1 << (n - 1).bit_length())
-        buf = np.zeros(bucket, np.uint8)
-        buf[:len(data)] = np.frombuffer(data, np.uint8)
-        got = np.asarray(multihost_utils.broadcast_one_to_all(buf))[:n].tobytes()
+        got = broadcast_json(commands.encode() if self.leader else None, source=self.leader)
         self.messages += 1
         return Commands.decode(got)
+
+
+def broadcast_json(data: bytes | None, source: bool, min_bucket: int = 256) -> bytes:
+    """Broadcast ``data`` from the one process that passes ``source=True`` (the others pass None) to every process;
+    returns it everywhere. A collective: every process calls it at the same point. Two broadcasts
+    (`multihost_utils.broadcast_one_to_all`): the length, then the bytes padded to a power-of-two bucket (at least
+    ``min_bucket``), so a few compiled programs serve every message."""
+    from jax.experimental import multihost_utils
+
+    if source != (data is not None):
+        raise ValueError("the source process passes the message, the others pass None")
+    data = data if source else b""
+    n = int(multihost_utils.broadcast_one_to_all(np.asarray([len(data)], np.int64), is_source=source)[0])
+    bucket = max(min_bucket, 1 << (n - 1).bit_length())
+    buf = np.zeros(bucket, np.uint8)
+    buf[:len(data)] = np.frombuffer(data, np.uint8)
+    return np.asarray(multihost_utils.broadcast_one_to_all(buf, is_source=source))[:n].tobytes()
 
 
 def drop(engine: Engine, rid) -> None:

@@ -8,6 +8,9 @@ the decode role can take (FIFO) gets its decode slot and blocks, its cache moves
 (`v41cp.serving.pd_transfer`: rank-matched when the KVP sizes are equal, relayout from prefill KVP 1), and the
 prefill role frees it; then the decode role runs one decode round. A request whose first token already ends it
 finishes on the prefill role. The interface is the `Engine`'s (``submit / step / run / result / cancel / load``).
+``transport``: ``"copy"`` (`pd_transfer.execute`: per-device gathers, copies and scatters) or ``"collective"`` (the
+transfer PD across processes runs, `v41cp.serving.pd_wire`: one ppermute over both roles' devices, which need equal
+counts).
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import jax
 from v41cp.config import ModelConfig
 from v41cp.serving.engine import Capacity, Engine, SamplingParams
 from v41cp.serving.pd_transfer import check_sizes, execute, plan_transfer, ratios_of
-from v41cp.serving.slot_state import slot_state_bytes
+from v41cp.serving.pd_wire import Wire, WireLayout, check_pairing, device_ranks
+from v41cp.serving.slot_state import slot_state_bytes, take_slot_state
 from v41cp.sharding.topology import ParallelConfig
 
 __all__ = ["DisaggregatedEngine"]
@@ -27,7 +31,9 @@ class DisaggregatedEngine:
     """See the module docstring. ``devices``: the devices of both roles (default: the host's), prefill first."""
 
     def __init__(self, params, cfg: ModelConfig, capacity: Capacity, prefill: ParallelConfig,
-                 decode: ParallelConfig, devices=None):
+                 decode: ParallelConfig, devices=None, transport: str = "copy"):
+        if transport not in ("copy", "collective"):
+            raise ValueError(f"transport must be 'copy' or 'collective', got {transport!r}")
         devices = list(jax.devices() if devices is None else devices)
         p, d = prefill.num_devices, decode.num_devices
         if p + d > len(devices):
@@ -46,6 +52,14 @@ class DisaggregatedEngine:
         self._dst_devices = len(leaf.sharding.device_set)
         pool = jax.tree.leaves(self.decode.cache["ckv"])[0] if self.decode.cache["ckv"] else None
         self._dst_replicas = 1 if pool is None else self._dst_devices // self.decode.alloc.n
+        self.wire = None
+        if transport == "collective":      # the cross-process transfer (`pd_wire`), both sides in this program
+            pre_devs, dec_devs = devices[:p], devices[p:p + d]
+            src = device_ranks(self.prefill.cache, pre_devs, prefill.kv_parallel_size)
+            dst = device_ranks(self.decode.cache, dec_devs, decode.kv_parallel_size)
+            check_pairing(src, dst, prefill.kv_parallel_size, decode.kv_parallel_size)
+            self.wire = Wire(pre_devs, dec_devs, src, dst)
+            self._state_shapes = jax.eval_shape(lambda c: take_slot_state(c, 0), self.prefill.cache)
 
     # ------------------------------------------------------------------ the Engine interface
     def submit(self, rid, prompt_ids, sampling: SamplingParams = SamplingParams()) -> None:
@@ -97,7 +111,7 @@ class DisaggregatedEngine:
     def transfer_stats(self) -> dict:
         t = self.transfers
         return {"requests": len(t), "pages": sum(x["pages"] for x in t), "bytes": sum(x["bytes"] for x in t),
-                "modes": sorted({x["mode"] for x in t})}
+                "planned_bytes": sum(x["planned_bytes"] for x in t), "modes": sorted({x["mode"] for x in t})}
 
     def load(self) -> dict:
         p, d = self.prefill.load(), self.decode.load()
@@ -129,8 +143,13 @@ class DisaggregatedEngine:
         bt = self.capacity.block_tokens
         plan = plan_transfer(src, dst, len(req.prompt), bt, ratios_of(pre.cache, bt), pre.alloc.n, dec.alloc.n)
         planned = plan.bytes(pre.cache, self._dst_replicas, self._dst_devices, slot_state_bytes(pre.cache))
-        dec.cache, moved = execute(plan, pre.cache, dec.cache, pre.alloc.slot(rid), dec.alloc.slot(rid),
-                                   self._dst_state_sharding)
+        if self.wire is None:
+            dec.cache, moved = execute(plan, pre.cache, dec.cache, pre.alloc.slot(rid), dec.alloc.slot(rid),
+                                       self._dst_state_sharding)
+        else:
+            layout = WireLayout(plan, pre.cache, self._state_shapes)
+            dec.cache, moved = self.wire.transfer(layout, pre.cache, take_slot_state(pre.cache, pre.alloc.slot(rid)),
+                                                  dec.cache, dec.alloc.slot(rid))
         self.transfers.append({"id": rid, "mode": plan.mode, "tokens": plan.tokens, "pages": plan.pages,
                                "entries": {g: plan.entries(g) for g in plan.copies}, "bytes": moved,
                                "planned_bytes": planned, "rank_pairs": sorted(plan.rank_pairs())})

@@ -235,10 +235,7 @@ class Engine:
         lay = self.span_layout
         self.span = (capacity.span_prefill or capacity.span_chunk is not None or lay.query_parallel
                      or lay.operator is not None)
-        # KVP: every rank holds num_blocks / N pages; round the virtual block count up to whole ranks
-        num_blocks = -(-capacity.blocks // n) * n if capacity.num_blocks else n * capacity.max_batch * -(
-            -capacity.max_blocks // n)
-        self.num_blocks = num_blocks
+        num_blocks = self.num_blocks = self.block_count(capacity, n)
         self.cache = init_cache(cfg, num_blocks, capacity.block_tokens, capacity.max_batch,
                                 None if self.plan else cache_sharding, plan=self.plan)
         self.alloc = BlockAllocator(num_blocks, capacity.block_tokens, capacity.max_batch, capacity.max_blocks, n)
@@ -710,6 +707,15 @@ class Engine:
         """Optimized HLO of this engine's decode step (its static bucket), for structure checks."""
         meta = DecodeMetadata.idle(self.cfg, self.capacity.max_batch, self.capacity.max_blocks)
         return decode_step.lower(self.params, self.cache, meta, self.cfg, self.step_plan).compile().as_text()
+
+    @staticmethod
+    def block_count(capacity: Capacity, kv_parallel_size: int = 1) -> int:
+        """Virtual cache blocks of an engine of ``capacity`` under KVP ``kv_parallel_size``: every rank holds
+        num_blocks / N pages, so the count rounds up to whole ranks."""
+        n = kv_parallel_size
+        if capacity.num_blocks:
+            return -(-capacity.blocks // n) * n
+        return n * capacity.max_batch * -(-capacity.max_blocks // n)
 
     @staticmethod
     def compile_counts() -> dict[str, int]:

@@ -164,11 +164,12 @@ class EngineLoop:
                     cmd = self._inbox.get_nowait()
                 except queue.Empty:
                     cmd = None
+            closing = self._closing.is_set()  # read once: the followers must stop exactly when this loop does
             if self.control is not None:     # the followers apply this iteration's commands, then step with us
                 ops, self._ops = self._ops, Commands()
-                ops.close = self._closing.is_set()
+                ops.close = closing
                 self.control.exchange(ops)
-            if self._closing.is_set():
+            if closing:
                 self._fail_all(getattr(self, "_reason", "the server is shutting down"))
                 self._drain_submissions()
                 return

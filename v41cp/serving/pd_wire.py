@@ -1,0 +1,220 @@
+"""A prefill → decode transfer between processes: each decode device's share of a `TransferPlan` as one byte vector.
+
+PD across processes (`v41cp.serving.pd_processes`) puts the prefill role on process 0's ``L`` local devices and the
+decode role on process 1's ``L``. Prefill device ``i`` (the ``i``-th local device by id) sends to decode device
+``i``: every entry of the plan whose destination rank is the rank decode device ``i`` holds, then the request's
+slot state (replicated: every decode device gets a copy). Rank-matched plans need prefill device ``i`` to hold the
+same KVP rank as decode device ``i`` (the same topology on both sides gives that); relayout plans read from the
+prefill's one rank, which every prefill device holds. `check_pairing` refuses anything else.
+
+The bytes: every piece is the stored record as it is (`bitcast_convert_type` to uint8 — payload and scale bytes of
+a packed record, BF16 / FP32 rows of the slot state: nothing is dequantized or requantized), concatenated in the
+`WireLayout` order both processes compute from the plan and their caches' leaf shapes (equal: one config), padded to
+a power-of-two bucket. One jitted `shard_map` over a mesh of all ``2L`` devices (the prefill devices first) moves them
+with a `ppermute` ``i → L + i`` — on GPUs a NCCL send / receive between the hosts, on CPU processes gloo. Inside one
+program (`DisaggregatedEngine(transport="collective")`) the same collective runs with both sides at hand. The bytes a
+transfer moves (the unpadded vectors) equal `TransferPlan.bytes` exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from v41cp.serving.paged_cache import store_rows
+from v41cp.serving.pd_transfer import TransferPlan
+from v41cp.serving.slot_state import put_slot_state
+
+__all__ = ["WireLayout", "Wire", "check_pairing", "device_ranks"]
+
+_POOLS = ("ckv", "ikey")
+
+
+def _leaves(store) -> list[tuple[str, jax.Array]]:
+    return sorted(store.items()) if isinstance(store, dict) else [("v", store)]
+
+
+def _local_shards(a: jax.Array) -> dict:
+    return {sh.device: sh for sh in a.addressable_shards}
+
+
+def device_ranks(cache: dict, devices: list, kvp: int) -> list[int]:
+    """The KVP rank whose pages each of ``devices`` holds (all 0 without pools or KVP)."""
+    groups = sorted(cache["ckv"])
+    if kvp == 1 or not groups:
+        return [0] * len(devices)
+    a = _leaves(cache["ckv"][groups[0]])[0][1]
+    shards, rows = _local_shards(a), store_rows(a)
+    return [(shards[d].index[0].start or 0) // (rows // kvp) for d in devices]
+
+
+def check_pairing(src_ranks: list[int], dst_ranks: list[int], prefill_kvp: int, decode_kvp: int) -> None:
+    """Prefill device ``i`` must hold the pages decode device ``i`` receives (see the module docstring)."""
+    if len(src_ranks) != len(dst_ranks):
+        raise ValueError(f"PD across processes pairs prefill and decode devices one to one: {len(src_ranks)} prefill "
+                         f"devices, {len(dst_ranks)} decode devices")
+    if prefill_kvp == decode_kvp and src_ranks != dst_ranks:
+        raise ValueError(f"rank-matched transfer across processes: prefill device ranks {src_ranks} and decode device "
+                         f"ranks {dst_ranks} differ (the roles need the same topology)")
+
+
+@dataclass(frozen=True)
+class _Piece:
+    pool: str            # "ckv" / "ikey" / "state"
+    group: str
+    key: str
+    pair: tuple          # (source rank, destination rank); () for the slot state
+    shape: tuple         # the piece's array shape
+    dtype: object
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
+
+
+class WireLayout:
+    """The pieces each destination rank's byte vector holds, in order (both processes build it alike)."""
+
+    def __init__(self, plan: TransferPlan, cache: dict, state_shapes: dict):
+        self.plan = plan
+        self.state_tree = jax.tree.structure(state_shapes)
+        self.state = [_Piece("state", "", str(i), (), tuple(s.shape), s.dtype)
+                      for i, s in enumerate(jax.tree.leaves(state_shapes))]
+        self.entries: dict[int, list[_Piece]] = {}
+        for r_dst in range(plan.decode_kvp):
+            pieces = []
+            for pool in _POOLS:
+                for group in sorted(plan.copies):
+                    for key, a in _leaves(cache[pool][group]):
+                        for pair, (s_rows, _, _) in sorted(plan.copies[group].items()):
+                            if pair[1] == r_dst and len(s_rows):
+                                pieces.append(_Piece(pool, group, key, pair, (len(s_rows), *a.shape[2:]), a.dtype))
+            self.entries[r_dst] = pieces
+
+    def pieces(self, r_dst: int) -> list[_Piece]:
+        return self.entries[r_dst] + self.state
+
+    def nbytes(self, r_dst: int) -> int:
+        return sum(p.nbytes for p in self.pieces(r_dst))
+
+    def bucket(self, dst_ranks: list[int]) -> int:
+        """The padded vector length: a power of two covering the largest share (few compiled transfers)."""
+        return max(1024, 1 << (max(self.nbytes(r) for r in dst_ranks) - 1).bit_length())
+
+
+def _to_bytes(x: jax.Array) -> jax.Array:
+    """The stored bytes of ``x``, flat (a wider dtype's bytes gain a trailing axis, then flatten)."""
+    return jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
+
+
+def _from_bytes(b: jax.Array, piece: _Piece) -> jax.Array:
+    size = np.dtype(piece.dtype).itemsize
+    if size == 1:
+        return jax.lax.bitcast_convert_type(b.reshape(piece.shape), piece.dtype)
+    return jax.lax.bitcast_convert_type(b.reshape(*piece.shape, size), piece.dtype)
+
+
+class Wire:
+    """The transfer program between ``prefill`` devices and ``decode`` devices (equal counts; device ``i`` of one
+    sends to device ``i`` of the other) over a mesh of both: `send` on the prefill side, `receive` on the decode
+    side — in two processes, each calls its side (the same collective); in one program, `transfer` does both."""
+
+    def __init__(self, prefill: list, decode: list, src_ranks: list[int], dst_ranks: list[int]):
+        if len(prefill) != len(decode):
+            raise ValueError(f"the transfer pairs devices one to one: {len(prefill)} prefill, {len(decode)} decode")
+        self.prefill, self.decode = list(prefill), list(decode)
+        self.src_ranks, self.dst_ranks = src_ranks, dst_ranks
+        self.half = len(prefill)
+        self.mesh = jax.make_mesh((2 * self.half,), ("pd",), devices=self.prefill + self.decode,
+                                  axis_types=(jax.sharding.AxisType.Explicit,))
+        self.sharding = NamedSharding(self.mesh, P("pd"))
+        perm = [(i, self.half + i) for i in range(self.half)]
+        self._move = jax.jit(jax.shard_map(partial(jax.lax.ppermute, axis_name="pd", perm=perm), mesh=self.mesh,
+                                           in_specs=P("pd"), out_specs=P("pd")))
+
+    def _exchange(self, vectors: dict, bucket: int) -> dict:
+        """Run the ppermute: ``vectors`` (prefill device → ``[bucket]`` uint8) for the prefill devices this process
+        holds, zeros on the rest it holds; returns what each decode device this process holds received."""
+        mine = [d for d in self.prefill + self.decode if d.process_index == jax.process_index()]
+        shards = [(vectors[d] if d in vectors else jax.device_put(jnp.zeros((bucket,), jnp.uint8), d))
+                  .reshape(1, bucket) for d in mine]
+        out = _local_shards(self._move(jax.make_array_from_single_device_arrays((2 * self.half, bucket),
+                                                                                self.sharding, shards)))
+        return {d: out[d].data.reshape(-1) for d in self.decode if d in out}
+
+    def send(self, layout: WireLayout, cache: dict, state: dict, received: bool = False):
+        """The prefill side: pack each prefill device's vector (from ``cache``'s pools and the slot ``state``) and
+        send it. Returns the unpadded bytes sent (``received``: also what the decode devices got)."""
+        plan, bucket = layout.plan, layout.bucket(self.dst_ranks)
+        state_leaves = [_local_shards(a) for a in jax.tree.leaves(state)]
+        vectors, sent = {}, 0
+        for i, dev in enumerate(self.prefill):
+            parts = []
+            for piece in layout.pieces(self.dst_ranks[i]):
+                if piece.pool == "state":
+                    parts.append(_to_bytes(state_leaves[int(piece.key)][dev].data))
+                    continue
+                if piece.pair[0] != self.src_ranks[i]:
+                    raise AssertionError(f"prefill device {i} holds rank {self.src_ranks[i]}, not {piece.pair[0]}")
+                shard = _local_shards(dict(_leaves(cache[piece.pool][piece.group]))[piece.key])[dev]
+                s_rows, _, in_page = plan.copies[piece.group][piece.pair]
+                parts.append(_to_bytes(shard.data[jnp.asarray(s_rows), jnp.asarray(in_page)]))
+            vec = jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.uint8)
+            sent += int(vec.shape[0])
+            vectors[dev] = jax.device_put(jnp.pad(vec, (0, bucket - vec.shape[0])), dev)
+        got = self._exchange(vectors, bucket)
+        return (sent, got) if received else sent
+
+    def receive(self, layout: WireLayout, cache: dict, slot: int, got: dict | None = None) -> tuple[dict, int]:
+        """The decode side: receive each decode device's vector (or take ``got``, what `send` delivered in this
+        process) and scatter its pieces into ``cache``'s pools and slot ``slot`` (the slot state replicated over the
+        decode devices, as the cache's window rings are). Returns ``(cache, unpadded bytes received)``."""
+        plan = layout.plan
+        if got is None:
+            got = self._exchange({}, layout.bucket(self.dst_ranks))
+        cache = dict(cache)
+        new = {pool: {g: {k: {sh.device: sh.data for sh in a.addressable_shards}
+                          for k, a in _leaves(cache[pool][g])} for g in plan.copies} for pool in _POOLS}
+        state_parts = [dict() for _ in layout.state]
+        received = 0
+        for i, dev in enumerate(self.decode):
+            vec, offset = got[dev], 0
+            for piece in layout.pieces(self.dst_ranks[i]):
+                values = _from_bytes(vec[offset:offset + piece.nbytes], piece)
+                offset += piece.nbytes
+                if piece.pool == "state":
+                    state_parts[int(piece.key)][dev] = values
+                    continue
+                _, d_rows, in_page = plan.copies[piece.group][piece.pair]
+                leaf = new[piece.pool][piece.group][piece.key]
+                leaf[dev] = leaf[dev].at[jnp.asarray(d_rows), jnp.asarray(in_page)].set(values)
+            received += offset
+        for pool in _POOLS:
+            pools = dict(cache[pool])
+            for g in plan.copies:
+                out = {k: jax.make_array_from_single_device_arrays(
+                    a.shape, a.sharding, [new[pool][g][k][sh.device] for sh in a.addressable_shards])
+                    for k, a in _leaves(cache[pool][g])}
+                pools[g] = out if isinstance(cache[pool][g], dict) else out["v"]
+            cache[pool] = pools
+        ring = jax.tree.leaves(cache["swa"])[0].sharding
+        replicated = NamedSharding(ring.mesh, P())
+        leaves = [jax.make_array_from_single_device_arrays(piece.shape, replicated, [parts[d] for d in self.decode])
+                  for piece, parts in zip(layout.state, state_parts)]
+        cache, _ = put_slot_state(cache, slot, jax.tree.unflatten(layout.state_tree, leaves))
+        return cache, received
+
+    def transfer(self, layout: WireLayout, src_cache: dict, state: dict, dst_cache: dict,
+                 slot: int) -> tuple[dict, int]:
+        """Both sides in one program (every device addressable): ``(dst_cache, bytes moved)``."""
+        sent, got = self.send(layout, src_cache, state, received=True)
+        dst_cache, received = self.receive(layout, dst_cache, slot, got)
+        if sent != received:
+            raise AssertionError(f"transfer sent {sent} bytes but received {received}")
+        return dst_cache, received
