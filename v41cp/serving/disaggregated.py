@@ -24,10 +24,33 @@ from v41cp.serving.pd_wire import Wire, WireLayout, check_pairing, device_ranks
 from v41cp.serving.slot_state import slot_state_bytes, take_slot_state
 from v41cp.sharding.topology import ParallelConfig
 
-__all__ = ["DisaggregatedEngine"]
+__all__ = ["DisaggregatedEngine", "TwoRoles"]
 
 
-class DisaggregatedEngine:
+class TwoRoles:
+    """What every disaggregated engine shares: ``run`` over its ``requests`` and the ``transfers`` summary."""
+
+    transfers: list[dict]
+
+    def _waiting_order(self) -> list:
+        return list(self.requests)
+
+    def run(self, max_steps: int = 1_000_000) -> list[dict]:
+        """Step until nothing is pending; the results of the requests known when it was called, in order."""
+        order = self._waiting_order()
+        for _ in range(max_steps):
+            if not self.pending:
+                break
+            self.step()
+        return [self.result(rid) for rid in order]
+
+    def transfer_stats(self) -> dict:
+        t = self.transfers
+        return {"requests": len(t), "pages": sum(x["pages"] for x in t), "bytes": sum(x["bytes"] for x in t),
+                "planned_bytes": sum(x["planned_bytes"] for x in t), "modes": sorted({x["mode"] for x in t})}
+
+
+class DisaggregatedEngine(TwoRoles):
     """See the module docstring. ``devices``: the devices of both roles (default: the host's), prefill first."""
 
     def __init__(self, params, cfg: ModelConfig, capacity: Capacity, prefill: ParallelConfig,
@@ -93,13 +116,8 @@ class DisaggregatedEngine:
     def pending(self) -> bool:
         return self.prefill.pending or self.decode.pending
 
-    def run(self, max_steps: int = 1_000_000) -> list[dict]:
-        order = list(self.prefill.requests)
-        for _ in range(max_steps):
-            if not self.pending:
-                break
-            self.step()
-        return [self.result(rid) for rid in order]
+    def _waiting_order(self) -> list:
+        return list(self.prefill.requests)
 
     @property
     def stats(self) -> dict:
@@ -107,11 +125,6 @@ class DisaggregatedEngine:
         return {"prefill_tokens": p["prefill_tokens"], "prefill_s": p["prefill_s"], "decode_steps": d["decode_steps"],
                 "decode_tokens": d["decode_tokens"], "decode_s": d["decode_s"], "step_s": d["step_s"],
                 "ced_encoder_only_rows": p["ced_encoder_only_rows"], "transfers": self.transfer_stats()}
-
-    def transfer_stats(self) -> dict:
-        t = self.transfers
-        return {"requests": len(t), "pages": sum(x["pages"] for x in t), "bytes": sum(x["bytes"] for x in t),
-                "planned_bytes": sum(x["planned_bytes"] for x in t), "modes": sorted({x["mode"] for x in t})}
 
     def load(self) -> dict:
         p, d = self.prefill.load(), self.decode.load()

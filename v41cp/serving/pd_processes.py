@@ -33,6 +33,7 @@ import numpy as np
 from v41cp.config import ModelConfig
 from v41cp.serving.allocator import BlockAllocator
 from v41cp.serving.control_plane import broadcast_json
+from v41cp.serving.disaggregated import TwoRoles
 from v41cp.serving.engine import Capacity, Engine, RequestError, SamplingParams
 from v41cp.serving.pd_transfer import check_sizes, plan_transfer, ratios_of
 from v41cp.serving.pd_wire import Wire, WireLayout, check_pairing, device_ranks
@@ -57,7 +58,7 @@ def _bcast(obj, source: bool):
     return json.loads(broadcast_json(json.dumps(obj).encode() if source else None, source=source).decode())
 
 
-class CrossProcessDisaggregatedEngine:
+class CrossProcessDisaggregatedEngine(TwoRoles):
     """See the module docstring."""
 
     def __init__(self, params, cfg: ModelConfig, capacity: Capacity, prefill: ParallelConfig,
@@ -133,14 +134,6 @@ class CrossProcessDisaggregatedEngine:
         return {"id": rid, "prompt_ids": r.prompt, "output_ids": r.output, "status": r.status,
                 "finish_reason": r.finish_reason, "cached_tokens": 0}
 
-    def run(self, max_steps: int = 1_000_000) -> list[dict]:
-        order = list(self.requests)
-        for _ in range(max_steps):
-            if not self.pending:
-                break
-            self.step()
-        return [self.result(rid) for rid in order]
-
     @property
     def stats(self) -> dict:
         s = self.engine.stats
@@ -148,11 +141,6 @@ class CrossProcessDisaggregatedEngine:
                    "ced_encoder_only_rows": s["ced_encoder_only_rows"]} if self.is_prefill else {}
         return {"prefill_tokens": 0, "prefill_s": 0.0, "ced_encoder_only_rows": 0, **prefill, **self._decode_stats,
                 "step_s": list(self._step_s), "transfers": self.transfer_stats()}
-
-    def transfer_stats(self) -> dict:
-        t = self.transfers
-        return {"requests": len(t), "pages": sum(x["pages"] for x in t), "bytes": sum(x["bytes"] for x in t),
-                "planned_bytes": sum(x["planned_bytes"] for x in t), "modes": sorted({x["mode"] for x in t})}
 
     def compile_counts(self) -> dict[str, int]:
         """This process's compiles plus the decode process's (as of the last step): both roles' programs."""
