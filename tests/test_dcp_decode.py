@@ -198,12 +198,12 @@ def test_kvp_engine_with_ced_and_chunked_prefill_equals_single_device():
     # mode (the kernel over the gathered selected records, one query head per rank)
     for c, par in ((cfg, None), (kernels, kvp4), (kernels, heads4)):
         eng = Engine(params, c, cap, parallel=par)
-        eng.submit("long", prompts["long"], SamplingParams(max_new_tokens=8, stop_on_eos=False))
+        eng.submit("long", prompts["long"], SamplingParams(max_new_tokens=6, stop_on_eos=False))
         eng.submit("short", prompts["short"], SamplingParams(max_new_tokens=2, stop_on_eos=False))
         eng.step()
         eng.step()
         eng.step()                                               # "short" is done: its pages are free again
-        eng.submit("late", prompts["late"], SamplingParams(max_new_tokens=6, stop_on_eos=False))
+        eng.submit("late", prompts["late"], SamplingParams(max_new_tokens=4, stop_on_eos=False))
         res = {r["id"]: r["output_ids"] for r in eng.run()}
         logits = {rid: eng.requests[rid].last_logits for rid in res}
         assert eng.stats["ced_encoder_only_rows"] > 0

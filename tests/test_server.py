@@ -222,7 +222,7 @@ def test_kvp_dcp8_server_across_two_processes_equals_one_device(server, client):
     try:
         dclient = openai.OpenAI(base_url=dcp.url + "/v1", api_key="unused", max_retries=0, timeout=180)
 
-        def both(i, max_tokens=24):
+        def both(i, max_tokens=12):
             args = dict(model=MODEL, prompt=PROMPTS[i], max_tokens=max_tokens, temperature=0,
                         extra_body={"return_token_ids": True, "ignore_eos": True})
             return client.completions.create(**args), dclient.completions.create(**args)
@@ -230,11 +230,11 @@ def test_kvp_dcp8_server_across_two_processes_equals_one_device(server, client):
         async def concurrent(indices):
             aclient = openai.AsyncOpenAI(base_url=dcp.url + "/v1", api_key="unused", max_retries=0, timeout=180)
             return await asyncio.gather(*[aclient.completions.create(
-                model=MODEL, prompt=PROMPTS[i], max_tokens=24, temperature=0,
+                model=MODEL, prompt=PROMPTS[i], max_tokens=12, temperature=0,
                 extra_body={"return_token_ids": True, "ignore_eos": True}) for i in indices])
 
         for i, got in zip((0, 3, 4), asyncio.run(concurrent((0, 3, 4)))):
-            one = client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=24, temperature=0,
+            one = client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=12, temperature=0,
                                             extra_body={"return_token_ids": True, "ignore_eos": True})
             assert got.choices[0].model_extra["token_ids"] == one.choices[0].model_extra["token_ids"]
             assert got.choices[0].text == one.choices[0].text
