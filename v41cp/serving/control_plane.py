@@ -57,7 +57,6 @@ class ControlPlane:
         import jax
 
         self.rank, self.processes = jax.process_index(), jax.process_count()
-        self.messages = 0
         self._shut = False
 
     @property
@@ -77,7 +76,6 @@ class ControlPlane:
         if self.leader != (commands is not None):
             raise ValueError(f"rank {self.rank}: only rank 0 passes a message to exchange")
         got = broadcast_json(commands.encode() if self.leader else None, source=self.leader)
-        self.messages += 1
         return Commands.decode(got)
 
 

@@ -28,7 +28,7 @@ import numpy as np
 from v41cp.serving.paged_cache import entries_per_block, store_rows
 from v41cp.serving.slot_state import put_slot_state, state_bytes, take_slot_state
 
-__all__ = ["TransferPlan", "check_sizes", "plan_transfer", "execute"]
+__all__ = ["TransferPlan", "check_sizes", "plan_transfer", "execute", "shard_rank"]
 
 
 def check_sizes(prefill_kvp: int, decode_kvp: int) -> None:
@@ -94,7 +94,8 @@ def plan_transfer(src_blocks, dst_blocks, tokens: int, block_tokens: int, ratios
     return TransferPlan(tokens, prefill_kvp, decode_kvp, pages, copies)
 
 
-def _rank_of(shard, pool_rows: int, kvp: int) -> int:
+def shard_rank(shard, pool_rows: int, kvp: int) -> int:
+    """The KVP rank whose pages a pool shard holds (pages split in ``kvp`` equal row ranges)."""
     start = shard.index[0].start or 0
     return start // (pool_rows // kvp) if kvp > 1 else 0
 
@@ -109,10 +110,10 @@ def _move_pool(store: dict | jax.Array, dst: dict | jax.Array, pair_copies: dict
         b = leaves_dst[key]
         src_shards = {}
         for sh in a.addressable_shards:
-            src_shards.setdefault(_rank_of(sh, store_rows(a), src_kvp), sh.data)
+            src_shards.setdefault(shard_rank(sh, store_rows(a), src_kvp), sh.data)
         new = {sh.device: sh.data for sh in b.addressable_shards}
         for sh in b.addressable_shards:
-            r_dst = _rank_of(sh, store_rows(b), dst_kvp)
+            r_dst = shard_rank(sh, store_rows(b), dst_kvp)
             for (r_src, r_d), (s_rows, d_rows, in_page) in pair_copies.items():
                 if r_d != r_dst or not len(s_rows):
                     continue

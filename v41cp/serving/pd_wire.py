@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from v41cp.serving.paged_cache import store_rows
-from v41cp.serving.pd_transfer import TransferPlan
+from v41cp.serving.pd_transfer import TransferPlan, shard_rank
 from v41cp.serving.slot_state import put_slot_state
 
 __all__ = ["WireLayout", "Wire", "check_pairing", "device_ranks"]
@@ -50,8 +50,8 @@ def device_ranks(cache: dict, devices: list, kvp: int) -> list[int]:
     if kvp == 1 or not groups:
         return [0] * len(devices)
     a = _leaves(cache["ckv"][groups[0]])[0][1]
-    shards, rows = _local_shards(a), store_rows(a)
-    return [(shards[d].index[0].start or 0) // (rows // kvp) for d in devices]
+    shards = _local_shards(a)
+    return [shard_rank(shards[d], store_rows(a), kvp) for d in devices]
 
 
 def check_pairing(src_ranks: list[int], dst_ranks: list[int], prefill_kvp: int, decode_kvp: int) -> None:
