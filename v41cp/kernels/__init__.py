@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import jax
 
-__all__ = ["BACKENDS", "check_backend", "interpret_mode", "match_varying", "out_struct"]
+__all__ = ["BACKENDS", "GRID_TARGET", "check_backend", "interpret_mode", "match_varying", "out_struct", "pow2_at_least",
+           "default_splits"]
 
 BACKENDS = ("xla", "pallas")
+GRID_TARGET = 512       # programs per kernel call that keep an H200's 132 SMs busy (≈ 4 per SM)
 
 
 def check_backend(name: str, field: str = "backend") -> str:
@@ -33,6 +35,17 @@ def check_backend(name: str, field: str = "backend") -> str:
 def interpret_mode() -> bool:
     """Pallas kernels run compiled on a GPU and in interpret mode anywhere else."""
     return jax.default_backend() != "gpu"
+
+
+def pow2_at_least(n: int, minimum: int = 16) -> int:
+    """The smallest power of two ≥ ``n`` and ≥ ``minimum`` (Triton block sizes; 16 = the tensor-core minimum)."""
+    return max(minimum, 1 << (max(n, 1) - 1).bit_length())
+
+
+def default_splits(programs: int, tiles: int) -> int:
+    """How many parts to split a key list of ``tiles`` tiles into, when ``programs`` programs exist without
+    splitting: enough to reach `GRID_TARGET` programs, never more than the tiles (static shapes only)."""
+    return max(1, min(tiles, -(-GRID_TARGET // max(programs, 1))))
 
 
 def _varying(x) -> frozenset:

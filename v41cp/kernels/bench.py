@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from v41cp.kernels import default_splits
 from v41cp.kernels.indexer_topk import index_scan_pallas, indexer_topk, prepare_queries
 from v41cp.kernels.sparse_attention import sparse_attention
 
@@ -110,7 +111,7 @@ def bench_indexer(shape: dict, context: int, batch: int, reps: int, with_xla: bo
     q_e, q_o, wp = prepare_queries(q, w)
     scan = jax.jit(lambda q_e, q_o, wp, sq, ss, t: index_scan_pallas(
         q_e, q_o, wp, (sq, ss), "mxfp4", visible, t, page_ids, None, None, epb=epb, group=16, tile=64, cbs=1,
-        mode="max", interpret=jax.default_backend() != "gpu"))
+        mode="max", splits=default_splits(batch, pages * epb // 64), interpret=jax.default_backend() != "gpu"))
     key_bytes = batch * g * (di // 2 + di // 32)
     nbytes = key_bytes + batch * pages * 4 + q.size * q.dtype.itemsize + w.size * 4
     flops = 2 * batch * g * hi * di
@@ -188,11 +189,10 @@ def bench_sparse_attention(shape: dict, context: int, batch: int, reps: int, wit
 
 # kernel parameters tried by ``--sweep`` (the defaults come first)
 SWEEP = {
-    "attention": [dict(block_h=16, block_k=32, num_warps=4), dict(block_h=16, block_k=64, num_warps=4),
-                  dict(block_h=32, block_k=32, num_warps=8), dict(block_h=64, block_k=32, num_warps=8),
-                  dict(block_h=64, block_k=64, num_warps=8, num_stages=3)],
-    "indexer": [dict(tile=64, group=16, num_warps=4), dict(tile=128, group=16, num_warps=4),
-                dict(tile=128, group=32, num_warps=8), dict(tile=256, group=32, num_warps=8)],
+    "attention": [dict(), dict(block_k=64), dict(block_k=16), dict(num_warps=4), dict(block_h=32, num_warps=4),
+                  dict(block_h=16, num_warps=4), dict(splits=1), dict(block_k=64, num_warps=8, num_stages=3)],
+    "indexer": [dict(), dict(tile=128), dict(tile=128, group=32, num_warps=8), dict(tile=256, group=32, num_warps=8),
+                dict(splits=1), dict(num_stages=3)],
 }
 
 

@@ -27,7 +27,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from v41cp.kernels import check_backend, interpret_mode
+from v41cp.kernels import check_backend, default_splits, interpret_mode, pow2_at_least
 from v41cp.kernels.dequant import split_channels
 from v41cp.kernels.indexer_topk.pallas_triton import index_scan_pallas
 from v41cp.kernels.indexer_topk.reference import index_scan_reference
@@ -62,7 +62,7 @@ def dense_pages(keys: jax.Array, page: int):
 def prepare_queries(q, w):
     """Split channels and pad heads to the tensor-core minimum (zero weights) → (q_e, q_o, w)."""
     r, hi, _ = q.shape
-    hp = max(MIN_HEADS, 1 << (hi - 1).bit_length())          # Triton blocks: a power of two, ≥ 16
+    hp = pow2_at_least(hi, MIN_HEADS)                        # Triton blocks: a power of two, ≥ 16
     pad = ((0, 0), (0, hp - hi))
     q_e, q_o = (jnp.pad(x, pad + ((0, 0),)) for x in split_channels(q))
     return q_e, q_o, jnp.pad(w.astype(jnp.float32), pad)
@@ -87,20 +87,24 @@ def _check_layout(group: int, tile: int):
 
 
 def _scan(q, w, store, pages, page_ids, visible, block_mask, groups, *, epb, group, tile, cbs, mode, interpret,
-          num_warps, num_stages):
+          splits, num_warps, num_stages):
     fmt = key_format(store, q.shape[-1])
     q_e, q_o, wp = prepare_queries(q, w)
     mask = None if block_mask is None else block_mask.astype(jnp.int32)
+    n_groups = groups.shape[1] if groups is not None else pages.shape[1] * epb // group
+    splits = splits or default_splits(q.shape[0], n_groups * group // tile)
     return index_scan_pallas(q_e, q_o, wp, _refs(store, fmt), fmt, visible.astype(jnp.int32), pages, page_ids,
-                             groups, mask, epb=epb, group=group, tile=tile, cbs=cbs, mode=mode,
+                             groups, mask, epb=epb, group=group, tile=tile, cbs=cbs, mode=mode, splits=splits,
                              num_warps=num_warps, num_stages=num_stages,
                              interpret=interpret_mode() if interpret is None else interpret)
 
 
 def indexer_topk(q, w, store, pages, page_ids, visible, k: int, *, epb: int, block_mask=None, cbs: int = 1,
-                 backend: str = "xla", group: int = 16, tile: int = 64, num_warps: int = 4, num_stages: int = 2,
-                 interpret: bool | None = None):
-    """Exact top-``k`` logical ids of every row (see the module docstring) → ``(ids [R, k], scores [R, k])``."""
+                 backend: str = "xla", group: int = 16, tile: int = 64, splits: int | None = None, num_warps: int = 4,
+                 num_stages: int = 2, interpret: bool | None = None):
+    """Exact top-``k`` logical ids of every row (see the module docstring) → ``(ids [R, k], scores [R, k])``.
+    Kernel parameters (``"pallas"``): ``group`` entries per group maximum, ``tile`` entries per loop step,
+    ``splits`` programs per row (default `v41cp.kernels.default_splits`), ``num_warps``, ``num_stages``."""
     check_backend(backend, "indexer_backend")
     pages, page_ids = pages.astype(jnp.int32), page_ids.astype(jnp.int32)
     if backend == "xla":
@@ -109,8 +113,8 @@ def indexer_topk(q, w, store, pages, page_ids, visible, k: int, *, epb: int, blo
     else:
         _check_layout(group, tile)
         pages, page_ids = _pad_pages(pages, page_ids, epb, tile)
-        common = dict(epb=epb, group=group, tile=tile, cbs=cbs, interpret=interpret, num_warps=num_warps,
-                      num_stages=num_stages)
+        common = dict(epb=epb, group=group, tile=tile, cbs=cbs, interpret=interpret, splits=splits,
+                      num_warps=num_warps, num_stages=num_stages)
         maxima = _scan(q, w, store, pages, page_ids, visible, block_mask, None, mode="max", **common)
         kt = min(k, maxima.shape[1])
         _, top_groups = jax.lax.top_k(maxima, kt)
@@ -129,7 +133,8 @@ def indexer_topk(q, w, store, pages, page_ids, visible, k: int, *, epb: int, blo
 
 
 def index_block_maxima(q, w, store, pages, page_ids, visible, *, epb: int, cbs: int, backend: str = "xla",
-                       tile: int = 64, num_warps: int = 4, num_stages: int = 2, interpret: bool | None = None):
+                       tile: int = 64, splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                       interpret: bool | None = None):
     """Per candidate block maxima of the listed entries → ``(maxima [R, P·epb/cbs], logical block ids)``
     (−inf / −1 where a block has no scored entry). ``cbs`` must divide ``epb``."""
     check_backend(backend, "indexer_backend")
@@ -146,7 +151,8 @@ def index_block_maxima(q, w, store, pages, page_ids, visible, *, epb: int, cbs: 
         _check_layout(cbs, tile)
         pp, pids = _pad_pages(pages, page_ids, epb, tile)
         maxima = _scan(q, w, store, pp, pids, visible, None, None, epb=epb, group=cbs, tile=tile, cbs=cbs,
-                       mode="max", interpret=interpret, num_warps=num_warps, num_stages=num_stages)[:, :n_blocks]
+                       mode="max", interpret=interpret, splits=splits, num_warps=num_warps,
+                       num_stages=num_stages)[:, :n_blocks]
     b = jnp.arange(n_blocks) * cbs                                        # local first entry of each block
     pid = jnp.take_along_axis(page_ids, jnp.broadcast_to(b // epb, (pages.shape[0], n_blocks)), axis=1)
     blk = (pid * epb + b % epb) // cbs

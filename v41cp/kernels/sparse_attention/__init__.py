@@ -14,7 +14,10 @@ one softmax (the FlashMLA sparse-decode contract, `performance-limits.md` §2).
   only (`v41cp.sharding.lse_merge.apply_sink`), so DCP can merge partials first and apply it once.
 
 Backends: ``"xla"`` (`sparse_attention_reference`) or ``"pallas"`` (`sparse_attention_pallas`; interpret mode
-off the GPU).
+off the GPU). Kernel parameters: ``block_h`` heads per program (default: all heads, padded to a power of two
+≥ 16, so every key is read once per row), ``block_k`` slots per tile, ``splits`` parts of the key list per row
+(default `v41cp.kernels.default_splits`: enough programs to fill the GPU; merged exactly by LSE),
+``num_warps`` (default 8 for 64-head blocks, else 4) and ``num_stages``.
 """
 
 from __future__ import annotations
@@ -22,11 +25,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from v41cp.kernels import check_backend, interpret_mode
+from v41cp.kernels import check_backend, default_splits, interpret_mode, pow2_at_least
 from v41cp.kernels.dequant import merge_channels, split_channels
 from v41cp.kernels.sparse_attention.pallas_triton import sparse_attention_pallas
 from v41cp.kernels.sparse_attention.reference import gather_keys, sparse_attention_reference
-from v41cp.sharding.lse_merge import apply_sink
+from v41cp.sharding.lse_merge import apply_sink, merge_partials
 
 __all__ = ["sparse_attention", "sparse_attention_reference", "sparse_attention_pallas", "store_format",
            "flatten_store", "gather_keys"]
@@ -60,8 +63,8 @@ def _pad_to(x: jax.Array, axis: int, multiple: int, value) -> jax.Array:
 
 
 def sparse_attention(q: jax.Array, stores, indices, lengths=None, sink: jax.Array | None = None,
-                     backend: str = "xla", block_h: int = 16, block_k: int = 32, num_warps: int = 4,
-                     num_stages: int = 2, interpret: bool | None = None):
+                     backend: str = "xla", block_h: int | None = None, block_k: int = 32, splits: int | None = None,
+                     num_warps: int | None = None, num_stages: int = 2, interpret: bool | None = None):
     """See the module docstring. Returns ``(o, lse)``; with ``sink``, ``o`` has the sink applied
     (``lse`` never includes it)."""
     check_backend(backend, "attention_backend")
@@ -74,14 +77,22 @@ def sparse_attention(q: jax.Array, stores, indices, lengths=None, sink: jax.Arra
         o, lse = sparse_attention_reference(q, stores, formats, indices, lengths)
     else:
         r, h, _ = q.shape
+        block_h = block_h or pow2_at_least(h)
         q_e, q_o = (_pad_to(x, 1, block_h, 0) for x in split_channels(q))
         refs = tuple((s,) if f is None else (s["q"], s["s"]) for s, f in zip(stores, formats))
         idx = tuple(_pad_to(i.astype(jnp.int32), 1, block_k, -1) for i in indices)
         lens = jnp.stack([jnp.minimum(n, i.shape[1]) for n, i in zip(lengths, indices)], axis=1).astype(jnp.int32)
+        tiles = sum(i.shape[1] // block_k for i in idx)
+        splits = splits or default_splits(r * q_e.shape[1] // block_h, tiles)
         o_e, o_o, lse = sparse_attention_pallas(
-            q_e, q_o, refs, formats, idx, lens, block_h=block_h, block_k=block_k, num_warps=num_warps,
-            num_stages=num_stages, interpret=interpret_mode() if interpret is None else interpret)
-        o, lse = merge_channels(o_e, o_o)[:, :h], lse[:, :h]
+            q_e, q_o, refs, formats, idx, lens, block_h=block_h, block_k=block_k, splits=splits,
+            num_warps=num_warps or (8 if block_h >= 64 else 4), num_stages=num_stages,
+            interpret=interpret_mode() if interpret is None else interpret)
+        o, lse = merge_channels(o_e, o_o)[:, :, :h], lse[:, :, :h]            # [R, splits, H, D], [R, splits, H]
+        if splits == 1:
+            o, lse = o[:, 0], lse[:, 0]
+        else:
+            o, lse = merge_partials(jnp.moveaxis(o, 1, 0), jnp.moveaxis(lse, 1, 0))
     if sink is not None:
         o = apply_sink(o, lse, sink)
     return o, lse
