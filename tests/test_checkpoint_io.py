@@ -266,6 +266,8 @@ def test_keep_quantized_checkpoint_runs_the_same_model(tmp_path):
     want = np.asarray(model.forward(dense, dense_cfg, tokens))
     got = np.asarray(model.forward(params, cfg, tokens))
     assert rel_err(got, want) <= 1e-6
+    kernel = np.asarray(model.forward(params, cfg.replace(expert_backend="pallas"), tokens))   # grouped FP4 kernel
+    assert rel_err(kernel, want) <= 1e-5
     _, sharded = load(dst, mesh=make_mesh(tp=4, dp=2))
     assert sharded["layers_1"]["ffn"]["experts_w1_fp4"].sharding.spec[1] == "tp"     # [E, I, H/2]: I split
     # stored bytes are 4x (experts) / 2-4x (Engram) smaller than the dequantized FP32 tree

@@ -14,6 +14,7 @@ from v41cp.config import ConfigError, preset
 from v41cp.kernels import check_backend
 from v41cp.kernels.bench import SWEEP
 from v41cp.kernels.dequant import e2m1, e4m3, e8m0, load_rows_split, merge_channels
+from v41cp.kernels.grouped_matmul import grouped_fp4_matmul
 from v41cp.kernels.indexer_topk import index_block_maxima, indexer_topk
 from v41cp.kernels.sparse_attention import gather_keys, sparse_attention
 from v41cp.layers.attention import sink_attention
@@ -143,6 +144,29 @@ def test_index_block_maxima_kernel_equals_reference():
     assert rel_err(np.asarray(m)[fin], np.asarray(m_ref)[fin]) <= 1e-5
 
 
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 1e-2)])
+def test_grouped_fp4_matmul_kernel_equals_reference(dtype, tol):
+    """Tiles of 1 (decode), 5 and 16 rows; an expert used by two tiles; a dead tile (output 0, weights unread);
+    an e8m0 byte 0 (the weights' subnormal 2^-127, not the caches' zero)."""
+    rng = np.random.default_rng(0)
+    e, o, n = 5, 128, 256
+    packed = jnp.asarray(rng.integers(0, 256, (e, o, n // 2)), jnp.uint8)
+    scale = jnp.asarray(rng.integers(118, 130, (e, o, n // 32)), jnp.uint8).at[3, 0, 0].set(0)
+    tiles = jnp.asarray([0, 3, 3, 1, 4, 2], jnp.int32)
+    live = jnp.asarray([1, 1, 0, 1, 1, 1])
+    for g in (1, 5, 16):
+        x = jax.random.normal(jax.random.key(g), (6, g, n)).astype(dtype)
+        want = np.array(grouped_fp4_matmul(x, tiles, packed, scale, backend="xla").astype(jnp.float32))
+        got = np.asarray(grouped_fp4_matmul(x, tiles, packed, scale, live=live, backend="pallas").astype(jnp.float32))
+        assert np.all(got[2] == 0)
+        want[2] = 0
+        assert rel_err(got, want) <= tol
+    with pytest.raises(ValueError, match="output width 120"):
+        grouped_fp4_matmul(x, tiles, packed[:, :120], scale[:, :120], backend="pallas")
+    with pytest.raises(ValueError, match="input width 256 .* blocks of 96"):
+        grouped_fp4_matmul(x, tiles, packed, scale, backend="pallas", block_k=96)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_every_kernel_lowers_for_cuda(dtype):
     """Pallas → Triton lowering on this CPU host (nothing runs): catches a kernel that no longer lowers."""
@@ -168,6 +192,12 @@ def test_every_kernel_lowers_for_cuda(dtype):
                                                       interpret=False),
           s((16, 32, 128), dtype), s((16, 32), jnp.float32), s((4096, 128), dtype), s((16, 32), i32),
           s((16, 32), i32), s((16,), i32))
+    for kw in SWEEP["experts"]:                  # V4.1-Flash w1 / w3: [E, 2304, 5120] as stored (8 of 384 experts)
+        lower(lambda x, t, lv, p, sc, kw=kw: grouped_fp4_matmul(x, t, p, sc, live=lv, backend="pallas",
+                                                                  interpret=False, **kw),
+              s((24, 16, 5120), dtype), s((24,), i32), s((24,), i32), s((8, 2304, 2560), u8), s((8, 2304, 160), u8))
+    lower(lambda x, t, p, sc: grouped_fp4_matmul(x, t, p, sc, backend="pallas", interpret=False),   # TP-8 w2 slice
+          s((24, 1, 288), dtype), s((24,), i32), s((8, 5120, 144), u8), s((8, 5120, 9), u8))
 
 
 def test_backend_names_are_validated():
@@ -175,6 +205,8 @@ def test_backend_names_are_validated():
         preset("tiny", attention_backend="triton")
     with pytest.raises(ConfigError, match="indexer_backend.*'cuda'"):
         preset("tiny", indexer_backend="cuda")
+    with pytest.raises(ConfigError, match="expert_backend.*'triton'"):
+        preset("tiny", expert_backend="triton")
     with pytest.raises(ValueError, match="attention_backend.*'mosaic'"):
         check_backend("mosaic", "attention_backend")
     assert "attention_backend" not in preset("tiny", attention_backend="pallas").to_dict()

@@ -5,7 +5,7 @@
 * ``convert SRC DST [--dtype bf16|fp32] [--keep-quantized] [--workers N]`` released layout → orbax in the model's tree.
 * ``generate [--prompt-ids 1,2,3 ...] [--max-new-tokens N] [--devices N] [--json]`` the serving engine.
   ``forward``, ``generate`` and ``bench decode|prefill`` take ``--attention-backend`` / ``--indexer-backend``
-  (``xla`` | ``pallas``), ``--moe-backend`` (``sparse`` | ``dense``) and the topology flags; ``forward`` runs operator-local indexer / attention QCP
+  / ``--expert-backend`` (``xla`` | ``pallas``), ``--moe-backend`` (``sparse`` | ``dense``) and the topology flags; ``forward`` runs operator-local indexer / attention QCP
   (``--deepseek-v41-{indexer,attention}-query-parallel-size``); ``generate`` / ``bench`` run them, or model-wide
   QCP (``--query-context-parallel-size``), in the engine's span prefill (``--span-prefill``, ``--ced``).
   ``generate --prompt TEXT [--chat]`` takes text (the checkpoint's tokenizer) and streams text back.
@@ -308,9 +308,10 @@ def _capacity_flags(p, max_batch=None, max_context=None) -> None:
 
 
 def _backends(args) -> dict:
-    """The backend overrides of ``--attention-backend`` / ``--indexer-backend`` / ``--moe-backend``."""
+    """The backend overrides of ``--attention-backend`` / ``--indexer-backend`` / ``--expert-backend`` /
+    ``--moe-backend``."""
     return {"attention_backend": args.attention_backend, "indexer_backend": args.indexer_backend,
-            "moe_backend": args.moe_backend}
+            "expert_backend": args.expert_backend, "moe_backend": args.moe_backend}
 
 
 def _prefill_options(args) -> dict:
@@ -342,7 +343,8 @@ def _speculative_flags(p) -> None:
 
 
 def _backend_flags(p) -> None:
-    for name, what in (("attention", "sparse attention"), ("indexer", "indexer scan + top-k")):
+    for name, what in (("attention", "sparse attention"), ("indexer", "indexer scan + top-k"),
+                       ("expert", "FP4 expert GEMMs of the sparse MoE (checkpoints converted with --keep-quantized)")):
         p.add_argument(f"--{name}-backend", choices=("xla", "pallas"), default="xla",
                        help=f"{what}: the XLA path, or the Pallas kernel (interpret mode off the GPU)")
     p.add_argument("--moe-backend", choices=("sparse", "dense"), default="sparse",

@@ -26,7 +26,7 @@ __all__ = ["ConfigError", "ModelConfig", "LayerRole", "PRESETS", "preset", "ENGR
 
 ENGRAM_ROW_ALIGN = 64
 # fields that describe how to run the model, not the model: never written to a checkpoint's config
-RUNTIME_FIELDS = ("engram_token_map", "attention_backend", "indexer_backend", "moe_backend")
+RUNTIME_FIELDS = ("engram_token_map", "attention_backend", "indexer_backend", "moe_backend", "expert_backend")
 
 
 class ConfigError(ValueError):
@@ -215,6 +215,9 @@ class ModelConfig:
     # Routed-expert dispatch (runtime option): "sparse" (each token runs only its k experts, dropless, static
     # shapes; `v41cp.layers.moe_dispatch`) or "dense" (every expert on every token: the reference).
     moe_backend: str = "sparse"
+    # Expert GEMMs of the sparse dispatch with FP4 experts (runtime option): "xla" (gather + decode per tile) or
+    # "pallas" (the grouped FP4 kernel, `v41cp.kernels.grouped_matmul`).
+    expert_backend: str = "xla"
     # Engram compressed-token map (token id -> compressed id), derived from the tokenizer.
     # Used only by host-side hashing, never inside jitted code, hence excluded from eq/hash.
     engram_token_map: tuple[int, ...] | None = field(default=None, compare=False, repr=False)
@@ -340,7 +343,7 @@ class ModelConfig:
             raise ConfigError(f"topk_method must be 'noaux_tc' for V4.1, got {self.topk_method!r}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
-        for name in ("attention_backend", "indexer_backend"):
+        for name in ("attention_backend", "indexer_backend", "expert_backend"):
             if getattr(self, name) not in ("xla", "pallas"):
                 raise ConfigError(f"{name} must be 'xla' or 'pallas', got {getattr(self, name)!r}")
         if self.moe_backend not in ("sparse", "dense"):

@@ -116,7 +116,7 @@ def moe_partial(cfg: ModelConfig, xt: jax.Array, routing: tuple, stored: dict, s
                          f"moe_intermediate_size / 2")
     if cfg.moe_backend == "sparse":
         act = lambda g, u: swiglu_clamped(g, u, cfg.swiglu_limit, dt)
-        routed = sparse_routed_output(xt, idx, w, experts, act)
+        routed = sparse_routed_output(xt, idx, w, experts, act, backend=cfg.expert_backend)
     else:
         plain = [v if not isinstance(v, tuple) else jnp.swapaxes(decode_fp4(*v, dt), 1, 2)
                  for v in (experts["w1"], experts["w3"], experts["w2"])]

@@ -16,6 +16,13 @@ Work per tile: the tile's expert weights are gathered — as stored: FP4 experts
 and are decoded per tile, only for the tiles computed (`stored_matmul`) — then ``[G, H] → [G, I'] → [G,
 H]`` clamped SwiGLU, scaled by each slot's routing weight and added to its token's FP32 output.
 
+Expert GEMM backend (``cfg.expert_backend``): ``"xla"`` gathers each tile's expert weights and decodes them per
+tile (`stored_matmul`); ``"pallas"`` runs the grouped FP4 kernel (`v41cp.kernels.grouped_matmul`), which reads
+each tile's expert bytes as stored and decodes them in registers. The kernel needs tiles of at least 16 rows
+(the tensor-core minimum), so with it the dispatch always sorts pairs into expert tiles (``G ≥ 16``; decode
+included): pairs of one expert share a tile, so an expert's weights are read once per tile, and tiles with
+no pair are skipped. Plain (dequantized) expert weights always take the XLA path.
+
 Tensor-parallel MoE: the caller passes each rank's slice of every expert's intermediate width (``I' = I /
 N``); the result is that rank's partial sum (the caller reduces), so every rank does the same work on the
 same routing — balanced by construction, and dropless without dynamic counts.
@@ -61,12 +68,13 @@ class DispatchShape:
 
     @classmethod
     def build(cls, tokens: int, k: int, experts: int, tile_weight_bytes: int,
-              chunk_bytes: int = CHUNK_WEIGHT_BYTES) -> "DispatchShape":
+              chunk_bytes: int = CHUNK_WEIGHT_BYTES, min_tile: int = 1) -> "DispatchShape":
         """Geometry for ``tokens`` rows routed to ``k`` of ``experts`` experts; ``tile_weight_bytes``: the
-        gathered weights of one tile (sets the chunk size under ``chunk_bytes``)."""
+        gathered weights of one tile (sets the chunk size under ``chunk_bytes``); ``min_tile``: the smallest
+        tile (16 for the grouped kernel)."""
         pairs = tokens * k
         capacity = lambda g: -(-(pairs + min(experts, pairs) * (g - 1)) // g)      # tiles that hold any routing
-        tile = 1
+        tile = min_tile
         while tile < MAX_TILE and capacity(2 * tile) * 2 * tile <= TILE_PADDING * pairs:
             tile *= 2
         need = capacity(tile)
@@ -121,11 +129,16 @@ def stored_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array) -> jax.Arra
     return jnp.einsum("cgob,cob->cgo", part, s).astype(x.dtype)
 
 
-def _tile_matmul(x: jax.Array, weight, tiles: jax.Array) -> jax.Array:
+def _tile_matmul(x: jax.Array, weight, tiles: jax.Array, backend: str = "xla", live=None) -> jax.Array:
     """``x [c, G, n]`` times expert ``tiles [c]``'s weight: a plain ``[E, n, o]`` array, or stored FP4 ``(packed
-    [E, o, n/2], scale [E, o, n/32])`` → ``[c, G, o]``."""
+    [E, o, n/2], scale [E, o, n/32])`` → ``[c, G, o]``; ``backend="pallas"``: FP4 weights through the grouped
+    kernel (``live [c]``: 0 = tile without pairs, skipped)."""
     if isinstance(weight, tuple):
         packed, scale = weight
+        if backend == "pallas":
+            from v41cp.kernels.grouped_matmul import grouped_fp4_matmul
+
+            return grouped_fp4_matmul(x, tiles, packed, scale, live=live, backend="pallas")
         return stored_matmul(x, packed[tiles], scale[tiles])
     return jnp.einsum("cgn,cno->cgo", x, weight[tiles].astype(x.dtype))
 
@@ -136,11 +149,12 @@ def expert_width(experts: dict) -> tuple[int, int]:
     return (w2[0].shape[0], 2 * w2[0].shape[2]) if isinstance(w2, tuple) else (w2.shape[0], w2.shape[1])
 
 
-def _expert_ffn(xs: jax.Array, tiles: jax.Array, experts: dict, swiglu) -> jax.Array:
+def _expert_ffn(xs: jax.Array, tiles: jax.Array, experts: dict, swiglu, backend: str = "xla", live=None) -> jax.Array:
     """Tile rows ``xs [c, G, H]`` through expert ``tiles [c]``: SwiGLU of ``w1`` / ``w3``, then ``w2`` → FP32
     ``[c, G, H]``."""
-    act = swiglu(_tile_matmul(xs, experts["w1"], tiles), _tile_matmul(xs, experts["w3"], tiles))
-    return _tile_matmul(act, experts["w2"], tiles).astype(jnp.float32)
+    mm = lambda x, name: _tile_matmul(x, experts[name], tiles, backend, live)
+    act = swiglu(mm(xs, "w1"), mm(xs, "w3"))
+    return mm(act, "w2").astype(jnp.float32)
 
 
 def _loop_carry(init: jax.Array, *operands) -> jax.Array:
@@ -165,15 +179,18 @@ def _chunked(shape: DispatchShape, run, init: jax.Array, operands: tuple, like) 
 
 
 def sparse_routed_output(x: jax.Array, idx: jax.Array, weights: jax.Array, experts: dict, swiglu,
-                         chunk_bytes: int = CHUNK_WEIGHT_BYTES) -> jax.Array:
+                         chunk_bytes: int = CHUNK_WEIGHT_BYTES, backend: str = "xla") -> jax.Array:
     """Σ over each token's ``k`` experts of ``weights[t, j] · expert_idx[t, j](x_t)`` — only the chosen experts
     run. ``x [T, H]``; ``idx`` / ``weights [T, k]`` (router output); ``experts``: ``{"w1", "w3", "w2"}``, each a
     plain array (``w1`` / ``w3 [E, H, I']``, ``w2 [E, I', H]``) or stored FP4 ``(packed, scale)`` in the
     ``[E, out, in]`` orientation (``[E, I', H/2]`` / ``[E, H, I'/2]``); ``swiglu(gate, up)`` the activation.
+    ``backend``: the expert GEMMs (``"xla"`` or ``"pallas"``, see the module docstring).
     Returns FP32 ``[T, H]`` (a partial sum when ``I'`` is a slice of the intermediate width)."""
     t, h = x.shape
     n_experts, width = expert_width(experts)
-    shape = DispatchShape.build(t, idx.shape[1], n_experts, 3 * h * width * x.dtype.itemsize, chunk_bytes)
+    kernel = backend == "pallas" and isinstance(experts["w2"], tuple)
+    shape = DispatchShape.build(t, idx.shape[1], n_experts, 3 * h * width * x.dtype.itemsize, chunk_bytes,
+                                min_tile=16 if kernel else 1)
     like = (x, idx, weights, experts)
     if shape.tile == 1:
         # tiles of one slot (decode): every (token, expert) pair is its own tile, in token-major order — no sort
@@ -195,7 +212,8 @@ def sparse_routed_output(x: jax.Array, idx: jax.Array, weights: jax.Array, exper
 
     def tiles_run(acc, tiles, tokens, wts, offset=0):
         tok = jnp.where(tokens < 0, t, tokens)
-        out = _expert_ffn(rows[tok], tiles, experts, swiglu) * wts[..., None]
+        live = jnp.any(tokens >= 0, axis=1).astype(jnp.int32) if kernel else None
+        out = _expert_ffn(rows[tok], tiles, experts, swiglu, backend if kernel else "xla", live) * wts[..., None]
         return acc.at[tok.reshape(-1)].add(out.reshape(-1, h))
 
     acc0 = full_after((t + 1, h), 0, jnp.float32, x)                            # allocated with this layer
