@@ -3,9 +3,14 @@
 1. each kernel vs its reference on the GPU at V4.1-Flash head counts (ragged lengths, an all-padding row,
    a single-entry page), fp32 and bf16: max relative error, top-k ids identical;
 2. ``v41cp.kernels.bench`` at the requested contexts and batches (``--sweep``: alternative kernel parameters);
-3. the tiny engine (CED off): greedy tokens with attention/indexer backends "pallas" == "xla".
+   The grouped FP4 expert GEMM vs its reference at V4.1-Flash widths (tiles of 1 / 16 / 128 rows, a dead tile);
+2. ``v41cp.kernels.bench`` at the requested contexts and batches, and the expert GEMM at ``--expert-tokens``
+   (``--sweep``: alternative kernel parameters);
+3. the tiny engine (CED off, FP4 experts kept as stored): greedy tokens with every kernel backend "pallas" ==
+   "xla", and the median decode-step time of each.
 
-Usage: ``python scripts/gpu_kernel_check.py [--contexts 8192,131072,1048576] [--batches 1,16,64] [--reps 5]``
+Usage: ``python scripts/gpu_kernel_check.py [--contexts 8192,131072,1048576] [--batches 1,16,64]
+[--expert-tokens 64,4096] [--reps 5] [--sweep] [--skip kernels,bench,engine]``
 """
 
 import argparse
@@ -93,26 +98,55 @@ def check_kernels():
                                "max_rel_err": float(jnp.max(jnp.where(fin, jnp.abs(m1[0] - m2[0]), 0.0))
                                                     / jnp.max(jnp.where(fin, jnp.abs(m2[0]), 0.0)))}
         out[f"indexer_{dt}"] = res
+        # grouped FP4 expert GEMM: V4.1-Flash gate projection [2304, 5120] of 6 experts, tiles of 1 / 16 / 128 rows
+        from v41cp.kernels.grouped_matmul import grouped_fp4_matmul
+
+        packed = jnp.asarray(rng.integers(0, 256, (6, 2304, 2560)), jnp.uint8)
+        scale = jnp.asarray(rng.integers(118, 130, (6, 2304, 160)), jnp.uint8)
+        tiles = jnp.asarray([0, 5, 5, 2, 3, 1], jnp.int32)
+        live = jnp.asarray([1, 1, 0, 1, 1, 1], jnp.int32)
+        gm = {}
+        for g in (1, 16, 128):
+            x = jax.random.normal(jax.random.key(g), (6, g, 5120)).astype(dt)
+            a = grouped_fp4_matmul(x, tiles, packed, scale, live=live, backend="pallas").astype(jnp.float32)
+            b = grouped_fp4_matmul(x, tiles, packed, scale, backend="xla").astype(jnp.float32).at[2].set(0)
+            gm[f"rows_{g}"] = {"max_rel_err": float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))),
+                               "dead_tile_zero": bool(jnp.all(a[2] == 0))}
+        out[f"grouped_fp4_matmul_{dt}"] = gm
     return out
 
 
 def check_engine():
-    from v41cp.checkpoint import default_checkpoint, load
+    """The tiny engine with FP4 experts kept as stored: same greedy tokens with every kernel backend, and the
+    median decode-step time of each (a tiny model: dispatch-bound, not a kernel measurement)."""
+    import tempfile
+
+    from v41cp.checkpoint import convert, default_released_checkpoint, load
     from v41cp.serving.engine import Capacity, Engine, SamplingParams
 
-    cfg, params = load(default_checkpoint())
+    with tempfile.TemporaryDirectory() as tmp:
+        convert(default_released_checkpoint(), tmp + "/kq", progress=False, keep_quantized=True)
+        cfg, params = load(tmp + "/kq")
     cap = Capacity(max_batch=3, max_tokens=48, block_tokens=4, prefill_chunk=8)
     rng = np.random.default_rng(3)
     prompts = {f"p{n}": rng.integers(3, 256, n).tolist() for n in (5, 13, 21)}
-    outs, times = {}, {}
+    outs, times, steps = {}, {}, {}
     for be in ("xla", "pallas"):
         t0 = time.perf_counter()
-        eng = Engine(params, cfg.replace(attention_backend=be, indexer_backend=be), cap)
-        for rid, p in prompts.items():
-            eng.submit(rid, p, SamplingParams(max_new_tokens=6, stop_on_eos=False))
-        outs[be] = {x["id"]: x["output_ids"] for x in eng.run()}
+        eng = Engine(params, cfg.replace(attention_backend=be, indexer_backend=be, expert_backend=be), cap)
+        for rnd in range(2):                                   # round 0 compiles; round 1 is timed
+            for rid, p in prompts.items():
+                eng.submit(f"{rid}-{rnd}", p, SamplingParams(max_new_tokens=12, stop_on_eos=False))
+            durations = []
+            while eng.pending:
+                t1 = time.perf_counter()
+                eng.step()
+                durations.append(time.perf_counter() - t1)
+            outs[be] = {r: eng.release(f"{r}-{rnd}")["output_ids"] for r in prompts}
+        steps[be] = round(1e3 * sorted(durations)[len(durations) // 2], 3)
         times[be] = round(time.perf_counter() - t0, 1)
-    return {"tokens_equal": outs["xla"] == outs["pallas"], "tokens": outs, "wall_s": times}
+    return {"tokens_equal": outs["xla"] == outs["pallas"], "tokens": outs, "wall_s": times,
+            "median_step_ms": steps, "step_ratio_pallas_over_xla": round(steps["pallas"] / steps["xla"], 3)}
 
 
 def main():
@@ -120,7 +154,8 @@ def main():
     p.add_argument("--contexts", default="8192,131072,1048576")
     p.add_argument("--batches", default="1,16,64")
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--bench", default="indexer,attention", help="which kernels to benchmark")
+    p.add_argument("--bench", default="indexer,attention,experts", help="which kernels to benchmark")
+    p.add_argument("--expert-tokens", default="64,4096", help="token counts of the expert GEMM benchmark")
     p.add_argument("--sweep", action="store_true", help="also time the alternative kernel parameters")
     p.add_argument("--skip", default="", help="comma list of: kernels,engine,bench")
     a = p.parse_args()
@@ -130,7 +165,16 @@ def main():
     if "kernels" not in skip:
         guarded("kernels", check_kernels, lines)
     if "bench" not in skip:
-        from v41cp.kernels.bench import SHAPES, SWEEP, bench_indexer, bench_sparse_attention
+        from v41cp.kernels.bench import SHAPES, SWEEP, bench_experts, bench_indexer, bench_sparse_attention
+
+        if "experts" in a.bench:
+            for t in (int(x) for x in a.expert_tokens.split(",")):
+                try:
+                    emit(bench_experts(SHAPES["flash"], t, a.reps, True,
+                                       sweep_configs=SWEEP["experts"] if a.sweep else None), lines)
+                except Exception as e:
+                    emit({"kernel": "grouped_fp4_matmul", "tokens": t, "error": f"{type(e).__name__}: {e}"[:400]},
+                         lines)
 
         for c in (int(x) for x in a.contexts.split(",")):
             for b in (int(x) for x in a.batches.split(",")):

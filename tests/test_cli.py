@@ -287,10 +287,14 @@ def test_bench_kernels_json(capsys):
     from v41cp.__main__ import main
 
     assert main(["bench", "kernels", "--json", "--shapes", "tiny", "--contexts", "64", "--batches", "2",
-                 "--reps", "1"]) == 0
+                 "--expert-tokens", "8", "--reps", "1"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["interpret"] and [c["kernel"] for c in out["cases"]] == ["indexer_topk", "sparse_attention"]
+    assert out["interpret"] and [c["kernel"] for c in out["cases"]] == ["indexer_topk", "sparse_attention",
+                                                                        "grouped_fp4_matmul"]
     for case in out["cases"]:
         assert case["bytes"] > 0 and case["pallas"]["ms"] > 0 and case["xla"]["ms"] > 0
         assert "roofline_ms" in case["pallas"] and "speedup_vs_xla" in case
     assert out["cases"][0]["ids_equal_xla"] and out["cases"][1]["max_rel_err_vs_xla"] <= 1e-5
+    experts = out["cases"][2]
+    assert experts["max_rel_err_vs_xla"] <= 1e-5 and experts["tile_rows"] >= 16
+    assert 0 < experts["live_tiles"] <= experts["tiles"] and experts["experts_used"] <= 16

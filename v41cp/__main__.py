@@ -14,8 +14,8 @@
 * ``plan --preset v41-flash --mode decode|prefill --batch B --context T [topology flags] --json`` compiles (never
   runs) the step with abstract weights: per-device FLOPs / memory / collective bytes vs the analytic floor
   (`v41cp.plan`).
-* ``bench kernels [--shapes flash|tiny] [--contexts ...] [--batches ...] --json`` the Pallas kernels vs the XLA
-  paths vs the HBM roofline (`v41cp.kernels.bench`).
+* ``bench kernels [--shapes flash|tiny] [--contexts ...] [--batches ...] [--expert-tokens ...] --json`` the Pallas
+  kernels vs the XLA paths vs the HBM roofline (`v41cp.kernels.bench`).
 
 ``info`` and ``forward`` default to the embedded tiny checkpoint (``checkpoints/tiny-v41``); their
 ``--checkpoint`` takes a converted or a released-layout directory.
@@ -565,7 +565,7 @@ def cmd_bench(args) -> int:
 
         ints = lambda text: tuple(int(x) for x in text.split(","))
         out = run(args.shapes, ints(args.contexts), ints(args.batches), tuple(args.kernels.split(",")), args.reps,
-                  not args.no_xla, args.sweep, progress=sys.stderr.isatty())
+                  not args.no_xla, args.sweep, progress=sys.stderr.isatty(), expert_tokens=ints(args.expert_tokens))
         print(json.dumps(out) if args.json else json.dumps(out, indent=1))
         return 0
     from v41cp.serving.engine import Capacity
@@ -735,7 +735,8 @@ def main(argv=None) -> int:
     k.add_argument("--shapes", choices=("flash", "tiny"), default="flash", help="V4.1-Flash shapes or toy ones")
     k.add_argument("--contexts", default="8192,131072,1048576", help="context lengths in tokens")
     k.add_argument("--batches", default="1,16,64", help="batch sizes")
-    k.add_argument("--kernels", default="indexer,attention", help="which kernels")
+    k.add_argument("--kernels", default="indexer,attention,experts", help="which kernels")
+    k.add_argument("--expert-tokens", default="64,4096", help="token counts of the grouped FP4 expert GEMM")
     k.add_argument("--reps", type=int, default=10, help="timed calls per case (median reported)")
     k.add_argument("--no-xla", action="store_true", help="skip the XLA reference paths")
     k.add_argument("--sweep", action="store_true", help="also time alternative kernel parameters (block sizes, warps)")

@@ -1,11 +1,13 @@
 """Kernel benchmark: the Pallas kernels vs their XLA reference paths vs the HBM roofline (prints JSON).
 
-``python -m v41cp bench kernels [--shapes flash|tiny] [--contexts 8192,131072,1048576] [--batches 1,16,64]``
+``python -m v41cp bench kernels [--shapes flash|tiny] [--contexts 8192,131072,1048576] [--batches 1,16,64]
+[--expert-tokens 64,4096] [--kernels indexer,attention,experts] [--sweep]``
 
 Shapes (``flash``, V4.1-Flash): the indexer scans the index keys of one ratio-2 index source (``context / 2``
 entries per request, MXFP4 records of 68 B, 32 heads × 128, top-512, pages of 32 entries = 64 tokens); the
 sparse decode attention reads a 128-row FP8 window (528 B rows) and 512 selected NVFP4 entries (288 B) of
-a ``context / 2``-entry pool per request, 64 heads × 512. ``tiny`` runs the same code at toy sizes (CPU,
+a ``context / 2``-entry pool per request, 64 heads × 512; the grouped FP4 expert GEMM multiplies ``T`` tokens
+routed to 6 of 384 experts by the gate projection ``[2304, 5120]`` of each (FP4 as released). ``tiny`` runs the same code at toy sizes (CPU,
 interpret mode) so the CLI itself is testable.
 
 Per case: median wall time of ``--reps`` calls after a warm-up, the compile time of the first call, the
@@ -31,12 +33,13 @@ from v41cp.kernels.sparse_attention import sparse_attention
 __all__ = ["SHAPES", "run"]
 
 HBM_BYTES_PER_S = 4.8e12            # H200 datasheet (performance-limits.md §5)
+BF16_TENSOR_FLOP_PER_S = 989e12     # H200 dense BF16 tensor peak (performance-limits.md §1, §9)
 
 SHAPES = {
     "flash": dict(heads=64, head_dim=512, window=128, topk=512, index_heads=32, index_dim=128, epb=32,
-                  ratio=2, dtype="bfloat16"),
+                  ratio=2, dtype="bfloat16", hidden=5120, expert_width=2304, experts=384, experts_per_token=6),
     "tiny": dict(heads=16, head_dim=64, window=8, topk=16, index_heads=16, index_dim=32, epb=8, ratio=2,
-                 dtype="float32"),
+                 dtype="float32", hidden=64, expert_width=32, experts=16, experts_per_token=6),
 }
 
 
@@ -187,6 +190,65 @@ def bench_sparse_attention(shape: dict, context: int, batch: int, reps: int, wit
     return out
 
 
+def bench_experts(shape: dict, tokens: int, reps: int, with_xla: bool, seed: int = 0, sweep_configs=None) -> dict:
+    """The grouped FP4 expert GEMM of one MoE layer's gate projection (``w1``: ``[E, I, H/2]`` as stored) for
+    ``tokens`` rows routed uniformly at random to ``k`` of ``E`` experts, dispatched into tiles of ≥ 16 rows.
+    Bytes = the experts the routing uses, each read once, plus activations in / out; FLOPs = the useful
+    ``2 · T · k · I · H`` (padded tile rows not counted)."""
+    from v41cp.kernels.grouped_matmul import grouped_fp4_matmul
+    from v41cp.layers.moe_dispatch import DispatchShape, dispatch
+
+    h, i, e, k = shape["hidden"], shape["expert_width"], shape["experts"], shape["experts_per_token"]
+    dt = jnp.dtype(shape["dtype"])
+    key = jax.random.key(seed + 2)
+    kx, kp, ks = jax.random.split(key, 3)
+    packed = _random_bytes(kp, (e, i, h // 2))
+    scale = (120 + jax.random.randint(ks, (e, i, h // 32), 0, 8)).astype(jnp.uint8)
+    rng = np.random.default_rng(seed)
+    idx = jnp.asarray(np.stack([rng.choice(e, k, replace=False) for _ in range(tokens)]), jnp.int32)
+    dshape = DispatchShape.build(tokens, k, e, 1, min_tile=16)
+    tile_expert, slot_token, _ = dispatch(idx, jnp.ones(idx.shape, jnp.float32), dshape)
+    live = jnp.any(slot_token >= 0, axis=1).astype(jnp.int32)
+    x = jax.random.normal(kx, (tokens + 1, h), jnp.float32).astype(dt).at[tokens].set(0)
+    xs = x[jnp.where(slot_token < 0, tokens, slot_token)]                                      # [tiles, G, H]
+    used = int(np.unique(np.asarray(idx)).size)
+    weight_bytes = used * i * (h // 2 + h // 32)
+    nbytes = weight_bytes + tokens * h * dt.itemsize + tokens * k * i * dt.itemsize
+    flops = 2 * tokens * k * i * h
+    out = {"kernel": "grouped_fp4_matmul", "tokens": tokens, "experts_used": used, "tiles": dshape.tiles,
+           "live_tiles": int(live.sum()), "tile_rows": dshape.tile, "bytes": nbytes, "expert_bytes": weight_bytes,
+           "flops": flops}
+    fn = {be: jax.jit(lambda xs, t, lv, p, sc, be=be: grouped_fp4_matmul(xs, t, p, sc, live=lv, backend=be))
+          for be in ("pallas", "xla")}
+    args = (xs, tile_expert, live, packed, scale)
+    t, c = _time(fn["pallas"], *args, reps=reps)
+    out["pallas"] = {**_stats(t, nbytes, flops), "compile_s": round(c, 2),
+                     "fraction_of_bf16_peak": round(flops / t / BF16_TENSOR_FLOP_PER_S, 3)}
+    if sweep_configs:
+        out["sweep"] = []
+        for cfg in sweep_configs:
+            f = jax.jit(lambda xs, t, lv, p, sc, cfg=cfg: grouped_fp4_matmul(xs, t, p, sc, live=lv, backend="pallas",
+                                                                             **cfg))
+            try:
+                t_s, c = _time(f, *args, reps=reps)
+            except ValueError as err:                      # blocks that do not divide these widths
+                out["sweep"].append({"config": cfg, "error": str(err)})
+                continue
+            out["sweep"].append({"config": cfg, "ms": round(t_s * 1e3, 4), "gb_per_s": round(nbytes / t_s / 1e9, 1),
+                                 "compile_s": round(c, 2)})
+    if with_xla:
+        try:
+            t_x, c = _time(fn["xla"], *args, reps=reps)
+            out["xla"] = {**_stats(t_x, nbytes, flops), "compile_s": round(c, 2)}
+            out["speedup_vs_xla"] = round(t_x / t, 2)
+            a, b = (fn[be](*args).astype(jnp.float32) for be in ("pallas", "xla"))
+            b = jnp.where(live[:, None, None] > 0, b, 0.0)
+            out["max_rel_err_vs_xla"] = float(jnp.max(jnp.abs(a - b)) / jnp.maximum(jnp.max(jnp.abs(b)), 1e-30))
+        except Exception as err:                          # the reference gathers every tile's weights
+            out["xla"] = {"error": f"{type(err).__name__}: {str(err)[:200]}"}
+    return out
+
+
 # kernel parameters tried by ``--sweep`` (the defaults come first)
 SWEEP = {
     "attention": [dict(), dict(block_k=64), dict(block_k=16), dict(num_warps=4), dict(block_h=32, num_warps=4),
@@ -198,11 +260,12 @@ SWEEP = {
 }
 
 
-def run(shapes: str = "flash", contexts=(8192, 131072, 1048576), batches=(1, 16, 64), kernels=("indexer", "attention"),
-        reps: int = 10, with_xla: bool = True, sweep: bool = False, progress: bool = False) -> dict:
-    """Every (kernel, context, batch) case → a JSON-ready dict. ``sweep``: also time the `SWEEP` kernel
-    parameters of each case (Pallas path only), for choosing the defaults on a GPU. ``progress``: a progress
-    bar over the cases on stderr."""
+def run(shapes: str = "flash", contexts=(8192, 131072, 1048576), batches=(1, 16, 64),
+        kernels=("indexer", "attention", "experts"), reps: int = 10, with_xla: bool = True, sweep: bool = False,
+        progress: bool = False, expert_tokens=(64, 4096)) -> dict:
+    """Every (kernel, context, batch) case, then every expert-GEMM token count → a JSON-ready dict. ``sweep``:
+    also time the `SWEEP` kernel parameters of each case (Pallas path only), for choosing the defaults on a GPU.
+    ``progress``: a progress bar over the cases on stderr."""
     import sys
 
     from tqdm import tqdm
@@ -211,14 +274,16 @@ def run(shapes: str = "flash", contexts=(8192, 131072, 1048576), batches=(1, 16,
     dev = jax.devices()[0]
     out = {"bench": "kernels", "shapes": shapes, "shape": shape, "device": getattr(dev, "device_kind", str(dev)),
            "platform": jax.default_backend(), "jax": jax.__version__, "interpret": jax.default_backend() != "gpu",
-           "hbm_bytes_per_s": HBM_BYTES_PER_S, "cases": []}
+           "hbm_bytes_per_s": HBM_BYTES_PER_S, "bf16_tensor_flop_per_s": BF16_TENSOR_FLOP_PER_S, "cases": []}
     cases = [(c, b, k) for c in contexts for b in batches for k in ("indexer", "attention") if k in kernels]
+    cases += [(None, t, "experts") for t in expert_tokens if "experts" in kernels]
     for context, batch, kernel in tqdm(cases, desc="bench kernels" + (" (sweep)" if sweep else ""), unit="case",
                                        disable=not progress, file=sys.stderr):
+        configs = SWEEP[kernel] if sweep else None
         if kernel == "indexer":
-            out["cases"].append(bench_indexer(shape, context, batch, reps, with_xla,
-                                              sweep_configs=SWEEP["indexer"] if sweep else None))
+            out["cases"].append(bench_indexer(shape, context, batch, reps, with_xla, sweep_configs=configs))
+        elif kernel == "attention":
+            out["cases"].append(bench_sparse_attention(shape, context, batch, reps, with_xla, sweep_configs=configs))
         else:
-            out["cases"].append(bench_sparse_attention(shape, context, batch, reps, with_xla,
-                                                       sweep_configs=SWEEP["attention"] if sweep else None))
+            out["cases"].append(bench_experts(shape, batch, reps, with_xla, sweep_configs=configs))
     return out
