@@ -251,8 +251,9 @@ def bench_experts(shape: dict, tokens: int, reps: int, with_xla: bool, seed: int
 
 # kernel parameters tried by ``--sweep`` (the defaults come first)
 SWEEP = {
-    "attention": [dict(), dict(block_k=64), dict(block_k=16), dict(num_warps=4), dict(block_h=32, num_warps=4),
-                  dict(block_h=16, num_warps=4), dict(splits=1), dict(block_k=64, num_warps=8, num_stages=3)],
+    "attention": [dict(), dict(block_k=64), dict(block_k=16), dict(num_warps=4), dict(block_h=32, num_warps=8),
+                  dict(block_h=16, num_warps=8), dict(block_h=16, num_warps=4), dict(splits=1),
+                  dict(block_k=64, num_warps=8, num_stages=3)],
     "indexer": [dict(), dict(tile=128), dict(tile=128, group=32, num_warps=8), dict(tile=256, group=32, num_warps=8),
                 dict(splits=1), dict(num_stages=3)],
     "experts": [dict(), dict(block_n=128), dict(block_k=256), dict(block_n=128, block_k=256, num_warps=8),
