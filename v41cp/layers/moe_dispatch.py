@@ -189,8 +189,10 @@ def sparse_routed_output(x: jax.Array, idx: jax.Array, weights: jax.Array, exper
     t, h = x.shape
     n_experts, width = expert_width(experts)
     kernel = backend == "pallas" and isinstance(experts["w2"], tuple)
-    shape = DispatchShape.build(t, idx.shape[1], n_experts, 3 * h * width * x.dtype.itemsize, chunk_bytes,
-                                min_tile=16 if kernel else 1)
+    # per tile in flight: the XLA path's gathered, decoded weights; the kernel's are read in place, so only the
+    # tile's activations count (rows in and out, gate / up / act; FP32 bound, the largest tile)
+    per_tile = MAX_TILE * (2 * h + 3 * width) * 4 if kernel else 3 * h * width * x.dtype.itemsize
+    shape = DispatchShape.build(t, idx.shape[1], n_experts, per_tile, chunk_bytes, min_tile=16 if kernel else 1)
     like = (x, idx, weights, experts)
     if shape.tile == 1:
         # tiles of one slot (decode): every (token, expert) pair is its own tile, in token-major order — no sort
