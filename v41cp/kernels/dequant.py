@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 __all__ = ["pow2", "e8m0", "e4m3", "e2m1", "split_channels", "merge_channels", "gather_rows", "decode_split",
-           "load_rows_split", "SCALE_BLOCK"]
+           "load_rows_split", "spread", "SCALE_BLOCK"]
 
 SCALE_BLOCK = {"fp8": 32, "nvfp4": 16, "mxfp4": 32}      # channels per scale byte
 
@@ -75,7 +75,7 @@ def _deinterleave(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return even, odd
 
 
-def _spread(s: jax.Array, block: int) -> jax.Array:
+def spread(s: jax.Array, block: int) -> jax.Array:
     """Per-block values ``[T, n]`` → ``[T, n·block]`` (each repeated over its block, in registers)."""
     t, n = s.shape
     return jnp.broadcast_to(s[:, :, None], (t, n, block)).reshape(t, n * block)
@@ -96,7 +96,7 @@ def decode_split(raw: tuple, fmt: str | None, channels: int, dtype=jnp.float32) 
         return _deinterleave(values.astype(dtype))
     payload, scales = (a.astype(jnp.int32) for a in raw)
     if fmt == "fp8":
-        vals = e4m3(payload, dtype) * _spread(e8m0(scales, dtype), SCALE_BLOCK[fmt])
+        vals = e4m3(payload, dtype) * spread(e8m0(scales, dtype), SCALE_BLOCK[fmt])
         return _deinterleave(vals)
     if fmt == "nvfp4":
         s = e4m3(scales, dtype)
@@ -104,7 +104,7 @@ def decode_split(raw: tuple, fmt: str | None, channels: int, dtype=jnp.float32) 
         s = e8m0(scales, dtype)
     else:
         raise ValueError(f"unknown record format {fmt!r}")
-    s = _spread(s, SCALE_BLOCK[fmt] // 2)                 # per byte: both of its channels share the scale
+    s = spread(s, SCALE_BLOCK[fmt] // 2)                 # per byte: both of its channels share the scale
     return e2m1(payload & 15, dtype) * s, e2m1(payload >> 4, dtype) * s
 
 

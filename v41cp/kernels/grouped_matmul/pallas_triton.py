@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from v41cp.kernels import match_varying, out_struct
-from v41cp.kernels.dequant import e2m1
+from v41cp.kernels.dequant import e2m1, spread
 
 __all__ = ["grouped_fp4_matmul_pallas", "weight_scale"]
 
@@ -46,8 +46,7 @@ def _kernel(tiles_ref, live_ref, x_e_ref, x_o_ref, packed_ref, scale_ref, o_ref,
         x_o = x_o_ref[:, pl.ds(kb * half, half)].astype(dot_dtype)
         wb = packed_ref[expert, pl.ds(jn * block_n, block_n), pl.ds(kb * half, half)].astype(jnp.int32)
         sb = scale_ref[expert, pl.ds(jn * block_n, block_n), pl.ds(kb * (block_k // 32), block_k // 32)]
-        s = weight_scale(sb.astype(jnp.int32), dot_dtype)                                 # [BN, BK/32]
-        s = jnp.broadcast_to(s[:, :, None], (block_n, block_k // 32, 16)).reshape(block_n, half)
+        s = spread(weight_scale(sb.astype(jnp.int32), dot_dtype), 16)                   # [BN, BK/2]: per byte
         w_e = e2m1(wb & 15, dot_dtype) * s
         w_o = e2m1(wb >> 4, dot_dtype) * s
         return (acc + jnp.dot(x_e, w_e.T, precision=precision, preferred_element_type=jnp.float32)
