@@ -41,6 +41,7 @@ def test_random_operations_never_free_a_held_block(kvp):
             evicted += cache.stats["evicted_blocks"] - before
             if got is None:
                 assert rid not in alloc
+                assert running, "a request that fits an empty engine was refused with nothing running"
                 continue
             if got.cached:
                 hits += 1
@@ -68,6 +69,42 @@ def test_random_operations_never_free_a_held_block(kvp):
         held = {id(n) for _, g in running.values() for n in g.nodes}
         assert all(n.refs > 0 for n in cache.nodes if id(n) in held)
     assert hits > 20 and evicted > 5, (hits, evicted)
+
+
+@pytest.mark.parametrize("kvp", [1, 2])
+def test_admission_drops_the_unusable_part_of_a_match_at_tight_capacity(kvp):
+    """One request's worth of blocks: the first request's chain fills the pool; the next shares all but its last
+    blocks, which have no stored state. Admission must not hold those blocks (they would leave too few for its own
+    recomputed copies): it takes the reusable part, else starts cold, evicting what it needs; nothing waits."""
+    bt = 4
+    alloc = BlockAllocator(8, bt, 1, 8, kvp)
+    cache = PrefixCache(bt, max_states=4)
+    stem = list(range(3, 27))                                          # 24 tokens: 6 blocks
+    first, second = stem + [40, 41], stem[:22] + [50, 51, 52, 53]      # the second leaves the tree inside block 5
+    got = admit(alloc, cache, "a", first, 30)
+    assert got.cached == 0 and got.cuts == (24,)
+    cache.set_state(grow(alloc, cache, "a", first, got.nodes, 24), "state-24")
+    alloc.release("a")
+    cache.release(got.nodes)
+    assert admit(alloc, cache, "b", second, 40) is None                 # never fits: 10 blocks of 4 > 8
+    assert alloc.free_blocks + len(cache.blocks) == 8 and not cache.stats["evicted_blocks"]
+    got = admit(alloc, cache, "b", second, 30)                         # 5 matched blocks, none with a state
+    assert got is not None and got.cached == 0 and got.cuts == (20, 24), got   # still stores its branch point
+    assert alloc.blocks("b") and cache.stats["evicted_blocks"] > 0
+    alloc.check(cache.blocks)
+    cache.check()
+    for cut in got.cuts:
+        cache.set_state(grow(alloc, cache, "b", second, got.nodes, cut), f"state-b-{cut}")
+    alloc.check(cache.blocks)
+    cache.check()
+    alloc.release("b")
+    cache.release(got.nodes)
+    for prompt, hit in ((stem[:22] + [50, 51, 52, 53, 60], 24), (stem[:21] + [70] * 6, 20)):
+        got = admit(alloc, cache, "c", prompt, 30)                     # the end, or the branch point "b" stored
+        assert got.cached == hit and got.state == f"state-b-{hit}"
+        alloc.check(cache.blocks)
+        alloc.release("c")
+        cache.release(got.nodes)
 
 
 def test_allocator_shares_blocks_without_freeing_them():
@@ -185,3 +222,69 @@ def test_prefix_hits_equal_cold_prefill_under_kvp(tiny_tp8, n):
     par = ParallelConfig(tp_size=8, kv_parallel_size=n, decode_context_parallel_size=n)
     _, warm = _lockstep(params, cfg, cap, par)
     assert warm.alloc.n == n and warm.prefix_stats()["hits"] == 4
+
+
+# ------------------------------------------------------------------------------------------ tight capacity
+# prompts sharing a 22-token stem at block-aligned (8, 16, 20) and unaligned (13, 18, 22) lengths, each with its
+# own tail; budgets that make every request need most of one request's pages (8 blocks of 4)
+TIGHT = ((22, 4, 3), (22, 4, 4), (16, 7, 2), (13, 9, 3), (18, 5, 3), (20, 3, 4), (8, 14, 2), (22, 0, 3))
+
+
+def _tight_workload(cfg):
+    rng = np.random.default_rng(11)
+    stem = rng.integers(3, cfg.vocab_size, 22).tolist()
+    return [(f"t{i}", stem[:shared] + rng.integers(3, cfg.vocab_size, own).tolist(), new)
+            for i, (shared, own, new) in enumerate(TIGHT)]
+
+
+def _parallel(n):
+    from v41cp.sharding.topology import ParallelConfig
+
+    return ParallelConfig(tp_size=8, kv_parallel_size=n, decode_context_parallel_size=n) if n > 1 else None
+
+
+@pytest.fixture(scope="module")
+def cold_tokens(tiny_tp8):
+    """Each layout's greedy tokens of the tight workload from a cold engine (no prefix caching) with the pages of
+    3 requests (the lock-step tests' programs)."""
+    from v41cp.serving.engine import Capacity, Engine, SamplingParams
+
+    cfg, params = tiny_tp8
+    out = {}
+    for n in (1, 8):
+        eng = Engine(params, cfg, Capacity(max_batch=3, max_tokens=32, block_tokens=BT, prefill_chunk=8),
+                     parallel=_parallel(n))
+        for rid, prompt, new in _tight_workload(cfg):
+            eng.submit(rid, prompt, SamplingParams(max_new_tokens=new, stop_on_eos=False))
+        out[n] = {r["id"]: r["output_ids"] for r in eng.run(max_steps=40)}
+        assert not eng.pending
+    return out
+
+
+@pytest.mark.parametrize("batch, n", [(1, 1), (2, 1), (1, 8)], ids=["batch1", "batch2", "batch1-kvp8"])
+def test_tight_capacity_admits_every_request_and_returns_every_page(tiny_tp8, cold_tokens, batch, n):
+    """Pages for exactly ``batch`` requests of the per-request capacity, prefix caching on, every request submitted
+    at once: the engine admits as pages come back (evicting cached blocks it needs, never holding matched blocks it
+    cannot reuse), never steps idle while requests wait, finishes every request within a bounded number of steps
+    with the cold run's tokens, and every page is free or reclaimable at the end."""
+    from v41cp.serving.engine import Capacity, Engine, SamplingParams
+
+    cfg, params = tiny_tp8
+    cap = Capacity(max_batch=batch, max_tokens=32, block_tokens=BT, prefill_chunk=8, prefix_caching=True)
+    eng = Engine(params, cfg, cap, parallel=_parallel(n))
+    assert eng.num_blocks == n * batch * -(-cap.max_blocks // n)                 # no spare page
+    work = _tight_workload(cfg)
+    for rid, prompt, new in work:
+        eng.submit(rid, prompt, SamplingParams(max_new_tokens=new, stop_on_eos=False))
+    bound = sum(new for _, _, new in work) + len(work)                          # one request at a time, serially
+    for _ in range(bound):
+        if not eng.pending:
+            break
+        eng.step()                                                               # raises if it cannot progress
+        eng.check()
+    assert not eng.pending, f"requests still pending after {bound} steps: {eng.load()}"
+    assert {rid: eng.result(rid)["output_ids"] for rid, _, _ in work} == cold_tokens[n]
+    st = eng.prefix_stats()
+    assert eng.alloc.free_blocks + st["cached_blocks"] == eng.num_blocks and eng.alloc.free_slots == batch
+    assert eng.load()["free_blocks"] == eng.num_blocks
+    assert st["evicted_blocks"] > 0 and st["hits"] >= 3, st                     # tight, and still reusing

@@ -84,20 +84,23 @@ class BlockAllocator:
     def _free_blocks(self) -> list[int]:
         return [b for f in self._free for b in f]
 
-    def _fits(self, first: int, count: int, residue: int) -> bool:
-        """Whether blocks ``first .. first + count − 1`` of a request starting at ``residue`` are free."""
+    def _fits(self, first: int, count: int, residue: int, reclaim=()) -> bool:
+        """Whether blocks ``first .. first + count − 1`` of a request starting at ``residue`` are free (counting
+        the blocks ``reclaim`` as free too)."""
         need = [0] * self.n
         for i in range(first, first + count):
             need[(i + residue) % self.n] += 1
+        for b in reclaim:
+            need[b % self.n] -= 1
         return all(need[r] <= len(self._free[r]) for r in range(self.n))
 
     def _take(self, first: int, count: int, residue: int) -> list[int]:
         return [self._free[(i + residue) % self.n].pop() for i in range(first, first + count)]
 
-    def _residue_for(self, count: int, first: int = 0, residue: int | None = None) -> int | None:
+    def _residue_for(self, count: int, first: int = 0, residue: int | None = None, reclaim=()) -> int | None:
         if residue is not None:
-            return residue if self._fits(first, count - first, residue) else None
-        fits = [r for r in range(self.n) if self._fits(first, count - first, r)]
+            return residue if self._fits(first, count - first, residue, reclaim) else None
+        fits = [r for r in range(self.n) if self._fits(first, count - first, r, reclaim)]
         return max(fits, key=lambda r: (len(self._free[r]), -r)) if fits else None
 
     @property
@@ -130,11 +133,12 @@ class BlockAllocator:
         count = self.blocks_needed(tokens)
         return 0 < tokens <= self.capacity_tokens and -(-count // self.n) <= self.num_blocks // self.n
 
-    def can_admit(self, tokens: int, prefix_blocks: int = 0, residue: int | None = None) -> bool:
+    def can_admit(self, tokens: int, prefix_blocks: int = 0, residue: int | None = None, reclaim=()) -> bool:
         """Whether a request of ``tokens`` tokens fits now, its first ``prefix_blocks`` blocks shared (then its
-        own blocks are in the prefix's ``residue`` class)."""
+        own blocks are in the prefix's ``residue`` class); ``reclaim``: blocks not free now that would be freed
+        first (the prefix cache's unreferenced blocks), counted as free."""
         return (0 < tokens <= self.capacity_tokens and self.free_slots > 0 and prefix_blocks <= self.blocks_needed(tokens)
-                and self._residue_for(self.blocks_needed(tokens), prefix_blocks, residue) is not None)
+                and self._residue_for(self.blocks_needed(tokens), prefix_blocks, residue, reclaim) is not None)
 
     # ------------------------------------------------------------------ mutations
     def admit(self, rid, tokens: int, prefix=(), residue: int | None = None) -> list[int]:

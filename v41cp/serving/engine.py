@@ -368,9 +368,21 @@ class Engine:
             admitted.append(req)
             if not self.span:
                 self._prefill(req)
+        if not admitted:
+            self._check_progress()
         if self.span and admitted:
             self._prefill_span(admitted)
         return [r.rid for r in admitted]
+
+    def _check_progress(self) -> None:
+        """Requests wait only while others run (and will free pages and slots): with nothing running, admission
+        takes the head of the queue, since `submit` refused every request that cannot fit an empty engine."""
+        status = [r.status for r in self.requests.values()]
+        if "waiting" in status and "running" not in status:
+            head = next(r for r in self.requests.values() if r.status == "waiting")
+            raise RuntimeError(f"request {head.rid!r} cannot be admitted into an idle engine "
+                               f"({self.alloc.free_blocks} blocks and {self.alloc.free_slots} slots free): "
+                               "an admission defect")
 
     def decode_round(self) -> None:
         """One decode round of every running request (none on a prefill-role engine)."""

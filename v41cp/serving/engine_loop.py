@@ -181,8 +181,6 @@ class EngineLoop:
                     traceback.print_exc()
                     self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
                 self._publish()
-                if eng.pending and not any(r.status == "running" for r in eng.requests.values()):
-                    self._closing.wait(self.idle_wait)         # only waiting requests: no step can progress
             self._load = eng.load()
 
     def _execute(self, cmd) -> None:

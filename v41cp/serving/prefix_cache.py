@@ -56,14 +56,6 @@ class PrefixMatch:
     nodes: tuple[PrefixNode, ...]
     hit: int
 
-    @property
-    def blocks(self) -> list[int]:
-        return [n.block for n in self.nodes[: self.hit]]
-
-    @property
-    def state(self):
-        return self.nodes[self.hit - 1].state if self.hit else None
-
 
 class PrefixCache:
     """See the module docstring. ``block_tokens``: tokens per node; ``max_states``: snapshots kept at most."""
@@ -224,31 +216,51 @@ class Admission:
 def admit(alloc, cache: PrefixCache, rid, prompt, need: int) -> Admission | None:
     """Admit request ``rid`` (``need`` tokens of blocks, `v41cp.serving.allocator.BlockAllocator`) reusing the
     longest chain of ``prompt``'s whole blocks that has a stored state and leaves at least one prompt token to
-    prefill; cached blocks nobody holds are evicted (LRU) while blocks run short. None: it does not fit now
-    (nothing changed but evictions)."""
+    prefill. None: it does not fit now, even with every cached block no running request holds evicted — only
+    running requests hold what it needs, and they free it as they end (nothing changed).
+
+    The plans, best first; the first that fits once the cache's unreferenced blocks are evicted is taken, and
+    only then are blocks evicted (least recently used leaves first, only as many as it needs):
+
+    1. the whole match held (its blocks past the hit have no stored state, so the request recomputes them into
+       blocks of its own; holding them keeps them cached);
+    2. the hit only: the matched blocks past it are left to eviction;
+    3. cold: no block reused (a matched chain's page cycle kept, else the content placement `content_residue`);
+    4. with no match, any page cycle that fits.
+
+    Every plan stops its prefill at the branch point where the prompt leaves the matched chain to store the state
+    there (`grow` finds the chain's node, or re-creates it from the request's blocks if it was evicted), so the next
+    request sharing that part hits. With no request running every cached block is evictable, so a request that
+    `BlockAllocator.fits_when_empty` is always admitted then (plan 3 or 4): admission never waits on nothing."""
     if not alloc.free_slots:
         return None
     bt = cache.block_tokens
     m = cache.match(prompt, (len(prompt) - 1) // bt)
-    # own blocks continue the chain's page cycle, else the content placement of a cold run (`content_residue`)
-    residue = m.nodes[0].block % alloc.n if m.nodes else content_residue(prompt, bt, alloc.n)
-    cache.acquire(m.nodes)                                         # held: not evicted below
-    while not alloc.can_admit(need, m.hit, residue):
-        victims = cache.evictable()
-        if victims:
-            alloc.free([cache.evict(victims[0])])
-        elif not m.nodes and alloc.can_admit(need):
-            residue = None                                         # any page cycle that fits (as a cold run)
-        else:
-            cache.release(m.nodes)
-            return None
-    alloc.admit(rid, need, prefix=m.blocks, residue=residue)
-    cached = m.hit * bt
+    if m.nodes:                              # own blocks continue the chain's page cycle, so the chain stays cyclic
+        chain = m.nodes[0].block % alloc.n
+        plans = [(m.nodes, m.hit, chain)] + ([(m.nodes[: m.hit], m.hit, chain)] if m.hit else []) + [((), 0, chain)]
+    else:
+        plans = [((), 0, content_residue(prompt, bt, alloc.n)), ((), 0, None)]
+    for nodes, hit, residue in plans:
+        held = {id(n) for n in nodes}
+        reclaim = [n.block for n in cache.nodes if n.refs == 0 and id(n) not in held]
+        if alloc.can_admit(need, hit, residue, reclaim):
+            break
+    else:
+        return None
+    cache.acquire(nodes)                                           # held: not evicted below
+    while not alloc.can_admit(need, hit, residue):                 # feasible above: the victims suffice
+        for victim in cache.evictable():                           # a round of leaves, least recently used first
+            alloc.free([cache.evict(victim)])
+            if alloc.can_admit(need, hit, residue):
+                break
+    alloc.admit(rid, need, prefix=[n.block for n in nodes[:hit]], residue=residue)
+    cached = hit * bt
     cache.record(len(prompt), cached)
-    k, end = len(m.nodes), (len(prompt) - 1) // bt * bt
-    branch = k * bt if k > m.hit else 0                            # where the prompt leaves the cached states
-    cuts = tuple(sorted({c for c in (branch, end) if c > cached and c >= k * bt}))
-    return Admission(cached, list(m.nodes), m.state, cuts)
+    matched, end = len(m.nodes), (len(prompt) - 1) // bt * bt
+    branch = matched * bt if matched > m.hit else 0                # where the prompt leaves the cached states
+    cuts = tuple(sorted({c for c in (branch, end) if c > cached}))
+    return Admission(cached, list(nodes), nodes[hit - 1].state if hit else None, cuts)
 
 
 def grow(alloc, cache: PrefixCache, rid, prompt, nodes: list, cut: int) -> PrefixNode:
