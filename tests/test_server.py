@@ -192,7 +192,7 @@ def test_invalid_json_answers_400(server):
     ("/v1/completions", {"prompt": "w1", "temperature": -0.5}, "temperature", "greater than or equal to 0"),
     ("/v1/completions", {"prompt": "w1", "top_p": 1.5}, "top_p", "less than or equal to 1"),
     ("/v1/completions", {"prompt": "w1", "stop": ["a", "b", "c", "d", "e"]}, "stop", "up to 4"),
-    ("/v1/completions", {"prompt": "w1", "n": 2}, "n", "only n = 1"),
+    ("/v1/completions", {"prompt": "w1", "n": 2}, "n", "only null or 1"),
     ("/v1/completions", {"prompt": [[5], [7]]}, "prompt", "one prompt per request"),
     ("/v1/completions", {}, "prompt", "Field required"),
     ("/v1/completions", {"prompt": 5}, "prompt", "valid string"),
@@ -209,6 +209,180 @@ def test_bad_fields_answer_400_naming_the_field(server, path, body, param, words
     assert err["param"] == param and words in err["message"], err
     after = server.wait_idle()
     assert after["free_blocks"] == before["free_blocks"] and after["steps"] == before["steps"]
+
+
+@pytest.mark.parametrize("content, ctype, status, words", [
+    (b'{"model": "tiny-v41", "prompt": "w1", "max_tokens": 2}', "application/x-www-form-urlencoded", 415,
+     "application/x-www-form-urlencoded"),                                 # what `curl -d` sends
+    (b'{"model": "tiny-v41", "prompt": "w1", "max_tokens": 2}', "text/plain", 415, "text/plain"),
+    (b'{"model": "tiny-v41", "prompt": "w1"}', "application/json; charset=latin-1", 415, "latin-1"),
+    (b'{"model": "tiny-v41", "prompt": "\xff w1"}', "application/json", 400, "not UTF-8"),
+    (b'[{"model": "tiny-v41", "prompt": "w1"}]', "application/json", 400, "got a JSON array"),
+    (b'"w1"', "application/json", 400, "got a JSON string"),
+    (b'[' * 200_000 + b']' * 200_000, "application/json", 400, "nested more than 32 levels"),
+    (b'{"model": "tiny-v41", "prompt": "w1", "x": ' + b'{"a": ' * 40 + b'1' + b'}' * 41, "application/json", 400,
+     "nested more than 32 levels"),
+    (b'{"model": "tiny-v41", "prompt": "w1", "temperature": NaN}', "application/json", 400, "NaN is not a JSON number"),
+    (b'{"model": "tiny-v41", "prompt": "' + b'w1 ' * 12_000_000 + b'"}', "application/json", 413, "more than the 33554432"),
+    (b'', "application/json", 400, "not valid JSON"),
+])
+def test_bodies_that_are_not_a_json_object_answer_4xx(server, content, ctype, status, words):
+    """Whatever the body and its media type, the answer is a 4xx in the API's error shape saying what is wrong."""
+    before = server.wait_idle()
+    r = httpx.post(server.url + "/v1/completions", content=content, headers={"content-type": ctype}, timeout=60)
+    assert r.status_code == status and words in r.json()["error"]["message"], (r.status_code, r.text[:300])
+    assert r.json()["error"]["code"] == status
+    after = server.wait_idle()
+    assert after["free_blocks"] == before["free_blocks"] and after["steps"] == before["steps"]
+
+
+def test_routes_and_methods_answer_in_the_error_shape(server):
+    r = httpx.get(server.url + "/v1/completions", timeout=30)
+    assert r.status_code == 405 and "GET is not allowed" in r.json()["error"]["message"], r.text
+    r = httpx.post(server.url + "/v1/embeddings", json={"model": MODEL, "input": "w1"}, timeout=30)
+    assert r.status_code == 404 and "/v1/embeddings" in r.json()["error"]["message"], r.text
+    # no Content-Type at all: read as JSON (what FastAPI and the OpenAI API do)
+    r = httpx.post(server.url + "/v1/completions", content=json.dumps({"model": MODEL, "prompt": "w1",
+                                                                       "max_tokens": 2}).encode(), timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2, r.text
+
+
+def _fuzz_bodies():
+    """Request bodies as clients get them wrong: arbitrary bytes and JSON values, and objects whose keys are the
+    schemas' fields (and unknown ones) with values of any JSON type."""
+    from hypothesis import strategies as st
+
+    from v41cp.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
+
+    keys = sorted({*CompletionRequest.model_fields, *ChatCompletionRequest.model_fields, "guided_json", "x"} - {"model"})
+    scalars = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False) | st.text(max_size=20)
+    values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8),
+                                                                                           inner, max_size=4),
+                          max_leaves=12)
+    objects = st.fixed_dictionaries({"model": st.sampled_from([MODEL, "other"])},
+                                    optional={k: values for k in keys}).map(lambda d: json.dumps(d).encode())
+    # near-valid requests reach the engine's checks (token ids, capacity) and run: a few output tokens each
+    prompts = st.text(max_size=30) | st.lists(st.integers(-3, 260), max_size=8) | st.lists(st.text(max_size=5),
+                                                                                             max_size=2)
+    messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "robot"])},
+                                              optional={"content": st.text(max_size=12) | values}), max_size=3)
+    def mostly(valid):                      # a valid value three times in four
+        return st.one_of(valid, valid, valid, scalars)
+
+    near = st.fixed_dictionaries({"model": st.just(MODEL), "max_tokens": st.integers(-1, 3), "prompt": prompts,
+                                  "messages": messages},
+                                 optional={"temperature": mostly(st.floats(0, 2)), "top_p": mostly(st.floats(0.01, 1)),
+                                           "seed": mostly(st.integers(0, 2**63 - 1)), "stop": mostly(st.text(max_size=3)),
+                                           "n": mostly(st.just(1)), "best_of": mostly(st.just(1)),
+                                           "top_k": mostly(st.sampled_from([-1, 0])), "stream": st.booleans(),
+                                           "logprobs": mostly(st.none())})
+    near = near.map(lambda d: json.dumps({k: v for k, v in d.items() if k != ("messages" if "w" in d["prompt"] else
+                                                                               "prompt")}).encode())
+    return (st.binary(max_size=200) | values.map(lambda v: json.dumps(v).encode()) | objects | near,
+            st.sampled_from(["application/json", "application/json; charset=utf-8", "text/plain",
+                             "multipart/form-data", "application/vnd.api+json", ""]))
+
+
+def test_fuzzed_bodies_never_answer_5xx(server):
+    """Generated bodies (hypothesis) against the live server: never a 5xx; every 4xx in the error shape; every page
+    back and every stored state intact afterwards."""
+    from hypothesis import HealthCheck, given, settings
+
+    bodies, ctypes = _fuzz_bodies()
+    before = server.wait_idle()
+    seen = {}
+    with httpx.Client(timeout=60) as http:
+        @settings(max_examples=300, deadline=None, database=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck))
+        @given(body=bodies, ctype=ctypes)
+        def one(body, ctype):
+            r = http.post(server.url + "/v1/completions" if len(body) % 2 else server.url + "/v1/chat/completions",
+                          content=body, headers={"content-type": ctype} if ctype else {})
+            seen[r.status_code] = seen.get(r.status_code, 0) + 1
+            assert r.status_code < 500, (body[:200], ctype, r.text[:300])
+            if r.status_code >= 400:
+                err = r.json()["error"]
+                assert err["code"] == r.status_code and err["message"], r.text
+        one()
+    assert seen.get(400, 0) > 100 and seen.get(415, 0) > 10 and seen.get(200, 0) > 3, seen
+    after = server.wait_idle()
+    assert after["free_blocks"] == before["free_blocks"] == after["total_blocks"]
+    assert after["prefix_cache"]["states"] == before["prefix_cache"]["states"] or after["steps"] > before["steps"]
+
+
+# Every field of the OpenAI SDK's two request schemas, and the extensions clients of vLLM / SGLang send: the fields
+# this server honours (their values here are served: 200), and a value that would change the request for every
+# other field (answered 400 naming it). Values that mean "no change" are served.
+HONOURED = {
+    "completions": {"model": MODEL, "prompt": "w1 w2", "max_tokens": 2, "temperature": 0, "top_p": 0.9, "seed": 3,
+                    "stop": ["w99"], "stream": False, "stream_options": {"include_usage": True}, "ignore_eos": True,
+                    "return_token_ids": True},
+    "chat": {"model": MODEL, "messages": [{"role": "user", "content": "w1"}], "max_tokens": 2,
+             "max_completion_tokens": 2, "temperature": 0, "top_p": 0.9, "seed": 3, "stop": "w99", "stream": False,
+             "stream_options": {"include_usage": True}, "ignore_eos": True, "return_token_ids": True,
+             "add_generation_prompt": False},
+}
+CHANGING = {
+    "best_of": 2, "echo": True, "frequency_penalty": 0.5, "presence_penalty": -0.5, "logit_bias": {"5": 10},
+    "logprobs": 1, "n": 2, "suffix": "w1", "user": "u1", "audio": {"voice": "alloy", "format": "wav"},
+    "function_call": "auto", "functions": [{"name": "f"}], "metadata": {"k": "v"}, "modalities": ["text", "audio"],
+    "parallel_tool_calls": True, "prediction": {"type": "content", "content": "w1"}, "prompt_cache_key": "k",
+    "reasoning_effort": "low", "response_format": {"type": "json_object"}, "safety_identifier": "s",
+    "service_tier": "auto", "store": True, "tool_choice": "auto",
+    "tools": [{"type": "function", "function": {"name": "f"}}], "top_logprobs": 2, "verbosity": "low",
+    "web_search_options": {}, "stop_token_ids": [5], "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2,
+    "min_tokens": 2, "structured_outputs": {"json": {}}, "guided_json": {"type": "object"}, "guided_regex": "w1",
+    "guided_choice": ["w1"], "prompt_logprobs": 1, "include_stop_str_in_output": True, "skip_special_tokens": False,
+    "chat_template_kwargs": {"thinking": True}, "priority": 1,
+}
+NO_CHANGE = {"n": 1, "best_of": 1, "logprobs": None, "echo": False, "top_k": -1, "min_p": 0, "repetition_penalty": 1,
+             "presence_penalty": 0, "frequency_penalty": 0.0, "stop_token_ids": [], "min_tokens": 0, "logit_bias": {},
+             "response_format": {"type": "text"}}
+
+
+def _schema_fields(kind: str) -> list[str]:
+    from openai.types import completion_create_params as cp
+    from openai.types.chat import completion_create_params as ccp
+
+    sdk = (cp if kind == "completions" else ccp).CompletionCreateParamsBase.__annotations__
+    return sorted({*sdk, "stream", *HONOURED[kind], *CHANGING})
+
+
+@pytest.mark.parametrize("kind", ["completions", "chat"])
+def test_every_request_field_is_honoured_or_refused_by_name(server, kind):
+    path = "/v1/completions" if kind == "completions" else "/v1/chat/completions"
+    base = {k: v for k, v in HONOURED[kind].items() if k in ("model", "prompt", "messages", "max_tokens")}
+    before = server.wait_idle()
+    with httpx.Client(timeout=60) as http:
+        for name in _schema_fields(kind):
+            if name in HONOURED[kind]:
+                r = http.post(server.url + path, json={**base, name: HONOURED[kind][name]})
+                assert r.status_code == 200, (name, r.text)
+                continue
+            value = CHANGING.get(name, {"v41cp-probe": 1})       # a field a newer SDK added: any value changes it
+            r = http.post(server.url + path, json={**base, name: value})
+            assert r.status_code == 400, (name, r.status_code, r.text)
+            err = r.json()["error"]
+            assert err["param"] == name and name in err["message"] and "not supported" in err["message"], (name, err)
+        r = http.post(server.url + path, json={**base, **({"echo": False} if kind == "completions" else {}),
+                                               **{k: v for k, v in NO_CHANGE.items() if k != "echo"}})
+        assert r.status_code == 200, r.text
+        plain = http.post(server.url + path, json={**base, "temperature": 0}).json()
+        neutral = http.post(server.url + path, json={**base, "temperature": 0, **{k: v for k, v in NO_CHANGE.items()
+                                                                                   if k != "echo"}}).json()
+        assert neutral["choices"][0].get("text", neutral["choices"][0].get("message")) == \
+            plain["choices"][0].get("text", plain["choices"][0].get("message"))
+    after = server.wait_idle()
+    assert after["free_blocks"] == before["free_blocks"]
+
+
+def test_add_generation_prompt_is_honoured(server, codec):
+    messages = [{"role": "user", "content": "w1 w2"}]
+    for flag in (True, False):
+        r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 1,
+                                                                 "add_generation_prompt": flag}, timeout=60)
+        assert r.json()["usage"]["prompt_tokens"] == len(codec.chat_ids(messages, flag)), (flag, r.text)
+    assert len(codec.chat_ids(messages, True)) == len(codec.chat_ids(messages, False)) + 1
 
 
 def test_kvp_dcp8_server_across_two_processes_equals_one_device(server, client):

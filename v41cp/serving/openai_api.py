@@ -1,15 +1,18 @@
 """OpenAI-compatible HTTP API over an `EngineLoop` (FastAPI app; served by uvicorn in `v41cp.serving.server`).
 
 Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``.
-Request fields follow the OpenAI API (``model``, ``prompt`` as text or token ids / ``messages``,
-``max_tokens`` (chat also ``max_completion_tokens``), ``temperature``, ``top_p``, ``seed``, ``stop``,
-``stream``, ``stream_options.include_usage``; v41cp extensions ``ignore_eos`` and ``return_token_ids``);
-responses and ``usage`` have the API's shapes; ``stream: true`` answers server-sent events ending with
-``data: [DONE]``.
+Request bodies are parsed and checked by `v41cp.serving.openai_protocol`: the fields honoured follow the OpenAI
+API (``model``, ``prompt`` as text or token ids / ``messages``, ``max_tokens`` (chat also
+``max_completion_tokens``), ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``,
+``stream_options.include_usage``), with the extensions ``ignore_eos``, ``return_token_ids`` and (chat)
+``add_generation_prompt``; fields the server does not implement are accepted only at the value that changes
+nothing, any other value — and any unknown field — answers 400 naming it. Responses and ``usage`` have the API's
+shapes; ``stream: true`` answers server-sent events ending with ``data: [DONE]``.
 
 Errors have the API's shape ``{"error": {"message", "type", "param", "code"}}``: a bad field answers 400 and
-names it (``param``), a full queue 429, a server shutting down 503. A rejected request changes nothing
-in the engine. A client that disconnects (streaming or not) cancels its request, which frees its pages.
+names it (``param``), a body that is not JSON 400 / 413 / 415, a full queue 429, a server shutting down 503. A
+rejected request changes nothing in the engine. A client that disconnects (streaming or not) cancels its request,
+which frees its pages.
 """
 
 from __future__ import annotations
@@ -22,91 +25,38 @@ import uuid
 from typing import Any, Optional, Union
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from v41cp.serving.engine import EngineFull, RequestError, SamplingParams
 from v41cp.serving.engine_loop import EngineLoop, LoopClosed, RequestHandle
+from v41cp.serving.openai_protocol import (MAX_BODY_BYTES, ApiError, ChatCompletionRequest, CompletionRequest,
+                                           RequestBase, parse_request)
 from v41cp.serving.text import ChatFormatError, TextCodec
 
-__all__ = ["ApiError", "CompletionRequest", "ChatCompletionRequest", "build_app"]
+__all__ = ["build_app"]
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
-
-    def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
-                                       "code": self.status}}, status_code=self.status)
+def _error_response(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
 
 
-class StreamOptions(BaseModel):
-    include_usage: bool = False
+async def read_request(request: Request, schema):
+    """The validated request of ``schema`` from ``request``'s body (read up to `MAX_BODY_BYTES`; a longer one is
+    refused with 413 before it is read whole)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise ApiError(413, f"the request body has {declared} bytes, more than the {MAX_BODY_BYTES} accepted")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body has more than the {MAX_BODY_BYTES} bytes accepted (at least {size})")
+        chunks.append(chunk)
+    return parse_request(b"".join(chunks), request.headers.get("content-type"), schema)
 
 
-# OpenAI fields this server does not implement: a request that sets one is answered 400 rather than served
-# as if it had not been sent
-UNSUPPORTED_FIELDS = ("tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias",
-                      "suffix", "best_of", "parallel_tool_calls", "audio", "modalities", "prediction")
-
-
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    model: str
-    max_tokens: Optional[int] = Field(default=None, gt=0)
-    temperature: float = Field(default=1.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: Optional[int] = Field(default=None, ge=0, lt=2**63)
-    stop: Union[str, list[str], None] = None
-    stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    n: int = 1
-    ignore_eos: bool = False
-    return_token_ids: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: Any = None
-
-
-class CompletionRequest(_Common):
-    prompt: Union[str, list[int], list[str], list[list[int]]]
-    echo: bool = False
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    role: str
-    content: Union[str, list[dict], None] = None
-
-
-class ChatCompletionRequest(_Common):
-    messages: list[ChatMessage]
-    max_completion_tokens: Optional[int] = Field(default=None, gt=0)
-    top_logprobs: Optional[int] = None
-
-
-def _unsupported(req: _Common) -> None:
-    for name in UNSUPPORTED_FIELDS:
-        if (req.model_extra or {}).get(name) not in (None, [], {}, ""):
-            raise ApiError(400, f"{name}: not supported by this server", name)
-    if req.n != 1:
-        raise ApiError(400, f"n: only n = 1 is supported, got {req.n}", "n")
-    if req.logprobs not in (None, False):
-        raise ApiError(400, "logprobs: log-probabilities are not returned by this server", "logprobs")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise ApiError(400, f"{name}: penalties are not supported, got {getattr(req, name)}", name)
-    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(stops) > 4 or any(not s for s in stops):
-        raise ApiError(400, f"stop: up to 4 non-empty strings, got {stops!r}", "stop")
-
-
-def _stops(req: _Common) -> tuple[str, ...]:
+def _stops(req: RequestBase) -> tuple[str, ...]:
     return (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
 
 
@@ -128,20 +78,13 @@ def build_app(loop: EngineLoop, codec: TextCodec | None, model_name: str) -> Fas
 
     @app.exception_handler(ApiError)
     async def _api_error(_request, exc: ApiError):
-        return exc.response()
+        return _error_response(exc)
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_request, exc: RequestValidationError):
-        errs = exc.errors()
-        first = errs[0] if errs else {}
-        if first.get("type") == "json_invalid":
-            reason = (first.get("ctx") or {}).get("error", "invalid JSON")
-            return ApiError(400, f"the request body is not valid JSON: {reason}", None).response()
-        loc = [x for x in first.get("loc", ()) if x != "body"]
-        param = str(loc[0]) if loc else None          # the top-level field (not pydantic's union-member tags)
-        got = first.get("input")
-        shown = "" if isinstance(got, dict) or got is None else f" (got {json.dumps(got)[:80]})"
-        return ApiError(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}{shown}", param).response()
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc: StarletteHTTPException):      # unknown route, method not allowed
+        what = {404: f"no route {request.url.path!r}", 405: f"{request.method} is not allowed on {request.url.path!r}"}
+        return JSONResponse(ApiError(exc.status_code, what.get(exc.status_code, str(exc.detail))).body(),
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     # ------------------------------------------------------------------ helpers
     def check_model(name: str) -> None:
@@ -168,7 +111,7 @@ def build_app(loop: EngineLoop, codec: TextCodec | None, model_name: str) -> Fas
                            param)
         return ids
 
-    def sampling(req: _Common, n_prompt: int, max_tokens: int | None, prompt_param: str) -> SamplingParams:
+    def sampling(req: RequestBase, n_prompt: int, max_tokens: int | None, prompt_param: str) -> SamplingParams:
         if n_prompt >= capacity:
             raise ApiError(400, f"{prompt_param}: the prompt has {n_prompt} tokens; the capacity is {capacity} "
                                 "tokens per request (prompt + output)", prompt_param)
@@ -179,11 +122,14 @@ def build_app(loop: EngineLoop, codec: TextCodec | None, model_name: str) -> Fas
                                 f"{n_prompt + max_tokens} tokens is beyond the capacity of {capacity} per request",
                            "max_tokens")
         seed = req.seed if req.seed is not None else random.getrandbits(63)
-        return SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=seed,
-                              stop_on_eos=not req.ignore_eos)
+        return SamplingParams(max_new_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+                              top_p=1.0 if req.top_p is None else req.top_p, seed=seed, stop_on_eos=not req.ignore_eos)
 
-    def check_text_fields(req: _Common) -> None:
-        if codec is None and req.stop:
+    def check_text_fields(req: RequestBase) -> None:
+        stops = _stops(req)
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ApiError(400, f"stop: up to 4 non-empty strings, got {list(stops)!r}", "stop")
+        if codec is None and stops:
             raise ApiError(400, "stop: stop strings need the checkpoint's tokenizer.json, which it lacks", "stop")
 
     async def start(ids: list[int], sp: SamplingParams, prompt_param: str) -> RequestHandle:
@@ -200,7 +146,7 @@ def build_app(loop: EngineLoop, codec: TextCodec | None, model_name: str) -> Fas
     class _Run:
         """Text of one request as its events arrive (stop strings; the EOS is hidden from the text)."""
 
-        def __init__(self, handle: RequestHandle, req: _Common):
+        def __init__(self, handle: RequestHandle, req: RequestBase):
             self.handle, self.req = handle, req
             self.stream = codec.stream(_stops(req), hidden=() if req.ignore_eos else (eos,)) if codec else None
             self.ids: list[int] = []
@@ -300,11 +246,9 @@ def build_app(loop: EngineLoop, codec: TextCodec | None, model_name: str) -> Fas
                                             "owned_by": "v41cp", "max_model_len": capacity}]}
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request):
+    async def completions(request: Request):
+        req = await read_request(request, CompletionRequest)
         check_model(req.model)
-        _unsupported(req)
-        if req.echo:
-            raise ApiError(400, "echo: echoing the prompt is not supported", "echo")
         check_text_fields(req)
         ids = prompt_ids(req.prompt, "prompt")
         sp = sampling(req, len(ids), req.max_tokens if req.max_tokens is not None else 16, "prompt")
@@ -328,13 +272,14 @@ def build_app(loop: EngineLoop, codec: TextCodec | None, model_name: str) -> Fas
                 "choices": [choice(text, run.finish_reason)], "usage": run.usage()}
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, request: Request):
+    async def chat_completions(request: Request):
+        req = await read_request(request, ChatCompletionRequest)
         check_model(req.model)
-        _unsupported(req)
+        check_text_fields(req)
         if codec is None:
             raise ApiError(400, "messages: this checkpoint has no tokenizer.json, so no chat format", "messages")
         try:
-            ids = codec.chat_ids([m.model_dump() for m in req.messages])
+            ids = codec.chat_ids([m.model_dump() for m in req.messages], req.add_generation_prompt)
         except ChatFormatError as e:
             raise ApiError(400, f"messages: {e}", "messages")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

@@ -1,0 +1,241 @@
+"""The OpenAI request bodies this server takes: byte-level parsing, the two request schemas, and the field policy.
+
+`parse_request(body, content_type, schema)` turns a POST body into a validated request or raises `ApiError` (a 4xx
+in the API's error shape, naming what is wrong): the media type must be JSON (``application/json`` or a
+``+json`` type; a body without a ``Content-Type`` is read as JSON), the body at most `MAX_BODY_BYTES`, UTF-8, one
+JSON object (no ``NaN`` / ``Infinity``, at most `MAX_DEPTH` levels deep); then the schema.
+
+**Field policy.** Every field a request may carry is declared here. A field is either *honoured* (it changes what
+the server does as the API defines), or *accepted only at its neutral value* — the value that means "no change"
+(``n: 1``, ``best_of: 1``, ``echo: false``, ``logprobs: null``, ``top_k: -1`` …; `NEUTRAL`) — and answered 400
+naming it otherwise. A field not declared at all is answered 400 naming it. Nothing is silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+__all__ = ["ApiError", "ChatCompletionRequest", "CompletionRequest", "MAX_BODY_BYTES", "MAX_DEPTH", "NEUTRAL", "RequestBase",
+           "parse_request"]
+
+MAX_BODY_BYTES = 32 * 1024 * 1024    # a 1M-token prompt as JSON ids is ~8 MB
+MAX_DEPTH = 32                       # the deepest valid request (chat content parts) nests 5 levels
+
+
+class ApiError(Exception):
+    """An error answer: ``status`` (4xx / 5xx), ``message``, the offending ``param`` (a field name, or None)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+
+
+# ---------------------------------------------------------------------------------------------- bytes → JSON
+def _media_type(content_type: str | None) -> tuple[str, dict]:
+    kind, *params = (content_type or "").split(";")
+    args = {}
+    for p in params:
+        key, _, value = p.partition("=")
+        args[key.strip().lower()] = value.strip().strip('"').lower()
+    return kind.strip().lower(), args
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _depth(value) -> int:
+    """Nesting depth of a parsed JSON value (iterative: a deep value cannot exhaust the stack here)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        deepest = max(deepest, d)
+        if d > MAX_DEPTH:
+            break
+        if isinstance(v, dict):
+            stack.extend((x, d + 1) for x in v.values())
+        elif isinstance(v, list):
+            stack.extend((x, d + 1) for x in v)
+    return deepest
+
+
+def parse_json_body(body: bytes, content_type: str | None) -> str:
+    """The request's JSON object as text, checked (or `ApiError`: 415 media type, 413 size, 400 encoding / syntax /
+    shape)."""
+    kind, args = _media_type(content_type)
+    if content_type is not None and kind != "application/json" and not (kind.startswith("application/")
+                                                                           and kind.endswith("+json")):
+        raise ApiError(415, f"Content-Type: the body must be JSON (application/json), got {content_type[:100]!r}")
+    if args.get("charset", "utf-8") not in ("utf-8", "utf8"):
+        raise ApiError(415, f"Content-Type: the body must be UTF-8, got charset={args['charset'][:40]!r}")
+    if len(body) > MAX_BODY_BYTES:
+        raise ApiError(413, f"the request body has {len(body)} bytes, more than the {MAX_BODY_BYTES} accepted")
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the request body is not UTF-8: byte {body[e.start]:#04x} at offset {e.start}")
+    try:
+        value = json.loads(text, parse_constant=_no_constant)
+    except RecursionError:
+        raise ApiError(400, f"the request body is not valid JSON: nested more than {MAX_DEPTH} levels deep")
+    except ValueError as e:                       # json.JSONDecodeError, or a NaN / Infinity constant
+        raise ApiError(400, f"the request body is not valid JSON: {str(e)[:200]}")
+    if not isinstance(value, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got a JSON {_json_kind(value)}")
+    if _depth(value) > MAX_DEPTH:
+        raise ApiError(400, f"the request body is nested more than {MAX_DEPTH} levels deep")
+    return text
+
+
+def _json_kind(v) -> str:
+    return {list: "array", str: "string", bool: "boolean", type(None): "null"}.get(type(v), "number")
+
+
+# ---------------------------------------------------------------------------------------------- schemas
+class _Strict(BaseModel):
+    # strict: JSON true is not the integer 1, 1.0 is not an integer, "5" is not a number
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class RequestBase(_Strict):
+    """Fields both endpoints honour, and those both accept at their neutral value only (typed ``Any``: the value
+    is compared with `NEUTRAL`, any other answers 400 naming the field)."""
+
+    model: str
+    max_tokens: Optional[int] = Field(default=None, gt=0)
+    temperature: Optional[float] = Field(default=None, ge=0.0)
+    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    seed: Optional[int] = Field(default=None, ge=0, lt=2**63)
+    stop: Union[str, list[str], None] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    ignore_eos: bool = False                  # v41cp / vLLM extension: generate past the EOS token
+    return_token_ids: bool = False            # v41cp extension: the output token ids in the choice
+
+    # accepted only at the value that means "no change"
+    n: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    logit_bias: Any = None
+    top_k: Any = None
+    min_p: Any = None
+    min_tokens: Any = None
+    stop_token_ids: Any = None
+    include_stop_str_in_output: Any = None
+
+    @field_validator("temperature", "top_p")
+    @classmethod
+    def _finite(cls, v):
+        if v is not None and not math.isfinite(v):
+            raise ValueError("must be a finite number")
+        return v
+
+
+class CompletionRequest(RequestBase):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    best_of: Any = None
+    echo: Any = None
+    logprobs: Any = None
+    suffix: Any = None
+    prompt_logprobs: Any = None
+
+
+class ChatMessage(BaseModel):
+    # extra keys (``name``, ``tool_calls`` …) go to the checkpoint's chat template, which defines what they mean
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: Union[str, list[dict], None] = None
+
+
+class ChatCompletionRequest(RequestBase):
+    messages: list[ChatMessage]
+    max_completion_tokens: Optional[int] = Field(default=None, gt=0)
+    add_generation_prompt: bool = True        # vLLM extension: end the chat prompt with the assistant's turn opener
+    logprobs: Any = None
+    top_logprobs: Any = None
+    prompt_logprobs: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+    response_format: Any = None
+
+
+# the values that mean "no change" for each field accepted only at them (null: not sent, always neutral)
+NEUTRAL: dict[str, tuple] = {
+    "n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (False,), "top_logprobs": (0,),
+    "prompt_logprobs": (), "suffix": ("",),
+    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
+    "top_k": (-1, 0), "min_p": (0,), "min_tokens": (0,), "stop_token_ids": ([],),
+    "include_stop_str_in_output": (False,),
+    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "parallel_tool_calls": (), "response_format": ({"type": "text"},),
+}
+
+
+def _same(value, neutral) -> bool:
+    """``value == neutral`` without Python's bool / int / float mixing (``true`` is not ``1``; ``0.0`` is ``0``)."""
+    if isinstance(neutral, bool) or isinstance(value, bool):
+        return type(value) is type(neutral) and value == neutral
+    if isinstance(neutral, (int, float)):
+        return isinstance(value, (int, float)) and value == neutral
+    return type(value) is type(neutral) and value == neutral
+
+
+def check_neutral(req: RequestBase) -> None:
+    """400 naming the first field set to a value other than its neutral one (the server does not implement it)."""
+    for name in type(req).model_fields:
+        if name not in NEUTRAL:
+            continue
+        value = getattr(req, name)
+        if value is None or any(_same(value, v) for v in NEUTRAL[name]):
+            continue
+        allowed = " or ".join(json.dumps(v) for v in (None, *NEUTRAL[name]))
+        raise ApiError(400, f"{name}: not supported by this server (only {allowed}, which change nothing), got "
+                            f"{_shown(value)}", name)
+
+
+def _shown(value, limit: int = 80) -> str:
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def _validation_error(e: ValidationError) -> ApiError:
+    first = e.errors(include_url=False)[0]
+    loc = [str(x) for x in first.get("loc", ())]
+    param = loc[0] if loc else None                # the top-level field (not pydantic's union-member tags)
+    if first.get("type") == "extra_forbidden":
+        if len(loc) == 1:
+            return ApiError(400, f"{param}: not supported by this server (unknown field)", param)
+        return ApiError(400, f"{'.'.join(loc)}: unknown field", param)
+    got = first.get("input")
+    shown = "" if isinstance(got, dict) or got is None else f" (got {_shown(got)})"
+    return ApiError(400, f"{param or 'body'}: {first.get('msg', 'invalid value')}{shown}", param)
+
+
+def parse_request(body: bytes, content_type: str | None, schema: type[RequestBase]) -> RequestBase:
+    """A validated request of ``schema`` from a POST body, or `ApiError` naming what is wrong."""
+    text = parse_json_body(body, content_type)
+    try:
+        req = schema.model_validate_json(text)              # JSON mode: strict types, nested objects from JSON
+    except ValidationError as e:
+        raise _validation_error(e) from None
+    check_neutral(req)
+    return req
