@@ -134,6 +134,7 @@ class RequestBase(_Strict):
     min_tokens: Any = None
     stop_token_ids: Any = None
     include_stop_str_in_output: Any = None
+    response_format: Any = None               # chat in the OpenAI API; completions too in vLLM
 
     @field_validator("temperature", "top_p")
     @classmethod
@@ -172,7 +173,6 @@ class ChatCompletionRequest(RequestBase):
     functions: Any = None
     function_call: Any = None
     parallel_tool_calls: Any = None
-    response_format: Any = None
 
 
 # the values that mean "no change" for each field accepted only at them (null: not sent, always neutral)
