@@ -40,6 +40,28 @@ def test_text_round_trip_through_the_checkpoint_tokenizer(codec):
     assert other.encode(text) == codec.encode(text) and other.chat_template == codec.chat_template
 
 
+@pytest.mark.parametrize("which", ["converted", "released"])
+def test_special_tokens_round_trip_as_one_id(which):
+    """The tiny checkpoints declare their special tokens (``added_tokens``), so ``"<eos>"`` in a prompt is the EOS
+    id on the server as in a client's tokenizer — not "<", "eos", ">" (three unknown ids) — inside text too; decoding
+    leaves them out of the text, as the OpenAI API does."""
+    from pathlib import Path
+
+    path = Path(default_checkpoint() if which == "converted" else default_released_checkpoint())
+    codec = TextCodec.from_checkpoint(path)
+    added = json.loads((path / "tokenizer.json").read_text())["added_tokens"]
+    special = {t["content"]: t["id"] for t in added if t["special"]}
+    assert {codec.bos_token, codec.eos_token} <= set(special) and len(special) >= 3, added
+    config = json.loads((path / "config.json").read_text())["text_config"]
+    assert (special[codec.bos_token], special[codec.eos_token]) == (config["bos_token_id"], config["eos_token_id"])
+    for content, tid in special.items():
+        assert codec.encode(content, add_special_tokens=False) == [tid], content
+        assert codec.encode(f"w1 {content}w2 {content}", add_special_tokens=False) == [5, tid, 7, tid], content
+        assert codec.tokenizer.decode([tid], skip_special_tokens=False) == content
+        assert codec.decode([5, tid, 7]) == "w1 w2"
+
+
+
 @pytest.mark.parametrize("make", ["word", "byte"])
 def test_stream_deltas_concatenate_to_the_decoded_text(codec, make):
     c = codec if make == "word" else _byte_level_codec()

@@ -54,7 +54,7 @@ NEMO = "nemo_automodel.components.models.deepseek_v41"
 def synthetic_tokenizer(vocab: int):
     """A word-level tokenizer whose ids have case variants, so the Engram compressed vocabulary
     (normalised, lower-cased text) is smaller than the raw vocabulary, as in the release."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     words = ["<bos>", "<eos>", "<pad>"]
@@ -66,6 +66,9 @@ def synthetic_tokenizer(vocab: int):
         words.append(f"x{len(words)}")
     tok = Tokenizer(models.WordLevel(vocab={w: j for j, w in enumerate(words[:vocab])}, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    # declared special (as a released tokenizer declares its own): "<eos>" encodes as its one id, never split by
+    # the pre-tokenizer into "<", "eos", ">", and the saved tokenizer.json lists them in added_tokens
+    tok.add_special_tokens([AddedToken(w, special=True, normalized=False) for w in words[:3]])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
     return tok, fast
 
