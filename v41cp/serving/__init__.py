@@ -8,8 +8,8 @@
   operator-local QCP);
 * `engine` — `Engine`, `Capacity`, `SamplingParams`: continuous batching over the compiled buckets;
 * `text` — the checkpoint's tokenizer and chat format, streaming detokenization with stop strings;
-* `engine_loop` — one engine thread serving many asyncio callers; `openai_api` / `server` — the
-  OpenAI-compatible HTTP server (``python -m v41cp serve``).
+* `engine_loop` — one engine thread serving many asyncio callers; `openai_protocol` (request bodies and the
+  field policy) / `openai_api` / `server` — the OpenAI-compatible HTTP server (``python -m v41cp serve``).
 """
 
 from v41cp.serving.allocator import AllocationError, BlockAllocator
