@@ -251,7 +251,7 @@ def cold_tokens(tiny_tp8):
 
     cfg, params = tiny_tp8
     out = {}
-    for n in (1, 8):
+    for n in (1, 2):
         eng = Engine(params, cfg, Capacity(max_batch=3, max_tokens=32, block_tokens=BT, prefill_chunk=8),
                      parallel=_parallel(n))
         for rid, prompt, new in _tight_workload(cfg):
@@ -261,18 +261,21 @@ def cold_tokens(tiny_tp8):
     return out
 
 
-@pytest.mark.parametrize("batch, n", [(1, 1), (2, 1), (1, 8)], ids=["batch1", "batch2", "batch1-kvp8"])
+@pytest.mark.parametrize("batch, n", [(1, 1), (2, 2)], ids=["batch1", "batch2-kvp2"])
 def test_tight_capacity_admits_every_request_and_returns_every_page(tiny_tp8, cold_tokens, batch, n):
-    """Pages for exactly ``batch`` requests of the per-request capacity, prefix caching on, every request submitted
-    at once: the engine admits as pages come back (evicting cached blocks it needs, never holding matched blocks it
-    cannot reuse), never steps idle while requests wait, finishes every request within a bounded number of steps
-    with the cold run's tokens, and every page is free or reclaimable at the end."""
+    """Pages for one request at the per-request capacity (8 blocks), ``batch`` slots, prefix caching on, every
+    request submitted at once (one device, and KVP = DCP 2 with two slots): the engine admits as pages come back
+    (evicting cached blocks it needs, never holding matched blocks it cannot reuse), never steps idle while requests
+    wait, finishes every request within a bounded number of steps with the cold run's tokens, and every page is
+    free or reclaimable at the end. (The CLI run of three 310-token prompts under KVP = DCP = 8 that hung before
+    is the same admission: docs/benchmarks.md.)"""
     from v41cp.serving.engine import Capacity, Engine, SamplingParams
 
     cfg, params = tiny_tp8
-    cap = Capacity(max_batch=batch, max_tokens=32, block_tokens=BT, prefill_chunk=8, prefix_caching=True)
+    cap = Capacity(max_batch=batch, max_tokens=32, block_tokens=BT, prefill_chunk=8, prefix_caching=True,
+                   num_blocks=8)
     eng = Engine(params, cfg, cap, parallel=_parallel(n))
-    assert eng.num_blocks == n * batch * -(-cap.max_blocks // n)                 # no spare page
+    assert eng.num_blocks == cap.max_blocks == 8                                 # no spare page
     work = _tight_workload(cfg)
     for rid, prompt, new in work:
         eng.submit(rid, prompt, SamplingParams(max_new_tokens=new, stop_on_eos=False))
