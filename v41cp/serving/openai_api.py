@@ -22,7 +22,6 @@ import json
 import random
 import time
 import uuid
-from typing import Any, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse

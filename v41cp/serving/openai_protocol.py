@@ -135,6 +135,8 @@ class RequestBase(_Strict):
     stop_token_ids: Any = None
     include_stop_str_in_output: Any = None
     response_format: Any = None               # chat in the OpenAI API; completions too in vLLM
+    logprobs: Any = None                      # an integer for completions, a boolean for chat
+    prompt_logprobs: Any = None
 
     @field_validator("temperature", "top_p")
     @classmethod
@@ -148,9 +150,7 @@ class CompletionRequest(RequestBase):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     best_of: Any = None
     echo: Any = None
-    logprobs: Any = None
     suffix: Any = None
-    prompt_logprobs: Any = None
 
 
 class ChatMessage(BaseModel):
@@ -165,9 +165,7 @@ class ChatCompletionRequest(RequestBase):
     messages: list[ChatMessage]
     max_completion_tokens: Optional[int] = Field(default=None, gt=0)
     add_generation_prompt: bool = True        # vLLM extension: end the chat prompt with the assistant's turn opener
-    logprobs: Any = None
     top_logprobs: Any = None
-    prompt_logprobs: Any = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
