@@ -2,9 +2,9 @@
 
 1. each kernel vs its reference on the GPU at V4.1-Flash head counts (ragged lengths, an all-padding row,
    a single-entry page), fp32 and bf16: max relative error, top-k ids identical;
-2. ``v41cp.kernels.bench`` at the requested contexts and batches (``--sweep``: alternative kernel parameters);
+2. ``v41cp.kernel_bench`` at the requested contexts and batches (``--sweep``: alternative kernel parameters);
    The grouped FP4 expert GEMM vs its reference at V4.1-Flash widths (tiles of 1 / 16 / 128 rows, a dead tile);
-2. ``v41cp.kernels.bench`` at the requested contexts and batches, and the expert GEMM at ``--expert-tokens``
+2. ``v41cp.kernel_bench`` at the requested contexts and batches, and the expert GEMM at ``--expert-tokens``
    (``--sweep``: alternative kernel parameters);
 3. the tiny engine (CED off, FP4 experts kept as stored): greedy tokens with every kernel backend "pallas" ==
    "xla", and the median decode-step time of each.
@@ -165,7 +165,7 @@ def main():
     if "kernels" not in skip:
         guarded("kernels", check_kernels, lines)
     if "bench" not in skip:
-        from v41cp.kernels.bench import SHAPES, SWEEP, bench_experts, bench_indexer, bench_sparse_attention
+        from v41cp.kernel_bench import SHAPES, SWEEP, bench_experts, bench_indexer, bench_sparse_attention
 
         if "experts" in a.bench:
             for t in (int(x) for x in a.expert_tokens.split(",")):

@@ -88,7 +88,7 @@ def cases():
     import jax
     import jax.numpy as jnp
 
-    from v41cp.kernels.bench import SWEEP
+    from v41cp.kernel_bench import SWEEP
     from v41cp.kernels.grouped_matmul import grouped_fp4_matmul
     from v41cp.kernels.indexer_topk import indexer_topk
     from v41cp.kernels.sparse_attention import sparse_attention

@@ -237,7 +237,7 @@ def test_unquantized_export_and_dspark_vision_tensors(tmp_path):
 def test_in_jit_decoders_match_host_decoders():
     import jax.numpy as jnp
 
-    from v41cp.layers.stored_weights import decode_fp4, decode_fp8_rows
+    from v41cp.kernels.stored_weights import decode_fp4, decode_fp8_rows
 
     rng = np.random.default_rng(5)
     packed = rng.integers(-128, 128, (6, 16), dtype=np.int8)

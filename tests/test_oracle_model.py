@@ -115,7 +115,8 @@ def test_bf16_index_scores_equal_the_oracle_on_its_operands(oracle):
     import jax.numpy as jnp
 
     from v41cp.kernels.indexer_topk import dense_pages, index_scan_reference, indexer_topk
-    from v41cp.layers.indexer import index_scores, topk_select
+    from v41cp.kernels.indexer_topk.reference import index_scores
+    from v41cp.layers.indexer import topk_select
 
     out = oracle.run("model", "--preset", "tiny-sparse", "--fake-quant", "on", "--dtype", "bfloat16")
     cfg, _, ref = load_export(out)

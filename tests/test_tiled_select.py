@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from v41cp.config import preset
-from v41cp.layers.attention import sink_attention
+from v41cp.kernels.sparse_attention.reference import sink_attention
 from v41cp.layers.indexer import select_scored
 from v41cp.layers.tiled_select import attend_rows, select_rows
 from v41cp.sharding.dist_topk import candidate_mask

@@ -15,7 +15,7 @@
   runs) the step with abstract weights: per-device FLOPs / memory / collective bytes vs the analytic floor
   (`v41cp.plan`).
 * ``bench kernels [--shapes flash|tiny] [--contexts ...] [--batches ...] [--expert-tokens ...] --json`` the Pallas
-  kernels vs the XLA paths vs the HBM roofline (`v41cp.kernels.bench`).
+  kernels vs the XLA paths vs the HBM roofline (`v41cp.kernel_bench`).
 
 ``info`` and ``forward`` default to the embedded tiny checkpoint (``checkpoints/tiny-v41``); their
 ``--checkpoint`` takes a converted or a released-layout directory.
@@ -561,7 +561,7 @@ def _kvp_structure(eng, cfg, cap, budget_bytes: int) -> dict:
 
 def cmd_bench(args) -> int:
     if args.kind == "kernels":
-        from v41cp.kernels.bench import run
+        from v41cp.kernel_bench import run
 
         ints = lambda text: tuple(int(x) for x in text.split(","))
         out = run(args.shapes, ints(args.contexts), ints(args.batches), tuple(args.kernels.split(",")), args.reps,

@@ -31,8 +31,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from v41cp.ced import ced_boundary
 from v41cp.config import ModelConfig
-from v41cp.layers.attention import attention_weights, output_projection, sink_attention, window_kv
+from v41cp.kernels.sparse_attention.reference import sink_attention
+from v41cp.layers.attention import attention_weights, output_projection, window_kv
 from v41cp.layers.common import RMSNorm, declare, dtype_of, weight_for
 from v41cp.layers.mhc import HyperConnection, collapse, mhc_layer
 from v41cp.layers.moe import MoE
@@ -49,8 +51,6 @@ def target_features(cfg: ModelConfig, taps: dict, narrow=None) -> jax.Array:
     ``dspark_target_layer_ids`` order. ``narrow``: in a CED-narrowed cached step, the map from all rows to the
     decoder rows (`PagedRows.ced_split`), applied to the taps of target layers before the CED boundary (which saw
     every row; the later ones saw the decoder rows only)."""
-    from v41cp.ced import ced_boundary
-
     boundary = ced_boundary(cfg) if narrow is not None else None
     out = []
     for i in cfg.dspark_target_layer_ids:

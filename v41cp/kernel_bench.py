@@ -27,8 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from v41cp.kernels import default_splits
+from v41cp.kernels.grouped_matmul import grouped_fp4_matmul
 from v41cp.kernels.indexer_topk import index_scan_pallas, indexer_topk, prepare_queries
 from v41cp.kernels.sparse_attention import sparse_attention
+from v41cp.layers.moe_dispatch import DispatchShape, dispatch
 
 __all__ = ["SHAPES", "run"]
 
@@ -195,9 +197,6 @@ def bench_experts(shape: dict, tokens: int, reps: int, with_xla: bool, seed: int
     ``tokens`` rows routed uniformly at random to ``k`` of ``E`` experts, dispatched into tiles of ≥ 16 rows.
     Bytes = the experts the routing uses, each read once, plus activations in / out; FLOPs = the useful
     ``2 · T · k · I · H`` (padded tile rows not counted)."""
-    from v41cp.kernels.grouped_matmul import grouped_fp4_matmul
-    from v41cp.layers.moe_dispatch import DispatchShape, dispatch
-
     h, i, e, k = shape["hidden"], shape["expert_width"], shape["experts"], shape["experts_per_token"]
     dt = jnp.dtype(shape["dtype"])
     key = jax.random.key(seed + 2)

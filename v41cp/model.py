@@ -26,14 +26,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from v41cp.ced import ced_boundary
 from v41cp.config import ModelConfig
+from v41cp.drafter import target_features
 from v41cp.engram_hash import engram_hash_ids
 from v41cp.layers.attention import Attention, CSAState
 from v41cp.layers.common import RMSNorm, declare, dtype_of
 from v41cp.layers.engram import Engram
 from v41cp.layers.mhc import HyperConnection, collapse, mhc_layer
 from v41cp.layers.moe import MoE
-from v41cp.sharding.rules import AxisRules, ShardingContext, TP_RULES, constrain, param_shardings
+from v41cp.sharding.rules import TP_RULES, AxisRules, ShardingContext, constrain, param_shardings
 
 __all__ = ["Transformer", "forward", "forward_with_hidden", "forward_with_features", "forward_debug",
            "embedding_and_head", "init_params",
@@ -118,8 +120,6 @@ class Transformer(nn.Module):
         last = cfg.num_hidden_layers
         boundary = None
         if encoder_only or (rows is not None and rows.narrows):
-            from v41cp.ced import ced_boundary
-
             boundary = ced_boundary(cfg)
             last = boundary if encoder_only else last
         for i in range(last):
@@ -181,8 +181,6 @@ def _apply_traced(params, tokens, engram_ids, cfg, shard, mode):
         (logits, hidden, _), inter = model.apply({"params": params}, tokens, engram_ids, mutable=["intermediates"])
         return logits, jnp.stack(hidden), inter["intermediates"]
     if mode == "features":
-        from v41cp.drafter import target_features
-
         (logits, _, _), taps = model.apply({"params": params}, tokens, engram_ids, mutable=["taps"])
         return logits, target_features(cfg, taps["taps"])
     logits, hidden, _ = model.apply({"params": params}, tokens, engram_ids)

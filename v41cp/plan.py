@@ -26,7 +26,16 @@ import flax.linen as nn
 import jax
 import numpy as np
 
+from v41cp.ced import ced_boundary, ced_rows
 from v41cp.config import ModelConfig
+from v41cp.model import abstract_params
+from v41cp.serving.dcp import DCPPlan
+from v41cp.serving.decode import DecodeMetadata, decode_step
+from v41cp.serving.paged_cache import cache_layout
+from v41cp.serving.span_metadata import build_span_metadata
+from v41cp.serving.span_prefill import SpanLayout, lower_prefill_span
+from v41cp.sharding.hlo_stats import collectives, dot_flops_by_op, program_cost
+from v41cp.sharding.rules import param_shardings
 
 __all__ = ["plan_program", "floor_flops", "abstract_sharded_params"]
 
@@ -36,9 +45,6 @@ _LOOKUPS = ("embed", "embed_fp8", "embed_scale")          # gathered rows, no mu
 def abstract_sharded_params(cfg: ModelConfig, mesh, rules):
     """The unboxed parameter tree as ``jax.ShapeDtypeStruct`` leaves with their shardings (``mesh`` None: the
     first device)."""
-    from v41cp.model import abstract_params
-    from v41cp.sharding.rules import param_shardings
-
     boxed = abstract_params(cfg)
     if mesh is None:
         one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -60,8 +66,6 @@ def _per_device_bytes(tree) -> int:
 def _layer_macs(cfg: ModelConfig) -> tuple[np.ndarray, int]:
     """Multiply-adds per token of each layer's parameters a token uses (``[L]``: every dense weight, the router,
     the shared expert and ``k`` of the ``E`` routed experts; lookups excluded) and of the head."""
-    from v41cp.model import abstract_params
-
     tree = nn.unbox(abstract_params(cfg))
     per_layer = np.zeros(cfg.num_hidden_layers, np.int64)
     for path, a in jax.tree_util.tree_flatten_with_path(tree)[0]:
@@ -83,8 +87,6 @@ def floor_flops(cfg: ModelConfig, mode: str, batch: int, context: int, ced: bool
     ``candidate_topk_blocks · candidate_block_size``). Decode: ``batch`` rows at position ``context − 1``;
     prefill: ``batch`` prompts of positions ``0 … context − 1`` (with ``ced``, the layers from the CED boundary
     on only for each prompt's last `ced_rows` rows)."""
-    from v41cp.ced import ced_boundary, ced_rows
-
     layer_macs, head_macs = _layer_macs(cfg)
     pos = np.array([context - 1]) if mode == "decode" else np.arange(context)
     seen = pos + 1                                                       # tokens visible to each row
@@ -112,10 +114,6 @@ def floor_flops(cfg: ModelConfig, mode: str, batch: int, context: int, ced: bool
 def _decode_program(cfg, batch, context, block_tokens, parallel, mesh, params):
     import jax.numpy as jnp
 
-    from v41cp.serving.dcp import DCPPlan
-    from v41cp.serving.decode import DecodeMetadata, decode_step
-    from v41cp.serving.paged_cache import cache_layout
-
     plan = DCPPlan.build(cfg, parallel, mesh) if parallel is not None and parallel.kv_parallel_size > 1 else None
     n = plan.n if plan is not None else 1
     max_blocks = -(-context // block_tokens)
@@ -133,11 +131,6 @@ def _decode_program(cfg, batch, context, block_tokens, parallel, mesh, params):
 
 
 def _prefill_program(cfg, batch, context, block_tokens, parallel, mesh, params, ced, tile_bytes=None):
-    from v41cp.serving.dcp import DCPPlan
-    from v41cp.serving.paged_cache import cache_layout
-    from v41cp.serving.span_metadata import build_span_metadata
-    from v41cp.serving.span_prefill import SpanLayout, lower_prefill_span
-
     layout = SpanLayout.from_parallel(parallel, mesh) if parallel is not None else SpanLayout()
     if tile_bytes is not None:
         layout = dataclasses.replace(layout, tile_bytes=tile_bytes)
@@ -164,8 +157,6 @@ def plan_program(cfg: ModelConfig, mode: str, batch: int, context: int, parallel
     `v41cp.sharding.topology.ParallelConfig` (None: one device). ``top_ops``: how many source operations the
     dot-FLOP breakdown lists (`v41cp.sharding.hlo_stats.dot_flops_by_op`, largest first); ``tile_bytes``: the
     prefill's selection / attention tile budget (default `v41cp.layers.tiled_select.ROW_TILE_BYTES`)."""
-    from v41cp.sharding.hlo_stats import collectives, dot_flops_by_op, program_cost
-
     if mode not in ("decode", "prefill"):
         raise ValueError(f"plan: mode must be 'decode' or 'prefill', got {mode!r}")
     for name, v in (("batch", batch), ("context", context), ("block_tokens", block_tokens)):

@@ -12,12 +12,13 @@ the name mapping to the model's tree, conversion to orbax, and sharded restore.
 
 from pathlib import Path
 
-from v41cp.checkpoint.names import CheckpointError, IGNORED_PREFIXES, params_from_released, released_to_tree
+from v41cp.checkpoint.names import IGNORED_PREFIXES, CheckpointError, params_from_released, released_to_tree
 from v41cp.checkpoint.orbax_io import convert, load, load_drafter
 from v41cp.checkpoint.placement import LoadReport, load_released_dir, place_released
 from v41cp.checkpoint.released import ReleasedCheckpoint, load_config_dir
 from v41cp.checkpoint.safetensors_io import ReleasedFiles, SafetensorsFile, write_safetensors
 from v41cp.checkpoint.writer import write_released
+from v41cp.sharding.rules import TP_RULES
 
 __all__ = ["CheckpointError", "IGNORED_PREFIXES", "params_from_released", "released_to_tree", "convert", "load",
            "ReleasedCheckpoint", "load_config_dir", "load_released_dir", "place_released", "LoadReport", "ReleasedFiles",
@@ -41,8 +42,6 @@ def default_released_checkpoint() -> str:
 
 def open_checkpoint(path, mesh=None, rules=None, progress: bool = False, **overrides):
     """(config, params) of a converted checkpoint (has ``manifest.json``) or a released-layout directory."""
-    from v41cp.sharding.rules import TP_RULES
-
     if (Path(path) / "manifest.json").exists():
         return load(path, mesh=mesh, rules=rules or TP_RULES, progress=progress, **overrides)
     return load_released_dir(path, mesh=mesh, rules=rules, progress=progress, **overrides)

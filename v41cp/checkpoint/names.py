@@ -16,9 +16,20 @@ from typing import Any, Mapping, NamedTuple
 import flax.linen as nn
 import numpy as np
 
-from v41cp.checkpoint.layouts import (Flattened, GroupsIn, GroupsOut, HeadsOut, Layout, PaddedRows, Same, Stacked,
-                                      Transposed)
+from v41cp.checkpoint.layouts import (
+    Flattened,
+    GroupsIn,
+    GroupsOut,
+    HeadsOut,
+    Layout,
+    PaddedRows,
+    Same,
+    Stacked,
+    Transposed,
+)
 from v41cp.config import LayerRole, ModelConfig
+from v41cp.drafter import abstract_drafter_params
+from v41cp.model import abstract_params
 
 __all__ = ["CheckpointError", "Source", "params_from_released", "released_to_tree", "drafter_to_tree",
            "drafter_params_from_released", "IGNORED_PREFIXES", "insert"]
@@ -140,8 +151,6 @@ def params_from_released(cfg: ModelConfig, tensors: Mapping[str, Any]) -> dict:
     the config does not explain, or a shape mismatch. Vision, aligner and DSpark (``mtp.*``)
     tensors are skipped with a log line (`drafter_params_from_released` reads the latter).
     """
-    from v41cp.model import abstract_params  # local import: model imports are heavier
-
     return _tree_from(cfg, released_to_tree(cfg), abstract_params(cfg), tensors, IGNORED_PREFIXES)
 
 
@@ -149,8 +158,6 @@ def drafter_params_from_released(cfg: ModelConfig, tensors: Mapping[str, Any]) -
     """The DSpark drafter's parameter tree (`v41cp.drafter.Drafter`) from released-name tensors (``mtp.*``;
     every other tensor is the target's and is passed over). Errors as `params_from_released`; a config without
     DSpark stages is an error naming ``num_nextn_predict_layers``."""
-    from v41cp.drafter import abstract_drafter_params
-
     if not cfg.has_dspark:
         raise CheckpointError(f"the config has no DSpark stages (num_nextn_predict_layers="
                               f"{cfg.num_nextn_predict_layers}, dspark_target_layer_ids="

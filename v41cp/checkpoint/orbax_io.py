@@ -36,10 +36,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from v41cp.checkpoint.names import CheckpointError, insert
-from v41cp.checkpoint.released import ReleasedCheckpoint, load_config_dir
+from v41cp.checkpoint.names import CheckpointError, drafter_params_from_released, insert
+from v41cp.checkpoint.released import ReleasedCheckpoint, decode_stored, load_config_dir
 from v41cp.config import ModelConfig
-from v41cp.sharding.rules import AxisRules, TP_RULES, param_shardings
+from v41cp.model import abstract_params
+from v41cp.sharding.rules import TP_RULES, AxisRules, param_shardings
 
 __all__ = ["convert", "load", "FORMAT_VERSION"]
 
@@ -204,8 +205,6 @@ TEXT_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
 def _abstract_subtrees(cfg: ModelConfig, mesh: Mesh | None, rules: AxisRules) -> dict[str, Any]:
-    from v41cp.model import abstract_params
-
     boxed = abstract_params(cfg)
     if mesh is None:
         dev = jax.local_devices()[0]            # this process's first (multi-process: each loads its own)
@@ -221,9 +220,6 @@ def _abstract_subtrees(cfg: ModelConfig, mesh: Mesh | None, rules: AxisRules) ->
 def load_drafter(path: str | os.PathLike, cfg: ModelConfig) -> dict:
     """The DSpark drafter's parameter tree (`v41cp.drafter`, host NumPy) of a converted checkpoint: its
     ``params/dspark`` tensors (stored as released) decoded."""
-    from v41cp.checkpoint.names import drafter_params_from_released
-    from v41cp.checkpoint.released import decode_stored
-
     where = Path(path) / "params" / "dspark"
     if not where.exists():
         raise CheckpointError(f"{str(path)!r} holds no DSpark tensors (mtp.*): speculative decoding with 'dspark' "

@@ -27,6 +27,8 @@ import numpy as np
 
 from v41cp.checkpoint.names import insert
 from v41cp.checkpoint.released import ReleasedCheckpoint
+from v41cp.model import abstract_params
+from v41cp.sharding.rules import TP_RULES, param_shardings
 
 __all__ = ["LoadReport", "load_released_dir", "place_released"]
 
@@ -115,8 +117,6 @@ def load_released_dir(path: str | os.PathLike, mesh=None, rules=None, progress: 
         if report:
             raise ValueError("report=True needs a mesh (a host load decodes whole tensors)")
         return ckpt.cfg, ckpt.params()
-    from v41cp.model import abstract_params
-    from v41cp.sharding.rules import TP_RULES, param_shardings
 
     shardings = param_shardings(abstract_params(ckpt.cfg), mesh, rules or TP_RULES)
     params, rep = place_released(ckpt, shardings, workers=workers, progress=progress)

@@ -28,12 +28,27 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from v41cp.checkpoint.formats import (FP4_TABLE, block_scale_shape, dequant_fp4_rows, dequant_fp8_blocks,
-                                      dequant_fp8_rows, row_scale_shape)
+from v41cp.checkpoint.formats import (
+    FP4_TABLE,
+    block_scale_shape,
+    dequant_fp4_rows,
+    dequant_fp8_blocks,
+    dequant_fp8_rows,
+    row_scale_shape,
+)
 from v41cp.checkpoint.layouts import index_arrays
-from v41cp.checkpoint.names import CheckpointError, IGNORED_PREFIXES, insert, released_to_tree, role_note
+from v41cp.checkpoint.names import (
+    IGNORED_PREFIXES,
+    CheckpointError,
+    drafter_params_from_released,
+    insert,
+    released_to_tree,
+    role_note,
+)
 from v41cp.checkpoint.safetensors_io import ReleasedFiles, SafetensorsError
 from v41cp.config import ConfigError, ModelConfig
+from v41cp.engram_hash import compressed_token_map
+from v41cp.model import abstract_params
 
 __all__ = ["ReleasedCheckpoint", "load_config_dir"]
 
@@ -52,8 +67,6 @@ def _take(array: np.ndarray, ids: np.ndarray, axis: int) -> np.ndarray:
 
 def load_config_dir(path: str | os.PathLike, **overrides: Any) -> ModelConfig:
     """``config.json`` of a checkpoint directory, with the Engram token map from ``tokenizer.json``."""
-    from v41cp.engram_hash import compressed_token_map
-
     path = Path(path)
     if not (path / "config.json").exists():
         raise CheckpointError(f"checkpoint directory {str(path)!r} has no config.json")
@@ -87,8 +100,6 @@ class ReleasedCheckpoint:
     """A validated released-layout checkpoint. ``overrides`` replace config fields (``dtype``, ``fake_quant``)."""
 
     def __init__(self, path: str | os.PathLike, cfg: ModelConfig | None = None, **overrides: Any):
-        from v41cp.model import abstract_params
-
         self.path = Path(path)
         self.cfg = cfg if cfg is not None else load_config_dir(self.path, **overrides)
         try:
@@ -188,8 +199,6 @@ class ReleasedCheckpoint:
 
     def drafter_params(self) -> dict:
         """The DSpark drafter's parameter tree (`v41cp.drafter`) from the ``mtp.*`` tensors, decoded (host)."""
-        from v41cp.checkpoint.names import drafter_params_from_released
-
         keys = [k for k in self.files if k.startswith("mtp.") and not k.endswith(".scale")]
         if not keys:
             raise CheckpointError(f"{str(self.path)!r} holds no DSpark tensors (mtp.*): speculative decoding "

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from v41cp.config import LayerRole, ModelConfig
 from v41cp.kernels.sparse_attention import sparse_attention
+from v41cp.kernels.sparse_attention.reference import sink_attention
 from v41cp.layers.common import RMSNorm, declare, dtype_of, weight_for, zeros_init
 from v41cp.layers.compressor import Compressor, pool_group
 from v41cp.layers.indexer import Indexer
@@ -27,7 +28,7 @@ from v41cp.quant import fp8_block32, nvfp4_block16
 from v41cp.sharding.operator_qcp import attention_query_parallel_applies, rows_island
 from v41cp.sharding.rules import ShardingContext, constrain
 
-__all__ = ["CSAState", "Attention", "sink_attention", "attention_weights", "window_kv", "output_projection"]
+__all__ = ["CSAState", "Attention", "attention_weights", "window_kv", "output_projection"]
 
 
 class CSAState(NamedTuple):
@@ -45,25 +46,6 @@ def window_indices(seq_len: int, window: int) -> tuple[jax.Array, jax.Array]:
     w = min(window, seq_len)
     idx = jnp.arange(seq_len)[:, None] - (w - 1) + jnp.arange(w)[None, :]
     return jnp.maximum(idx, 0), idx >= 0
-
-
-def sink_attention(q: jax.Array, keys: jax.Array, valid: jax.Array, sink: jax.Array) -> jax.Array:
-    """Softmax attention with an additive sink column (value 0), K = V.
-
-    Args:
-      q: ``[B,S,Hq,D]``; keys: ``[B,S,K,D]`` per-query gathered keys; valid: ``[B,S,K]`` bool;
-      sink: ``[Hq]`` FP32 logits.
-    Returns: ``[B,S,Hq,D]`` in ``q.dtype``; a row with no valid key returns 0.
-    """
-    d = q.shape[-1]
-    kf = keys.astype(jnp.float32)
-    logits = jnp.einsum("bshd,bskd->bshk", q.astype(jnp.float32), kf,
-                        precision=jax.lax.Precision.HIGHEST) * d ** -0.5
-    logits = jnp.where(valid[:, :, None, :], logits, -jnp.inf)
-    sink_col = jnp.broadcast_to(sink.astype(jnp.float32)[None, None, :, None], (*logits.shape[:3], 1))
-    probs = jax.nn.softmax(jnp.concatenate([logits, sink_col], axis=-1), axis=-1)[..., :-1]
-    out = jnp.einsum("bshk,bskd->bshd", probs, kf, precision=jax.lax.Precision.HIGHEST)
-    return out.astype(q.dtype)
 
 
 def rows_sink_attention(q, kv, widx, wvalid, ckv, sel, sink, rows=None) -> jax.Array:

@@ -8,6 +8,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from v41cp.kernels import match_varying
+
 __all__ = ["declare", "rms_norm", "dtype_of", "normal_init", "ones_init", "zeros_init", "full_after", "stacked_loop",
            "weight_for", "TIE_ROWS"]
 
@@ -99,8 +101,6 @@ def stacked_loop(run, tiles: int, xs: tuple, outs: tuple, like: tuple = ()) -> t
     ``fori_loop`` writing in place; its output buffers are allocated with the operands
     (`v41cp.layers.common.full_after`), never hoisted to the program start where every layer's would be live at
     once, and vary over the mesh axes the operands vary over (inside ``jax.shard_map``)."""
-    from v41cp.kernels import match_varying       # (kernels import the layers: a local import)
-
     take = lambda i: tuple(jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False) for x in xs)
     if tiles == 1:
         return tuple(o[None] for o in run(take(0)))

@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 
 from v41cp.config import ModelConfig
+from v41cp.kernels.stored_weights import decode_fp8_rows
 from v41cp.layers.common import declare, dtype_of, ones_init, weight_for, zeros_init
-from v41cp.layers.stored_weights import decode_fp8_rows
 
 __all__ = ["Engram", "engram_lookup", "engram_mix"]
 

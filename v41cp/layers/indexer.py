@@ -14,12 +14,15 @@ import jax
 import jax.numpy as jnp
 
 from v41cp.config import LayerRole, ModelConfig
+from v41cp.kernels.indexer_topk import dense_pages, index_block_maxima, indexer_topk
+from v41cp.kernels.indexer_topk.reference import index_scores
 from v41cp.layers.common import RMSNorm, declare, dtype_of, weight_for
 from v41cp.layers.rope import apply_rope
-from v41cp.quant import mxfp4_block32, round_through
+from v41cp.layers.tiled_select import select_rows
+from v41cp.quant import mxfp4_block32
 from v41cp.sharding.operator_qcp import indexer_query_parallel_applies, interleaved_island
 
-__all__ = ["Indexer", "index_query", "index_scores", "score_terms", "score_total", "kept_candidate_entries",
+__all__ = ["Indexer", "index_query", "kept_candidate_entries",
            "kernel_select_rows", "select_candidate_blocks", "select_positions", "select_scored", "topk_select",
            "query_parallel_select", "query_parallel_select_rows"]
 
@@ -70,43 +73,6 @@ def index_query(cfg: ModelConfig, wq_b, w_proj, x, qr, angles) -> tuple[jax.Arra
     return q, weights
 
 
-def index_scores(q: jax.Array, weights: jax.Array, keys: jax.Array) -> jax.Array:
-    """Unmasked scores ``[B,S,G]`` = Σ_heads ReLU(q · k) · weight (FP32), for queries ``[B,S,index_heads,Di]``,
-    weights ``[B,S,index_heads]`` and keys ``[B,G,Di]``. The one selection numerics of every path.
-
-    Both sums run as sequential loops of elementwise FP32 operations, so an entry's score depends only on its
-    own key and the query — bit-identical whatever the number of entries or rows scored at once or their
-    layout (the full sequence, a cached step, a rank's owned pages in the distributed top-k): every path
-    selects exactly the same entries, ties and near-ties included. Exact zeros are returned as +0 (a
-    ReLU-zero times a negative weight would be −0, which `lax.top_k` ranks below +0 and a max may or may not
-    keep).
-
-    Queries in a reduced dtype (BF16, the released model) round where the reference stores that dtype
-    (`score_terms`): the per-head dot, the weighted ReLU and the head sum; FP32 queries round nowhere."""
-    qf = jnp.moveaxis(q.astype(jnp.float32), -1, 0)                                  # [E,B,S,H]
-    kf = jnp.moveaxis(keys.astype(jnp.float32), -1, 0)                               # [E,B,G]
-    term = lambda qe, ke: qe[..., None] * ke[:, None, None, :]                      # [B,S,H,G]
-    # the carries start from the first term (not from zeros) so that they keep the operands' sharding type
-    raw, _ = jax.lax.scan(lambda acc, qk: (acc + term(*qk), None), term(qf[0], kf[0]), (qf[1:], kf[1:]))
-    contrib = jnp.moveaxis(score_terms(raw, weights[..., None], q.dtype), 2, 0)      # [H,B,S,G]
-    scores, _ = jax.lax.scan(lambda acc, c: (acc + c, None), contrib[0], contrib[1:])
-    return score_total(scores, q.dtype)
-
-
-def score_terms(raw: jax.Array, weights: jax.Array, dtype) -> jax.Array:
-    """Per-head terms ``ReLU(raw) · weight`` in FP32 from FP32 dots ``raw``, rounded where the reference stores
-    ``dtype`` (NeMo's V4.1 indexer, eager and TileLang alike: the dot → ``dtype``, ReLU, × the ``dtype`` weight →
-    ``dtype``; `v41cp.quant.round_through`, the identity for FP32). ``weights`` broadcasts against ``raw``."""
-    w = weights.astype(jnp.float32)
-    return round_through(jax.nn.relu(round_through(raw, dtype)) * w, dtype)
-
-
-def score_total(total: jax.Array, dtype) -> jax.Array:
-    """The head sum (FP32) → the score: rounded to ``dtype`` as the reference stores it, exact zeros as +0."""
-    total = round_through(total, dtype)
-    return jnp.where(total == 0, 0.0, total)
-
-
 def select_positions(cfg: ModelConfig, role: LayerRole, wq_b, w_proj, x, qr, angles, keys, positions, candidates):
     """`index_query` of rows ``x [B,S,H]`` / ``qr [B,S,q_lora]`` / ``angles [B,S,P]`` with the layer's weights
     ``wq_b [q_lora, index_heads, Di]``, ``w_proj [H, index_heads]``, then `select_scored`."""
@@ -148,8 +114,6 @@ def kernel_select_rows(cfg: ModelConfig, role: LayerRole, q, w, store, pages, pa
     `v41cp.kernels.indexer_topk`; ``g`` the history capacity in entries (the reference's ``G``);
     ``candidates [R, g]`` the candidate entry mask (uses_candidates layers) or None.
     Returns ``(topk [R, min(index_topk, g)], candidates [R, g] or the input)``, as `select_positions` selects."""
-    from v41cp.kernels.indexer_topk import index_block_maxima, indexer_topk
-
     cbs, backend, mask = cfg.candidate_block_size, cfg.indexer_backend, None
     if role.candidate_source:
         maxima, _ = index_block_maxima(q, w, store, pages, page_ids, visible, epb=epb, cbs=cbs, backend=backend)
@@ -166,8 +130,6 @@ def _kernel_select(cfg: ModelConfig, role: LayerRole, q, weights, keys, position
     """`select_positions` through the indexer kernels (``indexer_backend="pallas"``): each query row ``(b, s)`` is
     one kernel row whose page list covers request ``b``'s keys (`v41cp.kernels.indexer_topk.dense_pages`).
     Returns ``(topk [B,S,K], candidates [B,S,G] or the input)``; the scores are never materialized."""
-    from v41cp.kernels.indexer_topk import dense_pages
-
     b, s, hi, di = q.shape
     g = keys.shape[1]
     cbs = cfg.candidate_block_size
@@ -202,8 +164,6 @@ def query_parallel_select_rows(shard, cfg: ModelConfig, role: LayerRole, q, weig
     rows' index queries, replicated), ``keys [B,G,Di]`` each request's index keys, ``requests / positions [T]``.
     Each rank scores its rows against their requests' keys; returns ``[T, K]`` on every rank."""
     t = q.shape[0]
-
-    from v41cp.layers.tiled_select import select_rows
 
     def local_rows(rows, o):                       # in row tiles × key tiles: no [local, G] intermediate
         topk, _ = select_rows(cfg, role, o["q"][rows], o["w"][rows], o["keys"], o["req"][rows], o["pos"][rows], None)

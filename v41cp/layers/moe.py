@@ -22,9 +22,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from v41cp.config import ModelConfig
+from v41cp.kernels.stored_weights import decode_fp4, e8m0_to_f32, fp4_values
 from v41cp.layers.common import declare, dtype_of, stacked_loop, weight_for, zeros_init
 from v41cp.layers.moe_dispatch import expert_width, sparse_routed_output
-from v41cp.layers.stored_weights import decode_fp4, e8m0_to_f32, fp4_values
 from v41cp.sharding.mesh import ATTN_TP
 from v41cp.sharding.rules import ShardingContext, constrain, logical_sharding
 

@@ -36,16 +36,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from v41cp.kernels import match_varying
+from v41cp.kernels.grouped_matmul import grouped_fp4_matmul
+from v41cp.kernels.grouped_matmul.reference import stored_matmul
 from v41cp.layers.common import full_after
-from v41cp.layers.stored_weights import e8m0_to_f32, fp4_values
 
-__all__ = ["DispatchShape", "dispatch", "sparse_routed_output", "stored_matmul", "expert_width", "TILE_PADDING",
-           "CHUNK_WEIGHT_BYTES", "FOLD_SCALE_BELOW"]
+__all__ = ["DispatchShape", "dispatch", "sparse_routed_output", "expert_width", "TILE_PADDING",
+           "CHUNK_WEIGHT_BYTES"]
 
 TILE_PADDING = 1.0625           # worst-case padded slots ≤ 1.0625 × pairs (or G = 1)
 MAX_TILE = 128
 CHUNK_WEIGHT_BYTES = 1 << 30    # gathered (decoded) expert weights per chunk of tiles
-FOLD_SCALE_BELOW = 16           # tiles of fewer rows apply FP4 block scales after the block dot (see stored_matmul)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,28 +108,6 @@ def dispatch(idx: jax.Array, weights: jax.Array, shape: DispatchShape):
     return tile_expert, slot_token.reshape(shape.tiles, g), slot_weight.reshape(shape.tiles, g)
 
 
-def stored_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array) -> jax.Array:
-    """``x [c, G, n]`` times the FP4 weights of each tile as stored (``packed [c, o, n/2]``, e8m0 ``scale [c, o,
-    n/32]``: the release's ``[out, in]`` orientation) → ``[c, G, o]`` in ``x.dtype``.
-
-    The code values are exact in ``x.dtype``. Tiles of at least `FOLD_SCALE_BELOW` rows multiply the block scales
-    into the decoded weights (one multiply per weight, shared by ``G`` rows); smaller tiles (decode: ``G = 1``)
-    apply them after the per-block dot in FP32 (``Σ_b s_ob · Σ_j x_bj q_objb``), which costs ``1/32`` of the dot
-    instead of half of it."""
-    c, g, n = x.shape
-    s = e8m0_to_f32(scale)                                                    # [c, o, n/32]
-    if g >= FOLD_SCALE_BELOW:
-        q = fp4_values(packed, x.dtype)                                      # [c, o, n]
-        w = (q.reshape(c, q.shape[1], n // 32, 32) * s[..., None].astype(x.dtype)).reshape(q.shape)
-        return jnp.einsum("cgn,con->cgo", x, w)
-    # few rows per weight: the codes are looked up directly in FP32 (exact), so no per-weight conversion is
-    # paid on a backend without native low-precision dots; the dot accumulates in FP32 either way
-    q = fp4_values(packed, jnp.float32)
-    part = jnp.einsum("cgbj,cobj->cgob", x.astype(jnp.float32).reshape(c, g, n // 32, 32),
-                      q.reshape(c, q.shape[1], n // 32, 32))
-    return jnp.einsum("cgob,cob->cgo", part, s).astype(x.dtype)
-
-
 def _tile_matmul(x: jax.Array, weight, tiles: jax.Array, backend: str = "xla", live=None) -> jax.Array:
     """``x [c, G, n]`` times expert ``tiles [c]``'s weight: a plain ``[E, n, o]`` array, or stored FP4 ``(packed
     [E, o, n/2], scale [E, o, n/32])`` → ``[c, G, o]``; ``backend="pallas"``: FP4 weights through the grouped
@@ -136,8 +115,6 @@ def _tile_matmul(x: jax.Array, weight, tiles: jax.Array, backend: str = "xla", l
     if isinstance(weight, tuple):
         packed, scale = weight
         if backend == "pallas":
-            from v41cp.kernels.grouped_matmul import grouped_fp4_matmul
-
             return grouped_fp4_matmul(x, tiles, packed, scale, live=live, backend="pallas")
         return stored_matmul(x, packed[tiles], scale[tiles])
     return jnp.einsum("cgn,cno->cgo", x, weight[tiles].astype(x.dtype))
@@ -160,8 +137,6 @@ def _expert_ffn(xs: jax.Array, tiles: jax.Array, experts: dict, swiglu, backend:
 def _loop_carry(init: jax.Array, *operands) -> jax.Array:
     """``init`` varying over the mesh axes the operands vary over (a ``fori_loop`` carry inside ``jax.shard_map``
     keeps one variance; a no-op outside)."""
-    from v41cp.kernels import match_varying
-
     return match_varying([init, *jax.tree.leaves(operands)])[0][0]
 
 

@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 
 from v41cp.config import LayerRole, ModelConfig
-from v41cp.layers.attention import sink_attention
+from v41cp.kernels.indexer_topk.reference import index_scores
+from v41cp.kernels.sparse_attention.reference import sink_attention
 from v41cp.layers.common import stacked_loop
-from v41cp.layers.indexer import index_scores
 from v41cp.layers.topk_scan import scan_topk, tile_count
 from v41cp.sharding.dist_topk import merge_blocks
 

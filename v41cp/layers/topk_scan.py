@@ -18,6 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from v41cp.kernels import match_varying
 from v41cp.sharding.dist_topk import local_block_maxima
 
 __all__ = ["scan_topk", "tile_count", "SCAN_TILE_BYTES"]
@@ -57,8 +58,6 @@ def scan_topk(score_tile, tiles: int, rows: int, k: int, *, num_blocks: int | No
     maxima = None if num_blocks is None else jnp.full((rows, num_blocks), -jnp.inf, jnp.float32)
     state = (vals, gid, maxima)
     if carry_like is not None:
-        from v41cp.kernels import match_varying
-
         leaves, tree = jax.tree.flatten(state)
         likes = list(carry_like) if isinstance(carry_like, (list, tuple)) else [carry_like]
         leaves = match_varying(leaves + likes)[0][:len(leaves)]

@@ -33,7 +33,7 @@ from v41cp.config import LayerRole, ModelConfig
 from v41cp.kernels import interpret_mode
 from v41cp.kernels.indexer_topk import index_block_maxima, indexer_topk
 from v41cp.kernels.sparse_attention import flatten_store, sparse_attention
-from v41cp.layers.indexer import index_scores
+from v41cp.kernels.indexer_topk.reference import index_scores
 from v41cp.layers.topk_scan import SCAN_TILE_BYTES, scan_topk, tile_count
 from v41cp.sharding.dist_topk import (distributed_blocks, distributed_candidate_blocks_from_maxima, entries_in_kept,
                                       gather_merge_topk, kept_block_mask)

@@ -32,6 +32,7 @@ import numpy as np
 
 from v41cp.ced import ced_boundary, ced_rows
 from v41cp.config import ModelConfig
+from v41cp.drafter import target_features
 from v41cp.engram_hash import engram_hash_ids
 from v41cp.model import Transformer
 from v41cp.serving import paged_cache as pc
@@ -101,8 +102,6 @@ def _forward_rows(params: dict, cache: dict, meta: StepRows, cfg: ModelConfig, p
                        cache=cache, encoder_only=encoder_only, logits_at=logits_at)
         feats = None
         if features:
-            from v41cp.drafter import target_features
-
             (logits, _, cache), taps = call(mutable=["taps"])
             narrow = rows.ced_split()[2] if rows.narrows else None
             feats = rows.last_rows(target_features(cfg, taps["taps"], narrow), features)

@@ -25,9 +25,21 @@ import numpy as np
 
 from v41cp.config import ModelConfig
 from v41cp.engram_hash import engram_hash_ids
-from v41cp.model import embedding_and_head
+from v41cp.model import embedding_and_head, shard_params
 from v41cp.serving.allocator import BlockAllocator, content_residue
 from v41cp.serving.dcp import DCPPlan
+from v41cp.serving.decode import (
+    DecodeMetadata,
+    StepRows,
+    ced_boundary,
+    ced_rows,
+    commit_rows,
+    decode_step,
+    engram_ids_for_last,
+    init_cache,
+    prefill_chunk,
+    verify_step,
+)
 from v41cp.serving.host import fetch
 from v41cp.serving.prefix_cache import PrefixCache
 from v41cp.serving.prefix_cache import admit as prefix_admit
@@ -37,11 +49,15 @@ from v41cp.serving.slot_state import put_slot_state, state_bytes, take_slot_stat
 from v41cp.serving.span_metadata import build_span_metadata, round_up, row_capacities
 from v41cp.serving.span_prefill import SpanLayout, prefill_span
 from v41cp.serving.span_prefill import compile_count as span_compile_count
+from v41cp.serving.speculative import (
+    Speculative,
+    accept_drafts,
+    check_speculative,
+    draft_step,
+    init_draft_cache,
+    write_draft_context,
+)
 from v41cp.sharding.topology import ParallelConfig
-from v41cp.serving.decode import (DecodeMetadata, StepRows, ced_boundary, ced_rows, commit_rows, decode_step,
-                                  engram_ids_for_last, init_cache, prefill_chunk, verify_step)
-from v41cp.serving.speculative import (Speculative, accept_drafts, check_speculative, draft_step, init_draft_cache,
-                                       write_draft_context)
 
 __all__ = ["Capacity", "SamplingParams", "Engine", "EngineFull", "RequestError", "sample_token",
            "token_distribution"]
@@ -214,8 +230,6 @@ class Engine:
             mesh = parallel.make_mesh(devices[:parallel.num_devices])
         if mesh is not None:
             from jax.sharding import NamedSharding, PartitionSpec
-
-            from v41cp.model import shard_params
 
             rules = parallel.rules() if parallel is not None else None
             params = shard_params(params, cfg, mesh, *([rules] if rules else []))

@@ -35,7 +35,8 @@ import jax
 import jax.numpy as jnp
 
 from v41cp.config import LayerRole, ModelConfig
-from v41cp.layers.attention import CSAState, query_parallel_rows, sink_attention
+from v41cp.kernels.sparse_attention.reference import sink_attention
+from v41cp.layers.attention import CSAState, query_parallel_rows
 from v41cp.layers.common import dtype_of
 from v41cp.layers.indexer import query_parallel_select_rows, select_scored
 from v41cp.layers.tiled_select import attend_rows, select_rows

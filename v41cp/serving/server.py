@@ -22,6 +22,7 @@ import time
 from v41cp.serving.control_plane import ControlPlane, follow
 from v41cp.serving.engine import Engine, SamplingParams
 from v41cp.serving.engine_loop import EngineLoop
+from v41cp.serving.openai_api import build_app
 from v41cp.serving.text import TextCodec
 
 __all__ = ["run_follower", "run_server", "warm_up"]
@@ -49,8 +50,6 @@ def warm_up(engine: Engine, progress: bool = True) -> dict:
 def run_server(engine: Engine, codec: TextCodec | None, model_name: str, host: str = "127.0.0.1", port: int = 8000,
                progress: bool = True, log_level: str = "info", control: ControlPlane | None = None) -> None:
     import uvicorn
-
-    from v41cp.serving.openai_api import build_app
 
     stages = warm_up(engine, progress)
     print(f"v41cp: warm-up compile {stages['warm_up_s']} s; serving {model_name!r} on http://{host}:{port}", file=sys.stderr,

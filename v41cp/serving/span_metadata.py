@@ -33,7 +33,9 @@ from functools import partial
 import jax
 import numpy as np
 
+from v41cp.ced import ced_boundary, ced_rows
 from v41cp.config import ModelConfig
+from v41cp.engram_hash import engram_hash_ids
 from v41cp.sharding.query_shard import QueryShardPlan
 
 __all__ = ["SpanMetadata", "build_span_metadata", "row_capacities", "round_up"]
@@ -88,8 +90,6 @@ class SpanMetadata:
 def _retained(cfg: ModelConfig, plan: QueryShardPlan, starts: np.ndarray, totals: np.ndarray, ced: bool):
     """CED decoder rows of each local slot ``[N, C]`` bool: the last `ced_rows` rows of each prompt of ``totals``
     tokens (this chunk starts at ``starts``). None without a CED boundary / CED off."""
-    from v41cp.ced import ced_boundary, ced_rows
-
     if not ced or ced_boundary(cfg) is None:
         return None
     req, pos = plan.request_of_slot(), plan.positions()
@@ -119,8 +119,6 @@ def build_span_metadata(cfg: ModelConfig, prompts, n: int = 1, *, starts=None, e
     ``span`` / ``capacity`` / ``dec_capacity`` are the static buckets (default: the smallest that fit,
     ``span`` a multiple of 8). CED retains the last `ced_rows` rows of each whole prompt. Errors name the
     offending value."""
-    from v41cp.engram_hash import engram_hash_ids
-
     prompts = [list(map(int, p)) for p in prompts]
     b = len(prompts)
     if b == 0:

@@ -40,14 +40,22 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from v41cp.config import ModelConfig
+from v41cp.drafter import target_features
 from v41cp.kernels import interpret_mode
 from v41cp.layers.tiled_select import ROW_TILE_BYTES
+from v41cp.model import Transformer, abstract_params
+from v41cp.serving.dcp import DCPPlan
+from v41cp.serving.decode import _forward_rows
+from v41cp.serving.paged_rows import StepRows
+from v41cp.serving.qcp_rows import QCPRows
 from v41cp.serving.span_metadata import SpanMetadata
 from v41cp.sharding.mesh import ATTN_TP, CP
-from v41cp.sharding.rules import ShardingContext
+from v41cp.sharding.row_group import RowGroup
+from v41cp.sharding.rules import QCP_RULES, ShardingContext, logical_sharding, param_shardings
 
 __all__ = ["SpanLayout", "prefill_span", "lower_prefill_span", "compile_count"]
 
@@ -97,10 +105,6 @@ def _qcp_body(params, cache, meta: SpanMetadata, cfg: ModelConfig, layout: SpanL
     """The one model over this rank's rows (inside the map): ``(logits [B, vocab/N], cache)``, and with
     ``features`` the DSpark target features of each request's last ``features`` rows in span order
     (`QCPRows.last_rows`)."""
-    from v41cp.model import Transformer
-    from v41cp.serving.qcp_rows import QCPRows
-    from v41cp.sharding.row_group import RowGroup
-
     grp = RowGroup(layout.mesh, layout.axes, chunk_bytes=16 * layout.tile_bytes)
     rows = QCPRows(cfg, grp, meta, cache, layout.kv_parallel, layout.tile_bytes)
     call = lambda **kw: Transformer(cfg, grp).apply({"params": params}, meta.tokens, meta.engram_ids, rows=rows,
@@ -108,7 +112,6 @@ def _qcp_body(params, cache, meta: SpanMetadata, cfg: ModelConfig, layout: SpanL
     if not features:
         logits, _, cache = call()
         return logits[:, 0], cache
-    from v41cp.drafter import target_features
 
     (logits, _, cache), taps = call(mutable=["taps"])
     narrow = rows.ced_split()[2] if rows.narrows else None
@@ -116,9 +119,6 @@ def _qcp_body(params, cache, meta: SpanMetadata, cfg: ModelConfig, layout: SpanL
 
 
 def _specs(cfg: ModelConfig, layout: SpanLayout, params, cache, meta):
-    from v41cp.model import abstract_params
-    from v41cp.sharding.rules import QCP_RULES, logical_sharding, param_shardings
-
     shardings = param_shardings(abstract_params(cfg), layout.mesh, QCP_RULES)
     pspec = jax.tree.map(lambda s: s.spec, shardings, is_leaf=lambda x: isinstance(x, jax.sharding.NamedSharding))
     pool = P(CP) if layout.kv_parallel > 1 else P()
@@ -148,8 +148,6 @@ def _prefill_qcp(params, cache: dict, meta: SpanMetadata, cfg: ModelConfig, layo
 
 @partial(jax.jit, static_argnames=("cfg", "plan", "operator", "features"), donate_argnames=("cache",))
 def _prefill_rows(params, cache: dict, rows, cfg: ModelConfig, plan, operator, features: int = 0):
-    from v41cp.serving.decode import _forward_rows
-
     last = rows.lengths - 1 - (0 if rows.encoder_rows is None else rows.encoder_rows)    # in the decoder rows
     logits, cache, _, feats = _forward_rows(params, cache, rows, cfg, plan, logits_at=last, operator=operator,
                                             features=features)
@@ -161,8 +159,6 @@ def _span_rows(cfg: ModelConfig, meta: SpanMetadata):
     metadata's row capacity, ``offsets`` = where each request's rows start), so a ragged batch computes only its
     rows; under CED narrowed at the boundary to the retained decoder rows (``decoder_rows`` = the metadata's CED
     row capacity). Host NumPy."""
-    from v41cp.serving.paged_rows import StepRows
-
     lengths = np.asarray(meta.lengths, np.int32)
     t = meta.capacity                                  # one rank: every row of the pass (≥ Σ lengths)
     offsets = (np.cumsum(lengths) - lengths).astype(np.int32)
@@ -182,7 +178,6 @@ def _layout_plan(cfg: ModelConfig, layout: SpanLayout):
     """The DCP plan of a KVP layout (None: replicated pages)."""
     if layout.kv_parallel == 1:
         return None
-    from v41cp.serving.dcp import DCPPlan
 
     tp = layout.mesh.shape["tp"] * layout.mesh.shape[CP]
     return DCPPlan(layout.mesh, heads_sharded=cfg.num_attention_heads % tp == 0)

@@ -21,6 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from v41cp.sharding.mesh import make_mesh
+from v41cp.sharding.rules import INDEXER_QCP_RULES, QCP_RULES, REPLICATED_Q_RULES, TP_RULES, ShardingContext
+
 __all__ = ["ParallelConfig", "DCP_MERGES", "DCP_Q_MODES"]
 
 DCP_MERGES = ("ag_rs", "a2a", "heads")
@@ -113,8 +116,6 @@ class ParallelConfig:
         ``tp_size · dp_size`` devices of the host)."""
         import jax
 
-        from v41cp.sharding.mesh import make_mesh
-
         if devices is None:
             devices = jax.devices()
             devices = devices[:self.num_devices] if len(devices) >= self.num_devices else devices
@@ -126,8 +127,6 @@ class ParallelConfig:
 
     def rules(self):
         """Parameter sharding rules for this topology."""
-        from v41cp.sharding.rules import INDEXER_QCP_RULES, QCP_RULES, REPLICATED_Q_RULES, TP_RULES
-
         if self.query_context_parallel_size > 1:
             return QCP_RULES
         if self.indexer_query_parallel_size > 1:
@@ -139,8 +138,6 @@ class ParallelConfig:
 
     def sharding_context(self, mesh):
         """The `ShardingContext` of a full-sequence forward under this topology (rules + operator-local QCP)."""
-        from v41cp.sharding.rules import ShardingContext
-
         return ShardingContext(mesh, self.rules(), indexer_query_parallel=self.indexer_query_parallel_size > 1,
                                indexer_query_min_tokens=self.indexer_query_min_tokens,
                                attention_query_parallel=self.attention_query_parallel_size > 1,

@@ -27,7 +27,7 @@ __all__ = ["grouped_fp4_matmul_pallas", "weight_scale"]
 
 def weight_scale(b: jax.Array, dtype) -> jax.Array:
     """Weight e8m0 bytes (int32) → ``2**(b−127)`` in FP32 or BF16, built from bits; byte 0 is the subnormal
-    ``2**−127`` (the checkpoint convention, `v41cp.layers.stored_weights.e8m0_to_f32`), not the caches' zero."""
+    ``2**−127`` (the checkpoint convention, `v41cp.kernels.stored_weights.e8m0_to_f32`), not the caches' zero."""
     if jnp.dtype(dtype) == jnp.bfloat16:
         return jax.lax.bitcast_convert_type(jnp.where(b == 0, 1 << 6, b << 7).astype(jnp.int16), jnp.bfloat16)
     return jax.lax.bitcast_convert_type(jnp.where(b == 0, 1 << 22, b << 23), jnp.float32)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from v41cp.kernels.dequant import load_rows_split, merge_channels
 
-__all__ = ["gather_keys", "sparse_attention_reference"]
+__all__ = ["gather_keys", "sink_attention", "sparse_attention_reference"]
 
 
 def gather_keys(store, fmt: str | None, indices: jax.Array, channels: int) -> jax.Array:
@@ -46,3 +46,22 @@ def sparse_attention_reference(q: jax.Array, stores, formats, indices, lengths) 
     o = jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
     lse = jnp.where(l > 0, m_safe[..., 0] + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
     return o, lse
+
+
+def sink_attention(q: jax.Array, keys: jax.Array, valid: jax.Array, sink: jax.Array) -> jax.Array:
+    """Softmax attention with an additive sink column (value 0), K = V.
+
+    Args:
+      q: ``[B,S,Hq,D]``; keys: ``[B,S,K,D]`` per-query gathered keys; valid: ``[B,S,K]`` bool;
+      sink: ``[Hq]`` FP32 logits.
+    Returns: ``[B,S,Hq,D]`` in ``q.dtype``; a row with no valid key returns 0.
+    """
+    d = q.shape[-1]
+    kf = keys.astype(jnp.float32)
+    logits = jnp.einsum("bshd,bskd->bshk", q.astype(jnp.float32), kf,
+                        precision=jax.lax.Precision.HIGHEST) * d ** -0.5
+    logits = jnp.where(valid[:, :, None, :], logits, -jnp.inf)
+    sink_col = jnp.broadcast_to(sink.astype(jnp.float32)[None, None, :, None], (*logits.shape[:3], 1))
+    probs = jax.nn.softmax(jnp.concatenate([logits, sink_col], axis=-1), axis=-1)[..., :-1]
+    out = jnp.einsum("bshk,bskd->bshd", probs, kf, precision=jax.lax.Precision.HIGHEST)
+    return out.astype(q.dtype)
