@@ -36,6 +36,7 @@ def main():
         oracle = json.loads((Path(tmp) / "timing.json").read_text())
         import numpy as np
         from helpers import load_export, rel_err
+
         from v41cp import model
 
         cfg, params, ref = load_export(Path(tmp))

@@ -33,7 +33,8 @@ def main() -> None:
 
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from v41cp.config import preset
     from v41cp.layers.attention import query_parallel_attention, rows_sink_attention, window_indices

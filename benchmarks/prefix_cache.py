@@ -46,7 +46,7 @@ def main(argv=None) -> int:
 
     from v41cp.checkpoint import default_checkpoint, load
     from v41cp.config import preset
-    from v41cp.serving.cache_spec import CacheSpec
+    from v41cp.serving.cache.spec import CacheSpec
     from v41cp.serving.engine import Capacity, Engine
 
     cfg, params = load(default_checkpoint())

@@ -3,7 +3,7 @@
 One long prompt (``--rows`` tokens) of a V4.1-like model at reduced width (tiny-tp8 widths, index top-512,
 window 128, 16 heads) on ``--devices`` simulated CPU devices, attention TP = QCP = all of them:
 
-* **parts** — the one model's layer modules over model-wide QCP's rows backend (`v41cp.serving.qcp_rows`, the
+* **parts** — the one model's layer modules over model-wide QCP's rows backend (`v41cp.serving.attention.qcp_rows`, the
   `v41cp.sharding.row_group.RowGroup` shard) compiled alone, unsharded (the same map over one device, every
   row) and under QCP (each rank its zigzag rows): *attention* = a Reuse layer's `Attention` (projections,
   window + selected-entry attention, ring writes), *indexer* = a Reindex layer minus that Reuse layer (the
@@ -42,16 +42,17 @@ def measure(devices: int, rows: int, parts=("reuse", "reindex", "moe"), whole: b
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from v41cp import model
     from v41cp.config import preset
-    from v41cp.serving.decode import init_cache
-    from v41cp.serving.span_metadata import build_span_metadata
     from v41cp.layers.attention import Attention, CSAState
     from v41cp.layers.moe import MoE
-    from v41cp.serving.qcp_rows import QCPRows
-    from v41cp.serving.span_prefill import SpanLayout, lower_prefill_span
+    from v41cp.serving.attention.qcp_rows import QCPRows
+    from v41cp.serving.runner.span_metadata import build_span_metadata
+    from v41cp.serving.runner.span_prefill import SpanLayout, lower_prefill_span
+    from v41cp.serving.runner.steps import init_cache
     from v41cp.sharding import make_mesh
     from v41cp.sharding.hlo_stats import collective_bytes, collectives, program_cost
     from v41cp.sharding.row_group import RowGroup

@@ -1,6 +1,6 @@
 """Operator-local QCP in the span prefill: exact structure from the compiled programs (prints JSON; nothing is timed).
 
-One span-prefill pass (`v41cp.serving.span_prefill.lower_prefill_span`) of ``--rows`` rows (one prompt) of the
+One span-prefill pass (`v41cp.serving.runner.span_prefill.lower_prefill_span`) of ``--rows`` rows (one prompt) of the
 ``tiny-tp8`` model over ``--devices`` simulated CPU devices (attention TP = all of them), compiled twice:
 
 * ``tp`` — plain TP: every rank computes every row with its heads;
@@ -38,15 +38,16 @@ def main() -> None:
 
     import jax
     import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from v41cp import model
     from v41cp.config import preset
-    from v41cp.sharding.operator_qcp import attention_query_parallel_applies, indexer_query_parallel_applies
-    from v41cp.serving.paged_cache import entries_per_block, init_cache
-    from v41cp.serving.span_metadata import build_span_metadata
-    from v41cp.serving.span_prefill import SpanLayout, lower_prefill_span
+    from v41cp.serving.cache.paged import entries_per_block, init_cache
+    from v41cp.serving.runner.span_metadata import build_span_metadata
+    from v41cp.serving.runner.span_prefill import SpanLayout, lower_prefill_span
     from v41cp.sharding.hlo_stats import collectives
+    from v41cp.sharding.operator_qcp import attention_query_parallel_applies, indexer_query_parallel_applies
     from v41cp.sharding.topology import ParallelConfig
 
     n, rows, block = a.devices, a.rows, 4

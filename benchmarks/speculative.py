@@ -38,7 +38,7 @@ def main(argv=None) -> int:
 
     from v41cp.checkpoint import default_checkpoint, load, open_drafter
     from v41cp.serving.engine import Capacity, Engine, SamplingParams
-    from v41cp.serving.speculative import Speculative
+    from v41cp.serving.runner.speculative import Speculative
 
     cfg, params = load(default_checkpoint())
     drafter = open_drafter(default_checkpoint(), cfg)
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
 
     from v41cp.model import embedding_and_head
-    from v41cp.serving.speculative import draft_step, init_draft_cache
+    from v41cp.serving.runner.speculative import draft_step, init_draft_cache
 
     dcache = init_draft_cache(cfg, args.batch)
     call = lambda: draft_step(drafter, *embedding_and_head(params), cfg, dcache, jnp.arange(args.batch),

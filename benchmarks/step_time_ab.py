@@ -23,9 +23,9 @@ WORKER = r'''
 import json, sys, time
 import jax, jax.numpy as jnp, numpy as np
 from v41cp.checkpoint import default_checkpoint, load
-from v41cp.serving.decode import DecodeMetadata, decode_step, init_cache
-from v41cp.serving.span_metadata import build_span_metadata
-from v41cp.serving.span_prefill import prefill_span
+from v41cp.serving.runner.steps import DecodeMetadata, decode_step, init_cache
+from v41cp.serving.runner.span_metadata import build_span_metadata
+from v41cp.serving.runner.span_prefill import prefill_span
 
 steps, prefills = int(sys.argv[1]), int(sys.argv[2])
 cfg, params = load(default_checkpoint())

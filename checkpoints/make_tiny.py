@@ -19,7 +19,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-# the synthetic chat format of the tiny model (`v41cp.serving.text`): its 256-word vocabulary has no chat tokens
+# the synthetic chat format of the tiny model (`v41cp.serving.api.text`): its 256-word vocabulary has no chat tokens
 TOKENIZER_CONFIG = {
     "v41cp_note": "synthetic chat format of the tiny test model (its 256-word vocabulary has no special chat tokens): "
                   "W0 opens a system turn, W1 a user turn, W2 an assistant turn",

@@ -46,8 +46,8 @@ def guarded(name, fn, sink):
 def check_kernels():
     from v41cp.kernels.indexer_topk import index_block_maxima, indexer_topk
     from v41cp.kernels.sparse_attention import sparse_attention
-    from v41cp.serving.records import encode
     from v41cp.quant import mxfp4_block32
+    from v41cp.serving.cache.records import encode
 
     out = {}
     rng = np.random.default_rng(0)

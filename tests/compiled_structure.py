@@ -51,9 +51,9 @@ def _verify_program(cfg, batch, context, parallel, rows=3, block_tokens=16):
     import jax.numpy as jnp
 
     from v41cp.plan import abstract_sharded_params
-    from v41cp.serving.dcp import DCPPlan
-    from v41cp.serving.decode import StepRows, verify_step
-    from v41cp.serving.paged_cache import cache_layout
+    from v41cp.serving.attention.dcp import DCPPlan
+    from v41cp.serving.cache.paged import cache_layout
+    from v41cp.serving.runner.steps import StepRows, verify_step
 
     mesh = parallel.make_mesh(jax.devices()[:parallel.num_devices]) if parallel is not None else None
     params = abstract_sharded_params(cfg, mesh, parallel.rules() if parallel is not None else None)

@@ -2,11 +2,10 @@
 
 import jax.numpy as jnp
 import numpy as np
-
 from helpers import rel_err
+
 from v41cp import model
 from v41cp.checkpoint import default_checkpoint, load
-
 
 # Complete selection: a hard top-k flips under BF16 rounding wherever two scores are close, which
 # would measure selection noise rather than arithmetic (observed: 12% of rows at layer 4 with top-4; MoE top-2

@@ -10,14 +10,26 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import rel_err
 from safetensors.numpy import load_file
 
-from helpers import rel_err
 from v41cp import model
-from v41cp.checkpoint import (CheckpointError, ReleasedCheckpoint, convert, default_released_checkpoint, load,
-                              load_released_dir)
-from v41cp.checkpoint.formats import (dequant_fp4_rows, dequant_fp8_blocks, dequant_fp8_rows, quant_fp4_rows,
-                                      quant_fp8_blocks, quant_fp8_rows)
+from v41cp.checkpoint import (
+    CheckpointError,
+    ReleasedCheckpoint,
+    convert,
+    default_released_checkpoint,
+    load,
+    load_released_dir,
+)
+from v41cp.checkpoint.formats import (
+    dequant_fp4_rows,
+    dequant_fp8_blocks,
+    dequant_fp8_rows,
+    quant_fp4_rows,
+    quant_fp8_blocks,
+    quant_fp8_rows,
+)
 from v41cp.checkpoint.safetensors_io import write_safetensors
 from v41cp.sharding import make_mesh
 

@@ -10,12 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from server_harness import free_port, subprocess_env
 
 from v41cp import model
 from v41cp.checkpoint import default_checkpoint, load
-from v41cp.serving.text import TextCodec
+from v41cp.serving.api.text import TextCodec
 
 
 def _cli(*args):

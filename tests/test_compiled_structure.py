@@ -6,7 +6,6 @@ reason in its message."""
 
 import jax
 import pytest
-
 from compiled_structure import PROGRAMS, measure, recorded
 
 RECORD = recorded()

@@ -7,14 +7,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
-
 from helpers import TOKEN_MAP, perturbed, rel_err, selection_margin
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from v41cp import model
 from v41cp.config import preset
-from v41cp.serving.allocator import BlockAllocator
-from v41cp.serving.dcp import DCPPlan, collective_plan
-from v41cp.serving.decode import DecodeMetadata, decode_step, engram_ids_for_last, init_cache
+from v41cp.serving.attention.dcp import DCPPlan, collective_plan
+from v41cp.serving.cache.allocator import BlockAllocator
+from v41cp.serving.runner.steps import DecodeMetadata, decode_step, engram_ids_for_last, init_cache
 from v41cp.sharding.hlo_stats import collective_bytes, mesh_axis_groups
 from v41cp.sharding.topology import ParallelConfig
 
@@ -230,7 +231,7 @@ VERIFY_SEED, TIE_GAP = 18, 1e-5
 
 def _step_rows(cfg, alloc, rows):
     """rows: list of (rid, history, fed tokens) → `StepRows` of K rows per request."""
-    from v41cp.serving.decode import StepRows
+    from v41cp.serving.runner.steps import StepRows
 
     n_eng = len(cfg.engram_layer_ids)
     tok, starts, lengths = np.zeros((B, K), np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
@@ -264,7 +265,7 @@ def test_verification_rows_equal_feeding_one_token_at_a_time(n, sparse):
     committed cache equals the cache of feeding only the a accepted tokens — one device and KVP = DCP ∈ {2, 8};
     at KVP 8 also with sparse selection (top-4 entries, 2 candidate blocks: each row's distributed top-k and block
     selection)."""
-    from v41cp.serving.decode import commit_rows, verify_step
+    from v41cp.serving.runner.steps import commit_rows, verify_step
 
     cfg, params = _model(sparse)
     plan = None
@@ -325,7 +326,7 @@ def test_verification_rows_equal_feeding_one_token_at_a_time(n, sparse):
 
 
 def test_verification_needs_rows_within_the_window():
-    from v41cp.serving.decode import StepRows, verify_step
+    from v41cp.serving.runner.steps import StepRows, verify_step
 
     cfg, params = _model(False)
     w = cfg.sliding_window
@@ -340,7 +341,7 @@ def test_verification_rows_through_the_kernels_equal_the_xla_path():
     """The same verification step with both Pallas kernels (interpret mode on CPU; the window of several rows
     per request handed to the attention kernel as gathered keys, the selection through the indexer kernels on
     the paged keys): logits and committed caches equal the XLA path's."""
-    from v41cp.serving.decode import commit_rows, verify_step
+    from v41cp.serving.runner.steps import commit_rows, verify_step
 
     cfg, params = _model(False)
     kernels = cfg.replace(attention_backend="pallas", indexer_backend="pallas")

@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from v41cp.config import preset
-from v41cp.serving.allocator import AllocationError, BlockAllocator
+from v41cp.serving.cache.allocator import AllocationError, BlockAllocator
 from v41cp.sharding import make_mesh
 from v41cp.sharding.lse_merge import apply_sink, merge_a2a, merge_ag_rs, merge_partials, partial_attention
 from v41cp.sharding.ownership import is_owned, local_row, owned_positions, owner, pages_owned
@@ -184,8 +184,8 @@ def test_merge_edge_cases():
 def test_gather_history_copies_packed_pages_from_owners(n):
     """A request's pages come back in table order, byte for byte, from a cp-split pool (ranks that own none
     of its pages included); padding positions are zeros."""
-    from v41cp.serving.dcp import DCPPlan, gather_history
-    from v41cp.serving.paged_cache import pool_sharding
+    from v41cp.serving.attention.dcp import DCPPlan, gather_history
+    from v41cp.serving.cache.paged import pool_sharding
 
     mesh = make_mesh(tp=8, cp=n)
     plan = DCPPlan(mesh)

@@ -4,12 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from helpers import rel_err
+
 from v41cp import model
 from v41cp.checkpoint import default_checkpoint, load
-from v41cp.serving.allocator import AllocationError, BlockAllocator
-from v41cp.serving.decode import DecodeMetadata, decode_step, engram_ids_for_last, init_cache
+from v41cp.serving.cache.allocator import AllocationError, BlockAllocator
+from v41cp.serving.runner.steps import DecodeMetadata, decode_step, engram_ids_for_last, init_cache
 
 BLOCK, MAX_BATCH, MAX_BLOCKS, NUM_BLOCKS = 4, 4, 12, 40
 
@@ -115,7 +115,7 @@ def test_one_compile_over_1000_steps_with_changing_batches():
 
 def test_records_decode_to_the_fake_quant_values():
     from v41cp.quant import fake_quant
-    from v41cp.serving.records import decode, encode, record_bytes
+    from v41cp.serving.cache.records import decode, encode, record_bytes
 
     x = jnp.asarray(np.random.default_rng(1).normal(size=(5, 64)).astype(np.float32)
                     * np.logspace(-3, 3, 5)[:, None].astype(np.float32))
@@ -130,7 +130,7 @@ def test_records_decode_to_the_fake_quant_values():
 
 def test_cache_bytes_equal_the_spec():
     """Exact structure: the record cache of the tiny model holds CacheSpec's bytes per row / block."""
-    from v41cp.serving.cache_spec import CacheSpec
+    from v41cp.serving.cache.spec import CacheSpec
 
     cfg, _ = load(default_checkpoint())
     cache = init_cache(cfg, NUM_BLOCKS, BLOCK, MAX_BATCH)

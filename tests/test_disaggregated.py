@@ -1,4 +1,4 @@
-"""Prefill / decode disaggregation on 8 simulated devices (`v41cp.serving.disaggregated`): prefill on devices 0-3,
+"""Prefill / decode disaggregation on 8 simulated devices (`v41cp.serving.pd.engines`): prefill on devices 0-3,
 decode on 4-7, the request's cache moved by the page-owner transfer plan — equal to the aggregated engine of the
 decode topology bit for bit (logits, tokens, every cache byte), the bytes moved equal to the plan's count."""
 
@@ -7,13 +7,13 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-
 from helpers import TOKEN_MAP, assert_same_request_state, perturbed
+
 from v41cp import model
 from v41cp.config import preset
 from v41cp.serving.engine import Capacity, Engine, SamplingParams
-from v41cp.serving.pd_transfer import plan_transfer
-from v41cp.serving.pd_wire import check_pairing
+from v41cp.serving.pd.transfer import plan_transfer
+from v41cp.serving.pd.wire import check_pairing
 from v41cp.sharding.topology import ParallelConfig
 
 CAP = Capacity(max_batch=3, max_tokens=32, block_tokens=4, prefill_chunk=8)
@@ -70,7 +70,7 @@ def test_disaggregated_equals_aggregated(tiny_tp8, aggregated, prefill_kvp, tran
     by per-device copies, or by the collective PD across processes uses (packed byte vectors, one ppermute from
     prefill device i to decode device i). Step by step against the aggregated engine on the decode topology: every
     request's tokens, every logits row and every running request's cache bytes are equal."""
-    from v41cp.serving.disaggregated import DisaggregatedEngine
+    from v41cp.serving.pd.engines import DisaggregatedEngine
 
     cfg, params = tiny_tp8
     prompts, record = aggregated
@@ -131,7 +131,7 @@ def test_transfer_plan_counts_and_refusals():
 
 
 def test_disaggregation_refuses_bad_topologies(tiny_tp8):
-    from v41cp.serving.disaggregated import DisaggregatedEngine
+    from v41cp.serving.pd.engines import DisaggregatedEngine
 
     cfg, params = tiny_tp8
     with pytest.raises(ValueError, match="prefill KVP 4 cannot feed decode KVP = DCP 2"):

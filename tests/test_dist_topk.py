@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 from v41cp.layers.indexer import select_candidate_blocks, topk_select
 from v41cp.sharding import make_mesh
-from v41cp.sharding.dist_topk import (candidate_mask, distributed_candidate_blocks, distributed_topk, merge_topk)
+from v41cp.sharding.dist_topk import candidate_mask, distributed_candidate_blocks, distributed_topk, merge_topk
 
 
 def _split(n, epb, g, first_residue):

@@ -10,9 +10,9 @@ window and past it.
 
 import numpy as np
 import pytest
+from helpers import load_export, rel_err
 from safetensors.numpy import load_file
 
-from helpers import load_export, rel_err
 from v41cp import model
 from v41cp.checkpoint.names import drafter_params_from_released
 from v41cp.drafter import draft_from_features

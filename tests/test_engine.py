@@ -115,7 +115,7 @@ def test_ced_narrowed_prefill_equals_full_prefill(tiny):
     and the boundary layer's cache prepass; the generated tokens equal full-recompute greedy."""
     import dataclasses
 
-    from v41cp.serving.decode import ced_boundary, ced_rows
+    from v41cp.serving.runner.steps import ced_boundary, ced_rows
 
     cfg, params = tiny
     assert ced_boundary(cfg) == 4 and ced_rows(cfg) == 15

@@ -2,8 +2,8 @@
 
 import numpy as np
 import pytest
-
 from helpers import load_export
+
 from v41cp.config import preset
 from v41cp.engram_hash import compressed_token_map, engram_hash_ids, engram_tables
 

@@ -8,18 +8,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from helpers import rel_err
+
 from v41cp.config import ConfigError, preset
-from v41cp.kernels import check_backend
 from v41cp.kernel_bench import SWEEP
+from v41cp.kernels import check_backend
 from v41cp.kernels.dequant import e2m1, e4m3, e8m0, load_rows_split, merge_channels
 from v41cp.kernels.grouped_matmul import grouped_fp4_matmul
 from v41cp.kernels.indexer_topk import index_block_maxima, indexer_topk
 from v41cp.kernels.sparse_attention import gather_keys, sparse_attention
 from v41cp.kernels.sparse_attention.reference import sink_attention
 from v41cp.quant import FP4_TABLE, mxfp4_block32
-from v41cp.serving.records import decode, encode
+from v41cp.serving.cache.records import decode, encode
 
 
 def test_in_kernel_decoders_equal_the_record_decoder():

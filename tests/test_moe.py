@@ -6,13 +6,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from helpers import TOKEN_MAP, rel_err
+
 from v41cp import model
 from v41cp.config import preset
+from v41cp.kernels.stored_weights import decode_fp4
 from v41cp.layers.moe import dense_route_weights, routed_output, swiglu_clamped
 from v41cp.layers.moe_dispatch import DispatchShape, dispatch, sparse_routed_output
-from v41cp.kernels.stored_weights import decode_fp4
 from v41cp.sharding.hlo_stats import program_cost
 
 H, I = 64, 32

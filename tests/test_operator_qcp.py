@@ -7,12 +7,12 @@ layer's selection), above and below the row thresholds:
 
 import jax
 import numpy as np
-
 from helpers import TOKEN_MAP, perturbed, rel_err
+
 from v41cp import model
 from v41cp.config import preset
-from v41cp.sharding.operator_qcp import attention_query_parallel_applies, indexer_query_parallel_applies
 from v41cp.sharding import make_mesh
+from v41cp.sharding.operator_qcp import attention_query_parallel_applies, indexer_query_parallel_applies
 from v41cp.sharding.topology import ParallelConfig
 
 

@@ -8,8 +8,8 @@ is unspecified, so only sets are comparable and only where the k-th/(k+1)-th sco
 
 import numpy as np
 import pytest
-
 from helpers import boundary_gap, candidate_block_scores, load_export, rel_err, selection_sets
+
 from v41cp import model
 
 pytestmark = pytest.mark.oracle

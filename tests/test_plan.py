@@ -9,8 +9,8 @@ import numpy as np
 from v41cp import model
 from v41cp.config import preset
 from v41cp.plan import floor_flops
-from v41cp.serving.dcp import DCPPlan
-from v41cp.serving.decode import DecodeMetadata, decode_step, init_cache
+from v41cp.serving.attention.dcp import DCPPlan
+from v41cp.serving.runner.steps import DecodeMetadata, decode_step, init_cache
 from v41cp.sharding.hlo_stats import collectives, program_cost
 from v41cp.sharding.topology import ParallelConfig
 

@@ -1,4 +1,4 @@
-"""Exact prefix caching (`v41cp.serving.prefix_cache`): the block tree with the allocator under random operations, and
+"""Exact prefix caching (`v41cp.serving.cache.prefix`): the block tree with the allocator under random operations, and
 engines whose prefix hits give the cold engine's logits, tokens and cache bytes bit for bit (1 device, KVP = DCP 2
 and 8)."""
 
@@ -8,10 +8,10 @@ import dataclasses
 
 import numpy as np
 import pytest
-
 from helpers import assert_same_request_state
-from v41cp.serving.allocator import BlockAllocator
-from v41cp.serving.prefix_cache import PrefixCache, admit, grow
+
+from v41cp.serving.cache.allocator import BlockAllocator
+from v41cp.serving.cache.prefix import PrefixCache, admit, grow
 
 
 # ------------------------------------------------------------------------------------------ host bookkeeping
@@ -143,8 +143,8 @@ CACHED = {"a": 0, "dup": 20, "div": 20, "mid": 0, "mid2": 12, "short": 0, "short
 @pytest.fixture(scope="module")
 def tiny_tp8():
     import jax
-
     from helpers import TOKEN_MAP, perturbed
+
     from v41cp import model
     from v41cp.config import preset
 
@@ -205,7 +205,7 @@ def test_prefix_hits_equal_cold_prefill_on_one_device(tiny_tp8):
     assert warm.alloc.free_blocks + st["cached_blocks"] == warm.num_blocks      # only the cache holds blocks now
     assert warm.load()["free_blocks"] == warm.num_blocks                         # every cached block reclaimable
     # the stored states: exactly the spec's bytes each (window rings of every layer + open ratio-2 pairs)
-    from v41cp.serving.cache_spec import CacheSpec
+    from v41cp.serving.cache.spec import CacheSpec
 
     assert st["states"] == 6 and st["state_bytes"] == 6 * CacheSpec(cfg, BT, quantized=cfg.fake_quant).prefix_state_bytes
 

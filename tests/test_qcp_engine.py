@@ -9,14 +9,13 @@ equal to the token-serial single-device engine (tokens, logits, cache records).
 import jax
 import numpy as np
 import pytest
-
 from helpers import TOKEN_MAP, assert_same_records, cache_by_virtual_block, perturbed, rel_err
+
 from v41cp import model
 from v41cp.config import preset
-from v41cp.serving.decode import ced_rows
 from v41cp.serving.engine import Capacity, Engine, SamplingParams
+from v41cp.serving.runner.steps import ced_rows
 from v41cp.sharding.topology import ParallelConfig
-
 
 ENGINE_PROMPTS = (21, 2, 16)
 

@@ -1,4 +1,4 @@
-"""Span prefill and model-wide QCP (`v41cp.serving.span_prefill`) at the prefill level (the engine: test_qcp_engine.py).
+"""Span prefill and model-wide QCP (`v41cp.serving.runner.span_prefill`) at the prefill level (the engine: test_qcp_engine.py).
 
 * model-wide QCP over N ∈ {2, 4, 8} ranks (KVP 1 and N, CED off and on) equals the unsharded span prefill:
   logits and every cache group ≤ 1e-5 relative (FP32 values), and QCP with KVP = N equals QCP with replicated
@@ -14,15 +14,16 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
-
 from helpers import TOKEN_MAP, cache_by_virtual_block, perturbed, rel_err
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from v41cp import model
 from v41cp.config import preset
-from v41cp.serving.dcp import DCPPlan
-from v41cp.serving.decode import ced_rows, init_cache
-from v41cp.serving.span_metadata import build_span_metadata
-from v41cp.serving.span_prefill import SpanLayout, prefill_span
+from v41cp.serving.attention.dcp import DCPPlan
+from v41cp.serving.runner.span_metadata import build_span_metadata
+from v41cp.serving.runner.span_prefill import SpanLayout, prefill_span
+from v41cp.serving.runner.steps import ced_rows, init_cache
 from v41cp.sharding.topology import ParallelConfig
 
 LENGTHS = (21, 3, 16, 8, 0)          # odd (open pair, mid page) / fewer rows than ranks / page end / = window / idle
@@ -77,7 +78,7 @@ def test_one_device_span_pass_is_packed(setup):
     """The one-device (cached-rows) span pass computes only its rows: the requests' rows back to back in one
     ``[1, Σ lengths]`` row list (not ``[batch, span]``), each request's tokens at its offset in order; CED packs
     the retained decoder rows again (at most the metadata's CED row capacity)."""
-    from v41cp.serving.span_prefill import _span_rows
+    from v41cp.serving.runner.span_prefill import _span_rows
 
     cfg, _, prompts, tables, slots = setup
     for ced in (False, True):

@@ -10,10 +10,10 @@ import signal
 import httpx
 import openai
 import pytest
-
 from server_harness import ServerProcess
+
 from v41cp.checkpoint import default_checkpoint
-from v41cp.serving.text import TextCodec
+from v41cp.serving.api.text import TextCodec
 
 MODEL = "tiny-v41"
 CAPACITY = 128
@@ -253,7 +253,7 @@ def _fuzz_requests():
     (mostly valid values, a few output tokens) that reach the engine's own checks and run."""
     from hypothesis import strategies as st
 
-    from v41cp.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
+    from v41cp.serving.api.protocol import ChatCompletionRequest, CompletionRequest
 
     routes = st.sampled_from(["/v1/completions", "/v1/chat/completions"])
     ctypes = st.sampled_from(["application/json", "application/json; charset=utf-8", "text/plain",

@@ -1,12 +1,13 @@
 """Serving: cache layout bytes (exact) and the block allocator's invariants under random operations."""
 
 import pytest
-from hypothesis import settings, strategies as st
+from hypothesis import settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from v41cp.config import preset
-from v41cp.serving.allocator import AllocationError, BlockAllocator
-from v41cp.serving.cache_spec import CacheSpec
+from v41cp.serving.cache.allocator import AllocationError, BlockAllocator
+from v41cp.serving.cache.spec import CacheSpec
 
 
 def test_flash_cache_bytes_match_the_release():

@@ -1,4 +1,4 @@
-"""DSpark speculative decoding (`v41cp.serving.speculative`) against plain decoding on the same weights.
+"""DSpark speculative decoding (`v41cp.serving.runner.speculative`) against plain decoding on the same weights.
 
 * greedy speculative = plain greedy, token for token: one device (token-serial and span prefill, CED on), plain
   TP 2, KVP = DCP ∈ {2, 8}, and after a model-wide QCP 4 prefill (KVP = DCP 4, CED on); prompts and outputs
@@ -18,13 +18,13 @@ import dataclasses
 
 import numpy as np
 import pytest
-
 from helpers import assert_same_records, cache_by_virtual_block, rel_err
+
 from v41cp import model
 from v41cp.checkpoint import default_checkpoint, load, open_drafter
 from v41cp.drafter import Drafter
 from v41cp.serving.engine import Capacity, Engine, SamplingParams
-from v41cp.serving.speculative import Speculative, accept_drafts
+from v41cp.serving.runner.speculative import Speculative, accept_drafts
 from v41cp.sharding.topology import ParallelConfig
 
 CAP = Capacity(max_batch=3, max_tokens=48, block_tokens=4, prefill_chunk=8)
@@ -181,8 +181,8 @@ def test_seeded_speculative_sampling_is_reproducible(setup):
 def test_one_compile_per_bucket_and_width(setup):
     """1,000 speculative rounds — requests of different lengths coming and going, the batch mostly full —
     compile the draft step, the verification, the commit and the context write once each after the first."""
-    from v41cp.serving.decode import commit_rows, verify_step
-    from v41cp.serving.speculative import draft_step, write_draft_context
+    from v41cp.serving.runner.speculative import draft_step, write_draft_context
+    from v41cp.serving.runner.steps import commit_rows, verify_step
 
     cfg, params, drafter, _, _, _ = setup
     eng = Engine(params, cfg, CAP, speculative=Speculative(drafter, N))

@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from v41cp.checkpoint import default_checkpoint, default_released_checkpoint
-from v41cp.serving.text import ChatFormatError, TextCodec, TextStream
+from v41cp.serving.api.text import ChatFormatError, TextCodec, TextStream
 
 
 @pytest.fixture(scope="module")

@@ -3,11 +3,13 @@
 import jax
 import numpy as np
 import pytest
+from helpers import TOKEN_MAP, rel_err
+from helpers import perturbed as _perturbed
 
-from helpers import TOKEN_MAP, perturbed as _perturbed, rel_err
 from v41cp import model
 from v41cp.config import preset
-from v41cp.sharding import ShardingContext, TP_RULES, make_mesh
+from v41cp.sharding import TP_RULES, ShardingContext, make_mesh
+
 
 @pytest.mark.parametrize("name,dp,tp", [("tiny-tp8", 1, 8), ("tiny", 2, 4)])
 def test_tp_forward_equals_single_device(name, dp, tp):

@@ -9,7 +9,7 @@
   (``--deepseek-v41-{indexer,attention}-query-parallel-size``); ``generate`` / ``bench`` run them, or model-wide
   QCP (``--query-context-parallel-size``), in the engine's span prefill (``--span-prefill``, ``--ced``).
   ``generate --prompt TEXT [--chat]`` takes text (the checkpoint's tokenizer) and streams text back.
-* ``serve [--host 127.0.0.1] [--port 8000]`` the OpenAI-compatible HTTP server (`v41cp.serving.server`).
+* ``serve [--host 127.0.0.1] [--port 8000]`` the OpenAI-compatible HTTP server (`v41cp.serving.api.server`).
 * ``bench decode|prefill [--lengths 64,512,2048] --json`` engine step latency, tokens/s, compile counts.
 * ``plan --preset v41-flash --mode decode|prefill --batch B --context T [topology flags] --json`` compiles (never
   runs) the step with abstract weights: per-device FLOPs / memory / collective bytes vs the analytic floor
@@ -35,6 +35,7 @@ def _load_cfg(args):
     if args.preset:
         return preset(args.preset, fake_quant=not args.no_fake_quant)
     from pathlib import Path
+
     from v41cp.checkpoint import default_checkpoint
 
     return ModelConfig.from_json(Path(args.checkpoint or default_checkpoint()) / "config.json",
@@ -163,7 +164,7 @@ def _disaggregated_engine(args, capacity):
     """Prefill on the first ``--prefill-devices`` devices (their attention TP, with the QCP flags and
     ``--prefill-kv-parallel-size``), decode on the rest (``--kv-parallel-size`` = DCP)."""
     from v41cp.checkpoint import default_checkpoint, open_checkpoint
-    from v41cp.serving.disaggregated import DisaggregatedEngine
+    from v41cp.serving.pd.engines import DisaggregatedEngine
     from v41cp.sharding.topology import ParallelConfig
 
     p, devices = args.prefill_devices, _global_devices(args)
@@ -190,7 +191,7 @@ def _disaggregated_engine(args, capacity):
     cfg, params = open_checkpoint(args.checkpoint or default_checkpoint(), fake_quant=not args.no_fake_quant,
                                   progress=_progress(args), **_backends(args))
     if getattr(args, "nnodes", 1) > 1:            # prefill in process 0, decode in process 1
-        from v41cp.serving.pd_processes import CrossProcessDisaggregatedEngine
+        from v41cp.serving.pd.processes import CrossProcessDisaggregatedEngine
 
         return cfg, CrossProcessDisaggregatedEngine(params, cfg, capacity, prefill, decode)
     return cfg, DisaggregatedEngine(params, cfg, capacity, prefill, decode)
@@ -253,7 +254,7 @@ def _speculative(args, cfg):
             raise ValueError("--speculative-num-draft-tokens needs --speculative-algorithm dspark")
         return None
     from v41cp.checkpoint import default_checkpoint, open_drafter
-    from v41cp.serving.speculative import Speculative, check_speculative
+    from v41cp.serving.runner.speculative import Speculative, check_speculative
 
     n = args.speculative_num_draft_tokens
     spec = Speculative(None, cfg.dspark_block_size if n is None else n, args.speculative_algorithm)
@@ -271,7 +272,7 @@ def _codec(args, required: bool):
     """The checkpoint's `TextCodec` (tokenizer + chat format); None when it has no tokenizer.json and text is
     not required."""
     from v41cp.checkpoint import default_checkpoint
-    from v41cp.serving.text import ChatFormatError, TextCodec
+    from v41cp.serving.api.text import ChatFormatError, TextCodec
 
     try:
         return TextCodec.from_checkpoint(args.checkpoint or default_checkpoint())
@@ -471,15 +472,15 @@ def cmd_serve(args) -> int:
     from pathlib import Path
 
     from v41cp.checkpoint import default_checkpoint
-    from v41cp.serving.server import run_server
+    from v41cp.serving.api.server import run_server
 
     codec = _codec(args, required=False)
     cap = _capacity(args, args.max_context)
     cfg, eng = _engine(args, cap)
     control = None
     if getattr(args, "nnodes", 1) > 1:            # rank 0 serves HTTP, the others follow its broadcast commands
-        from v41cp.serving.control_plane import ControlPlane
-        from v41cp.serving.server import run_follower
+        from v41cp.serving.api.server import run_follower
+        from v41cp.serving.multihost.control_plane import ControlPlane
 
         control = ControlPlane()
         if not control.leader:
@@ -531,8 +532,8 @@ def _kvp_structure(eng, cfg, cap, budget_bytes: int) -> dict:
     over the cp groups — the DCP payload (``cp_group_analytic``) plus any layout collective GSPMD happens to
     run over cp (e.g. when ``o_groups`` does not divide attention TP)."""
     from v41cp.config import preset
-    from v41cp.serving.cache_spec import CacheSpec
-    from v41cp.serving.dcp import collective_plan
+    from v41cp.serving.attention.dcp import collective_plan
+    from v41cp.serving.cache.spec import CacheSpec
     from v41cp.sharding.hlo_stats import collective_bytes, mesh_axis_groups
 
     n = eng.plan.n if eng.plan else 1

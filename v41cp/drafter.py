@@ -181,7 +181,7 @@ def draft_from_features(params: dict, embed: jax.Array, head: jax.Array, cfg: Mo
     token, then noise) at positions ``anchor … anchor + N − 1`` and sees the features at ``[anchor − W, anchor)``;
     the Markov head reads ``previous_ids [B, A, N]``. ``embed [vocab, H]`` / ``head [H, vocab]``: the target's.
     Returns ``h`` / ``normed [B, A, N, H]``, ``markov`` / ``logits [B, A, N, vocab]`` FP32, ``confidence [B, A,
-    N]`` FP32 — what the cached drafter (`v41cp.serving.speculative`) is checked against."""
+    N]`` FP32 — what the cached drafter (`v41cp.serving.runner.speculative`) is checked against."""
     b, a = anchors.shape
     n, w = block_ids.shape[-1], cfg.sliding_window
     d = Drafter(cfg)

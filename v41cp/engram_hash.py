@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import tokenizers
+from tokenizers import Regex, normalizers
 
 from v41cp.config import ConfigError, ModelConfig
 
@@ -31,9 +33,6 @@ def compressed_token_map(tokenizer) -> tuple[tuple[int, ...], int]:
     space → a lone space kept → Strip; ids whose decoding contains U+FFFD are keyed by their raw
     token string; an empty normalisation keeps the decoded text. Returns ``(map, compressed_vocab)``.
     """
-    import tokenizers
-    from tokenizers import normalizers, Regex
-
     if isinstance(tokenizer, (str, bytes)) or hasattr(tokenizer, "__fspath__"):
         tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer))
     sentinel = "\ue000"

@@ -20,11 +20,13 @@ correctness checks mean anything.
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 from v41cp.kernels import default_splits
 from v41cp.kernels.grouped_matmul import grouped_fp4_matmul
@@ -266,10 +268,6 @@ def run(shapes: str = "flash", contexts=(8192, 131072, 1048576), batches=(1, 16,
     """Every (kernel, context, batch) case, then every expert-GEMM token count → a JSON-ready dict. ``sweep``:
     also time the `SWEEP` kernel parameters of each case (Pallas path only), for choosing the defaults on a GPU.
     ``progress``: a progress bar over the cases on stderr."""
-    import sys
-
-    from tqdm import tqdm
-
     shape = SHAPES[shapes]
     dev = jax.devices()[0]
     out = {"bench": "kernels", "shapes": shapes, "shape": shape, "device": getattr(dev, "device_kind", str(dev)),

@@ -4,10 +4,10 @@ simulated ones), measured from XLA's own cost and memory analysis of the per-dev
 
 `plan_program(cfg, mode, batch, context, parallel, ...)` → the report (a dict):
 
-* ``mode="decode"``: one `v41cp.serving.decode.decode_step` of ``batch`` rows whose requests each hold
+* ``mode="decode"``: one `v41cp.serving.runner.steps.decode_step` of ``batch`` rows whose requests each hold
   ``context`` tokens of history capacity (the cache: ``batch · ⌈context / block_tokens⌉`` pages, split over the
   KVP group; DCP under KVP);
-* ``mode="prefill"``: one `v41cp.serving.span_prefill` pass of ``batch`` prompts of ``context`` tokens in the
+* ``mode="prefill"``: one `v41cp.serving.runner.span_prefill` pass of ``batch`` prompts of ``context`` tokens in the
   topology's layout (model-wide QCP, KVP, operator-local QCP, CED).
 
 Per device, from the compiled program: ``flops``, ``bytes_accessed`` (XLA's cost analysis, each ``while`` loop
@@ -29,11 +29,11 @@ import numpy as np
 from v41cp.ced import ced_boundary, ced_rows
 from v41cp.config import ModelConfig
 from v41cp.model import abstract_params
-from v41cp.serving.dcp import DCPPlan
-from v41cp.serving.decode import DecodeMetadata, decode_step
-from v41cp.serving.paged_cache import cache_layout
-from v41cp.serving.span_metadata import build_span_metadata
-from v41cp.serving.span_prefill import SpanLayout, lower_prefill_span
+from v41cp.serving.attention.dcp import DCPPlan
+from v41cp.serving.cache.paged import cache_layout
+from v41cp.serving.runner.span_metadata import build_span_metadata
+from v41cp.serving.runner.span_prefill import SpanLayout, lower_prefill_span
+from v41cp.serving.runner.steps import DecodeMetadata, decode_step
 from v41cp.sharding.hlo_stats import collectives, dot_flops_by_op, program_cost
 from v41cp.sharding.rules import param_shardings
 

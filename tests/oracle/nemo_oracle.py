@@ -398,9 +398,8 @@ def cmd_greedy(args):
 
 def cmd_dequant(args):
     """The port's own dequantization (dequantize_checkpoint_weight) of every (W, W.scale) pair in --src."""
-    from safetensors.torch import load_file
-
     from nemo_automodel.components.models.deepseek_v41.state_dict_adapter import dequantize_checkpoint_weight
+    from safetensors.torch import load_file
 
     src = load_file(args.src)
     out = {}

@@ -10,6 +10,7 @@ the name mapping to the model's tree, conversion to orbax, and sharded restore.
 * `write_released` — write a parameter-name mapping in the release's quantized layout.
 """
 
+import os
 from pathlib import Path
 
 from v41cp.checkpoint.names import IGNORED_PREFIXES, CheckpointError, params_from_released, released_to_tree
@@ -30,8 +31,6 @@ _CHECKPOINTS = Path(__file__).resolve().parents[2] / "checkpoints"
 
 def default_checkpoint() -> str:
     """The embedded converted tiny checkpoint (``checkpoints/tiny-v41``), or $V41CP_CHECKPOINT."""
-    import os
-
     return os.environ.get("V41CP_CHECKPOINT") or str(_CHECKPOINTS / "tiny-v41")
 
 

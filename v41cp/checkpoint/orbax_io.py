@@ -25,7 +25,9 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import resource
 import shutil
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -34,7 +36,9 @@ from typing import Any
 import flax.linen as nn
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 from jax.sharding import Mesh
+from tqdm import tqdm
 
 from v41cp.checkpoint.names import CheckpointError, drafter_params_from_released, insert
 from v41cp.checkpoint.released import ReleasedCheckpoint, decode_stored, load_config_dir
@@ -50,8 +54,6 @@ PART_BYTES = 256 * 2**20
 
 def _checkpointer():
     """A synchronous orbax checkpointer (each save is complete when it returns)."""
-    import orbax.checkpoint as ocp
-
     return ocp.Checkpointer(ocp.StandardCheckpointHandler())
 
 
@@ -117,9 +119,6 @@ def _convert_subtree(name: str, tmp: str, ckpt: ReleasedCheckpoint | None = None
 
 def _peak_rss() -> dict[str, int]:
     """Peak resident memory of this process and of its largest finished child (a conversion worker), bytes."""
-    import resource
-    import sys
-
     unit = 1 if sys.platform == "darwin" else 1024           # ru_maxrss: bytes on macOS, KiB on Linux
     return {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit,
             "peak_worker_rss_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * unit}
@@ -137,8 +136,6 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | None
     process of its own (host memory: about ``workers`` times one worker's). Returns a summary: tensors, bytes
     read and written, seconds, peak resident memory of this process and of the largest worker.
     """
-    from tqdm import tqdm
-
     t0 = time.perf_counter()
     src, dst = Path(src), Path(dst)
     if dst.exists() and not overwrite:
@@ -248,8 +245,6 @@ def load(path: str | os.PathLike, cfg: ModelConfig | None = None, mesh: Mesh | N
     ``config.json`` (``overrides`` such as ``fake_quant=False`` apply to it); a given ``cfg`` must
     have the checkpoint's shapes and dtype. ``progress``: a progress bar over the subtrees on stderr.
     """
-    from tqdm import tqdm
-
     path = Path(path)
     manifest = path / "manifest.json"
     if not manifest.exists():

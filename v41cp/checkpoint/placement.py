@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
 from v41cp.checkpoint.names import insert
 from v41cp.checkpoint.released import ReleasedCheckpoint
@@ -63,7 +64,6 @@ def place_released(ckpt: ReleasedCheckpoint, shardings: dict, *, workers: int | 
     """(parameter tree of ``jax.Array``s placed with ``shardings`` — a tree of ``NamedSharding``s in the model's
     layout —, `LoadReport`). Each device's shard is read from the memory maps by itself."""
     import jax
-    from tqdm import tqdm
 
     workers = max(1, workers or min(8, os.cpu_count() or 1))
     report = LoadReport(workers=workers)

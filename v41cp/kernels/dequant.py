@@ -1,4 +1,4 @@
-"""In-kernel decoders of the cache record formats (`v41cp.serving.records`), written with integer and
+"""In-kernel decoders of the cache record formats (`v41cp.serving.cache.records`), written with integer and
 bit operations only, so that they lower to Triton and give exactly `records.decode`'s values.
 
 The FP4 formats pack channel ``2i`` in the low nibble and ``2i+1`` in the high nibble of byte ``i``.

@@ -146,7 +146,7 @@ class Attention(nn.Module):
 
     Modes differ only in where keys are read from: *full* (``rows`` None) — the rows are a whole sequence
     ``x [B,S,H]`` from position 0 and every key comes from them; *cached* (``rows`` a
-    `v41cp.serving.paged_rows.PagedRows`, ``x [B,R,H]`` rows continuing each request's history) — window
+    `v41cp.serving.attention.paged_rows.PagedRows`, ``x [B,R,H]`` rows continuing each request's history) — window
     keys, compressed entries and index keys come from the paged ``cache`` through that backend, which the layer
     updates and returns. The projections, the compressor, the index keys and queries and the output are this
     module's, in both modes."""

@@ -6,7 +6,7 @@ Ratio 1: an unpooled projection ``norm(x·wkv)`` per row. The output is the pre-
 
 The full-sequence forward pools whole groups of its rows (`Compressor.__call__`; a trailing incomplete group
 contributes nothing); the cached modes pool each group's rows as they arrive — the group's earlier rows come
-from the cache's open group or from earlier rows of the same step (`v41cp.serving.paged_rows`) — through the
+from the cache's open group or from earlier rows of the same step (`v41cp.serving.attention.paged_rows`) — through the
 same `pool_group` and `Compressor.finish`. (V4's overlapping ratio 4 / ratio 128 groups fit the same routine:
 a group is a row window of ``pool_group``.)
 """

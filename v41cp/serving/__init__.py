@@ -1,18 +1,29 @@
-"""Serving: paged V4.1 caches, prefill, the static-capacity jitted decode step, the engine and the HTTP API.
+"""Serving: the engine and its rooms.
 
-* `cache_spec` / `allocator` / `records` / `paged_cache` — the decode-state layout (exact byte accounting), block
-  tables and batch slots, the release's cache byte records, the cache's reads and writes;
-* `paged_rows` — the cached-rows backend the one model (`v41cp.model.Transformer`) reads its keys through;
-  `decode` (the decode step, multi-row verification + commit, token-serial prefill chunks), `dcp` (KVP pages,
-  DCP selection and attention), `kernel_ops`; `span_metadata` / `span_prefill` (one-pass prefill, model-wide /
-  operator-local QCP);
-* `engine` — `Engine`, `Capacity`, `SamplingParams`: continuous batching over the compiled buckets;
-* `text` — the checkpoint's tokenizer and chat format, streaming detokenization with stop strings;
-* `engine_loop` — one engine thread serving many asyncio callers; `openai_protocol` (request bodies and the
-  field policy) / `openai_api` / `server` — the OpenAI-compatible HTTP server (``python -m v41cp serve``).
+* `engine` — `Engine`, `Capacity`, `SamplingParams`: continuous batching over the compiled steps;
+* `cache` — the paged device cache, the page allocator, slot and request states, prefix caching;
+* `attention` — the backends the one model reads its keys through (paged rows, KVP / DCP, model-wide QCP);
+* `runner` — the jitted steps (decode, verify, prefill), their metadata, speculative decoding;
+* `api` — the OpenAI-compatible HTTP server, the engine loop, the tokenizer and chat format;
+* `pd` — prefill / decode disaggregation; `multihost` — one engine across processes.
+
+The public names are importable from here (loaded on first use).
 """
 
-from v41cp.serving.allocator import AllocationError, BlockAllocator
-from v41cp.serving.cache_spec import CacheGroup, CacheSpec
+import importlib
 
-__all__ = ["AllocationError", "BlockAllocator", "CacheGroup", "CacheSpec"]
+_PUBLIC = {
+    "Engine": "v41cp.serving.engine", "Capacity": "v41cp.serving.engine", "SamplingParams": "v41cp.serving.engine",
+    "RequestError": "v41cp.serving.engine", "EngineFull": "v41cp.serving.engine",
+    "Speculative": "v41cp.serving.runner.speculative", "DisaggregatedEngine": "v41cp.serving.pd.engines",
+    "AllocationError": "v41cp.serving.cache.allocator", "BlockAllocator": "v41cp.serving.cache.allocator",
+    "CacheGroup": "v41cp.serving.cache.spec", "CacheSpec": "v41cp.serving.cache.spec",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name):
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'v41cp.serving' has no attribute {name!r}")

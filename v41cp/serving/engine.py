@@ -6,11 +6,11 @@ each reserves the blocks for its whole prompt + output budget, so no running req
 preempted) and prefills them (a prefill round, chunk by chunk), then runs one decode round for every
 running request. Sampling is greedy, or temperature / top-p with a per-request seed (deterministic:
 the draw of output token ``i`` uses ``default_rng([seed, i])``). A request stops on EOS (unless
-disabled) or after ``max_new_tokens``; `cancel` frees it at once. With ``speculative`` (`v41cp.serving.speculative`:
+disabled) or after ``max_new_tokens``; `cancel` frees it at once. With ``speculative`` (`v41cp.serving.runner.speculative`:
 the DSpark drafter, or injected proposals) a decode round drafts ``n`` tokens per request, verifies them in one
 ``n + 1``-row step and keeps the accepted ones (greedy tokens as without it; sampling lossless).
 With ``Capacity(prefix_caching=True)`` a prompt that starts with cached whole blocks reuses their pages and the
-stored slot state and prefills only the rest (`v41cp.serving.prefix_cache`): bit-identical to a cold prefill.
+stored slot state and prefills only the rest (`v41cp.serving.cache.prefix`): bit-identical to a cold prefill.
 """
 
 from __future__ import annotations
@@ -26,9 +26,26 @@ import numpy as np
 from v41cp.config import ModelConfig
 from v41cp.engram_hash import engram_hash_ids
 from v41cp.model import embedding_and_head, shard_params
-from v41cp.serving.allocator import BlockAllocator, content_residue
-from v41cp.serving.dcp import DCPPlan
-from v41cp.serving.decode import (
+from v41cp.serving.attention.dcp import DCPPlan
+from v41cp.serving.cache.allocator import BlockAllocator, content_residue
+from v41cp.serving.cache.prefix import PrefixCache
+from v41cp.serving.cache.prefix import admit as prefix_admit
+from v41cp.serving.cache.prefix import grow as prefix_grow
+from v41cp.serving.cache.request_state import request_state
+from v41cp.serving.cache.slot_state import put_slot_state, state_bytes, take_slot_state
+from v41cp.serving.multihost.fetch import fetch
+from v41cp.serving.runner.span_metadata import build_span_metadata, round_up, row_capacities
+from v41cp.serving.runner.span_prefill import SpanLayout, prefill_span
+from v41cp.serving.runner.span_prefill import compile_count as span_compile_count
+from v41cp.serving.runner.speculative import (
+    Speculative,
+    accept_drafts,
+    check_speculative,
+    draft_step,
+    init_draft_cache,
+    write_draft_context,
+)
+from v41cp.serving.runner.steps import (
     DecodeMetadata,
     StepRows,
     ced_boundary,
@@ -39,23 +56,6 @@ from v41cp.serving.decode import (
     init_cache,
     prefill_chunk,
     verify_step,
-)
-from v41cp.serving.host import fetch
-from v41cp.serving.prefix_cache import PrefixCache
-from v41cp.serving.prefix_cache import admit as prefix_admit
-from v41cp.serving.prefix_cache import grow as prefix_grow
-from v41cp.serving.request_state import request_state
-from v41cp.serving.slot_state import put_slot_state, state_bytes, take_slot_state
-from v41cp.serving.span_metadata import build_span_metadata, round_up, row_capacities
-from v41cp.serving.span_prefill import SpanLayout, prefill_span
-from v41cp.serving.span_prefill import compile_count as span_compile_count
-from v41cp.serving.speculative import (
-    Speculative,
-    accept_drafts,
-    check_speculative,
-    draft_step,
-    init_draft_cache,
-    write_draft_context,
 )
 from v41cp.sharding.topology import ParallelConfig
 
@@ -86,12 +86,12 @@ class Capacity:
     num_blocks: int | None = None          # default: enough for max_batch full requests
     prefill_chunk: int = 32
     ced: bool = False                      # CED narrowing of prefill (exact; off by default)
-    # prefill admissions in one pass per round (`v41cp.serving.span_prefill`) instead of token-serial chunks;
+    # prefill admissions in one pass per round (`v41cp.serving.runner.span_prefill`) instead of token-serial chunks;
     # always on under model-wide QCP
     span_prefill: bool = False
     span_chunk: int | None = None          # span prefill rows per request per pass (None: the whole prompt)
     max_waiting: int = 64                  # queued requests beyond this are rejected at submit
-    # exact prefix caching (token-serial prefill; `v41cp.serving.prefix_cache`) and its stored slot states at most
+    # exact prefix caching (token-serial prefill; `v41cp.serving.cache.prefix`) and its stored slot states at most
     prefix_caching: bool = False
     prefix_states: int | None = None       # default: 4 per batch slot
 
@@ -201,11 +201,11 @@ class Engine:
     """See the module docstring. ``mesh``: run with parameters sharded over its attention-TP axes (TP_RULES).
     ``parallel`` (`ParallelConfig`): the topology — builds the mesh over the first ``tp · dp`` devices
     (unless ``mesh`` is given) and, with ``kv_parallel_size > 1``, splits the global cache pages over the KVP
-    group and decodes with DCP (`v41cp.serving.dcp`); prefill then also runs through the owner-masked
+    group and decodes with DCP (`v41cp.serving.attention.dcp`); prefill then also runs through the owner-masked
     cached path (token-serial chunks; every rank computes the complete span and writes what it owns).
     With ``query_context_parallel_size > 1`` (model-wide QCP; KVP 1 or equal to it), operator-local indexer /
     attention QCP, or ``Capacity(span_prefill=True)`` the admissions of a round are prefilled in one span-prefill pass
-    (`v41cp.serving.span_prefill`), whose caches the decode step (DCP under KVP) reads as they are."""
+    (`v41cp.serving.runner.span_prefill`), whose caches the decode step (DCP under KVP) reads as they are."""
 
     def __init__(self, params, cfg: ModelConfig, capacity: Capacity = Capacity(), mesh=None,
                  parallel: ParallelConfig | None = None, speculative: Speculative | None = None,
@@ -409,7 +409,7 @@ class Engine:
         """Take over request ``rid`` prefilled elsewhere (a decode-role engine): reserve its slot and the blocks of
         its whole budget (page cycle from ``residue``; default the content placement) and register it running with
         ``output`` (its first token(s)). Returns its block ids — the caller then fills its pages and slot state
-        (`v41cp.serving.pd_transfer`) — or None when it does not fit now (nothing changed)."""
+        (`v41cp.serving.pd.transfer`) — or None when it does not fit now (nothing changed)."""
         if rid in self.requests and self.requests[rid].status in ("waiting", "running"):
             raise RequestError(f"request id {rid!r} is already active", "request_id")
         req = _Request(rid, [int(t) for t in prompt], sampling, output=[int(t) for t in output],
@@ -455,7 +455,7 @@ class Engine:
     # ------------------------------------------------------------------ admission and prefix caching
     def _admit(self, req: _Request, need: int) -> bool:
         """Reserve ``need`` tokens of blocks and a slot for ``req`` (False: not now); with prefix caching it
-        reuses its prompt's longest cached prefix (`v41cp.serving.prefix_cache.admit`) and its slot gets the
+        reuses its prompt's longest cached prefix (`v41cp.serving.cache.prefix.admit`) and its slot gets the
         state stored there."""
         if self.prefix is None:
             residue = content_residue(req.prompt, self.capacity.block_tokens, self.alloc.n)
@@ -635,7 +635,7 @@ class Engine:
         self.stats["decode_s"] += time.perf_counter() - t0
 
     def _decode_speculative(self, rows: list[_Request]) -> None:
-        """One speculative round (`v41cp.serving.speculative`): draft, verify ``n + 1`` rows, accept, commit."""
+        """One speculative round (`v41cp.serving.runner.speculative`): draft, verify ``n + 1`` rows, accept, commit."""
         t0 = time.perf_counter()
         cfg, b, mb, spec = self.cfg, self.capacity.max_batch, self.capacity.max_blocks, self.speculative
         n, r = spec.num_draft_tokens, spec.num_draft_tokens + 1
@@ -719,7 +719,7 @@ class Engine:
                 "pages_per_device": self.num_blocks // (self.plan.n if self.plan else 1)}
 
     def request_state(self, rid) -> dict:
-        """Running request ``rid``'s decode state as host bytes (`v41cp.serving.request_state`): its complete
+        """Running request ``rid``'s decode state as host bytes (`v41cp.serving.cache.request_state`): its complete
         entries of every global group as stored, and its slot state; ``tokens``: the positions it holds."""
         req = self.requests.get(rid)
         if req is None or req.status != "running":

@@ -1,5 +1,5 @@
 """Operator-local QCP: the two shard_map islands over attention TP and when they apply (one implementation for
-every mode — the full-sequence forward's layers and the cached rows of `v41cp.serving.paged_rows` use them
+every mode — the full-sequence forward's layers and the cached rows of `v41cp.serving.attention.paged_rows` use them
 through thin operand adapters: `v41cp.layers.attention.query_parallel_attention / query_parallel_rows`,
 `v41cp.layers.indexer.query_parallel_select / query_parallel_select_rows`).
 

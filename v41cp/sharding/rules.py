@@ -7,15 +7,15 @@ config with, say, 4 heads still runs on an 8-way TP mesh), and `logical_sharding
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Sequence
-
-import logging
 
 import flax.linen as nn
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ INDEXER_QCP_RULES = AxisRules(tuple((k, None if k == "index_heads" else v) for k
 # Model-wide QCP: a rank attends its own rows with every head, so attention and indexer query / output
 # projections (the q-LoRA down projection and the router too) are replicated; expert / MLP widths, vocab and Engram rows stay
 # split over attention TP (MoE, embedding, head and Engram run as gather → local slice → reduce-scatter,
-# `v41cp.serving.span_prefill`).
+# `v41cp.serving.runner.span_prefill`).
 QCP_RULES = AxisRules(tuple((k, None if k in ("heads", "o_groups", "index_heads", "q_latent", "router_out") else v)
                             for k, v in TP_RULES.rules))
 

@@ -11,7 +11,7 @@ local row ``v // N`` (`v41cp.sharding.ownership`). A request's ``i``-th block is
 ``(i + s) % N``, where ``s`` (its first block's residue) is chosen at admission as the feasible residue
 with the most free blocks, so every request's pages are cyclic over the ranks and the ranks fill evenly.
 
-Prefix caching (`v41cp.serving.prefix_cache`): a request may start with *shared* blocks it reads but never
+Prefix caching (`v41cp.serving.cache.prefix`): a request may start with *shared* blocks it reads but never
 writes or frees (``admit(..., prefix=...)``; its own blocks continue the prefix's residue class), and may hand
 blocks it wrote to the cache (`give`); the cache returns blocks it evicts with `free`.
 """

@@ -1,7 +1,7 @@
-"""OpenAI-compatible HTTP API over an `EngineLoop` (FastAPI app; served by uvicorn in `v41cp.serving.server`).
+"""OpenAI-compatible HTTP API over an `EngineLoop` (FastAPI app; served by uvicorn in `v41cp.serving.api.server`).
 
 Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``.
-Request bodies are parsed and checked by `v41cp.serving.openai_protocol`: the fields honoured follow the OpenAI
+Request bodies are parsed and checked by `v41cp.serving.api.protocol`: the fields honoured follow the OpenAI
 API (``model``, ``prompt`` as text or token ids / ``messages``, ``max_tokens`` (chat also
 ``max_completion_tokens``), ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``,
 ``stream_options.include_usage``), with the extensions ``ignore_eos``, ``return_token_ids`` and (chat)
@@ -27,11 +27,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from v41cp.serving.api.engine_loop import EngineLoop, LoopClosed, RequestHandle
+from v41cp.serving.api.protocol import (
+    MAX_BODY_BYTES,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestBase,
+    parse_request,
+)
+from v41cp.serving.api.text import ChatFormatError, TextCodec
 from v41cp.serving.engine import EngineFull, RequestError, SamplingParams
-from v41cp.serving.engine_loop import EngineLoop, LoopClosed, RequestHandle
-from v41cp.serving.openai_protocol import (MAX_BODY_BYTES, ApiError, ChatCompletionRequest, CompletionRequest,
-                                           RequestBase, parse_request)
-from v41cp.serving.text import ChatFormatError, TextCodec
 
 __all__ = ["build_app"]
 

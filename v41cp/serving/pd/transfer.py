@@ -12,7 +12,7 @@ rank ``src[i] mod Np``, row ``src[i] // Np``); a decode-role engine (KVP = DCP `
 
 Only complete entries move — ``tokens // ratio`` per group, so a partial last page ships no stale rows — as stored
 (record bytes ``{"q", "s"}`` uint8 copied as they are: no dequantize / requantize). The replicated slot state (window
-rings, open ratio-2 pairs; `v41cp.serving.slot_state`) travels with it to every decode device. `execute` moves the
+rings, open ratio-2 pairs; `v41cp.serving.cache.slot_state`) travels with it to every decode device. `execute` moves the
 bytes device to device (one gather on the source device, one copy per receiving device, one scatter there) and
 returns the bytes it moved, which equal `TransferPlan.bytes` exactly.
 """
@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from v41cp.serving.paged_cache import entries_per_block, store_rows
-from v41cp.serving.slot_state import put_slot_state, state_bytes, take_slot_state
+from v41cp.serving.cache.paged import entries_per_block, store_rows
+from v41cp.serving.cache.slot_state import put_slot_state, state_bytes, take_slot_state
 
 __all__ = ["TransferPlan", "check_sizes", "plan_transfer", "execute", "shard_rank"]
 

@@ -2,7 +2,7 @@
 
 `run_server(engine, codec, model_name, host, port)` warms the engine up (compiles the prefill and decode
 programs of its bucket before the first request, with a progress bar), starts the `EngineLoop` thread and
-serves `v41cp.serving.openai_api.build_app` with uvicorn. On SIGINT / SIGTERM the loop is shut down first,
+serves `v41cp.serving.api.app.build_app` with uvicorn. On SIGINT / SIGTERM the loop is shut down first,
 so every request still in flight gets an error response (streams: an error event, then ``[DONE]``) instead
 of holding the shutdown; then uvicorn closes the connections and exits.
 
@@ -19,11 +19,14 @@ from __future__ import annotations
 import sys
 import time
 
-from v41cp.serving.control_plane import ControlPlane, follow
+import uvicorn
+from tqdm import tqdm
+
+from v41cp.serving.api.app import build_app
+from v41cp.serving.api.engine_loop import EngineLoop
+from v41cp.serving.api.text import TextCodec
 from v41cp.serving.engine import Engine, SamplingParams
-from v41cp.serving.engine_loop import EngineLoop
-from v41cp.serving.openai_api import build_app
-from v41cp.serving.text import TextCodec
+from v41cp.serving.multihost.control_plane import ControlPlane, follow
 
 __all__ = ["run_follower", "run_server", "warm_up"]
 
@@ -31,8 +34,6 @@ __all__ = ["run_follower", "run_server", "warm_up"]
 def warm_up(engine: Engine, progress: bool = True) -> dict:
     """Compile the engine's programs by serving one short request through every stage (prefill, decode);
     returns its seconds. Leaves the engine as it was (the request is released)."""
-    from tqdm import tqdm
-
     n = max(1, min(4, engine.capacity.max_tokens - 2))
     rid = ("warm-up", time.time())
     engine.submit(rid, [0] * n, SamplingParams(max_new_tokens=2, stop_on_eos=False))
@@ -49,8 +50,6 @@ def warm_up(engine: Engine, progress: bool = True) -> dict:
 
 def run_server(engine: Engine, codec: TextCodec | None, model_name: str, host: str = "127.0.0.1", port: int = 8000,
                progress: bool = True, log_level: str = "info", control: ControlPlane | None = None) -> None:
-    import uvicorn
-
     stages = warm_up(engine, progress)
     print(f"v41cp: warm-up compile {stages['warm_up_s']} s; serving {model_name!r} on http://{host}:{port}", file=sys.stderr,
           flush=True)

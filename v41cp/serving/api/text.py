@@ -14,10 +14,15 @@ Everything here is host-side Python; nothing touches the engine or a device.
 
 from __future__ import annotations
 
+import datetime
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
 
 __all__ = ["ChatFormatError", "TextCodec", "TextStream", "normalize_messages"]
 
@@ -77,8 +82,6 @@ class TextCodec:
     @classmethod
     def from_checkpoint(cls, path) -> "TextCodec":
         """Read ``tokenizer.json`` (required) and the chat format (optional) of checkpoint directory ``path``."""
-        from tokenizers import Tokenizer
-
         path = Path(path)
         tok_file = path / "tokenizer.json"
         if not tok_file.exists():
@@ -132,15 +135,10 @@ class TextCodec:
             raise ChatFormatError(f"checkpoint {self.path!r} provides no chat format (no chat_template in "
                                   "tokenizer_config.json, no chat_template.jinja): send a plain prompt instead")
         if self._compiled is None:
-            from jinja2 import TemplateError
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
             def raise_exception(message):
                 raise ChatFormatError(f"chat template: {message}")
 
             def strftime_now(fmt):
-                import datetime
-
                 return datetime.datetime.now().strftime(fmt)
 
             # the environment transformers renders chat templates in: loop controls, a non-ASCII-escaping
@@ -154,7 +152,6 @@ class TextCodec:
                 self._compiled = env.from_string(self.chat_template)
             except TemplateError as e:
                 raise ChatFormatError(f"checkpoint {self.path!r}: the chat template does not parse: {e}") from e
-        from jinja2 import TemplateError
 
         try:
             return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,

@@ -1,5 +1,5 @@
 """Cached rows' attention and index selection through `v41cp.kernels` (``attention_backend`` /
-``indexer_backend`` = ``"pallas"``), reading the paged caches in place (`v41cp.serving.paged_rows`).
+``indexer_backend`` = ``"pallas"``), reading the paged caches in place (`v41cp.serving.attention.paged_rows`).
 
 The XLA path gathers a request's whole compressed history (``[B, G, ·]``) and its index keys before scoring
 and attending. These helpers hand the kernels the pools as stored instead

@@ -1,4 +1,4 @@
-"""Host-built metadata of one span prefill (`v41cp.serving.span_prefill`): a batch of fresh prompts, their
+"""Host-built metadata of one span prefill (`v41cp.serving.runner.span_prefill`): a batch of fresh prompts, their
 rows laid out per rank by the model-wide QCP row plan (`v41cp.sharding.query_shard.QueryShardPlan`).
 
 Layouts (``N`` ranks, ``C`` = `capacity` local rows per rank, ``B`` batch rows, ``S`` = `span` padded prompt

@@ -1,10 +1,10 @@
 """A request's bounded state outside the pages — its batch slot's rows — taken out of and put into the caches.
 
-The slot state of ``slot`` (`v41cp.serving.paged_cache` layout): the window ring of every layer ``swa[:, slot]``
+The slot state of ``slot`` (`v41cp.serving.cache.paged` layout): the window ring of every layer ``swa[:, slot]``
 (``[L, W, ·]``, stored bytes as they are), the open ratio-2 pair ``open_kv[g][slot] / open_score[g][slot]``
 (``[D]`` FP32 each), and with a drafter its context window ``keys[:, slot]`` (``[stages, W, D]``). Replicated on
 every rank under KVP (only pages are split), so a snapshot is too. What prefix caching stores at a block boundary
-(`v41cp.serving.prefix_cache`) and what a prefill → decode transfer carries besides the pages.
+(`v41cp.serving.cache.prefix`) and what a prefill → decode transfer carries besides the pages.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ parallel, not token-serial), writing the paged decode caches and returning the l
 rows backend and the shard the modules get:
 
 * one device, or GSPMD over a plain-TP / KVP mesh (``query_parallel=False``): the pass's rows as packed cached
-  rows (`v41cp.serving.paged_rows`: the requests' rows back to back, ``rows`` = the metadata's row capacity, so
+  rows (`v41cp.serving.attention.paged_rows`: the requests' rows back to back, ``rows`` = the metadata's row capacity, so
   a ragged batch computes Σ lengths rows, not batch × longest; KVP through the DCP islands, operator-local QCP
   through the layers' islands);
 * **model-wide QCP** (``query_parallel=True``, N = attention TP): one ``jax.shard_map`` over attention TP. Each
@@ -14,7 +14,7 @@ rows backend and the shard the modules get:
   the `v41cp.sharding.row_group.RowGroup` (attention replicated — a rank attends its own rows with every head
   against the complete history, no partial attention is merged —; vocab, expert / MLP widths and Engram rows
   split: split lookups and gather → local slice → reduce-scatter) and the rows backend is
-  `v41cp.serving.qcp_rows.QCPRows` (window KV, compressor pairs and entries all-gathered to span order, so a
+  `v41cp.serving.attention.qcp_rows.QCPRows` (window KV, compressor pairs and entries all-gathered to span order, so a
   rank boundary is never a pairing or cache boundary; every rank writes the same cache rows, owner-masked when
   KVP = QCP; ranks without rows still join every collective); the head multiplies only the sampled rows and
   returns vocab-sharded logits.
@@ -24,7 +24,7 @@ prompt) stop at the CED boundary's cache writes; the decoder layers run only the
 again, at most the metadata's ``dec_capacity`` rows in all; QCP: each retained row on the rank that owned it,
 ``dec_slots``).
 
-Caches after the call equal those of the token-serial prefill of the same prompts (`v41cp.serving.decode`):
+Caches after the call equal those of the token-serial prefill of the same prompts (`v41cp.serving.runner.steps`):
 SWA ring rows of the last ``W`` positions, every complete compressed entry and index key of each KV source in
 the prompt's pages, and the open ratio-2 pair's projections. A prompt may be prefilled in passes
 (``meta.starts``): a later pass (``meta.continued``) reads the cached history — window rows from the SWA ring
@@ -48,11 +48,11 @@ from v41cp.drafter import target_features
 from v41cp.kernels import interpret_mode
 from v41cp.layers.tiled_select import ROW_TILE_BYTES
 from v41cp.model import Transformer, abstract_params
-from v41cp.serving.dcp import DCPPlan
-from v41cp.serving.decode import _forward_rows
-from v41cp.serving.paged_rows import StepRows
-from v41cp.serving.qcp_rows import QCPRows
-from v41cp.serving.span_metadata import SpanMetadata
+from v41cp.serving.attention.dcp import DCPPlan
+from v41cp.serving.attention.paged_rows import StepRows
+from v41cp.serving.attention.qcp_rows import QCPRows
+from v41cp.serving.runner.span_metadata import SpanMetadata
+from v41cp.serving.runner.steps import _forward_rows
 from v41cp.sharding.mesh import ATTN_TP, CP
 from v41cp.sharding.row_group import RowGroup
 from v41cp.sharding.rules import QCP_RULES, ShardingContext, logical_sharding, param_shardings

@@ -1,6 +1,6 @@
 """The static-capacity cached steps over the paged V4.1 caches: decode, verification, token-serial prefill.
 
-Every step is the one model (`v41cp.model.Transformer`) over cached rows (`v41cp.serving.paged_rows`):
+Every step is the one model (`v41cp.model.Transformer`) over cached rows (`v41cp.serving.attention.paged_rows`):
 
 * `decode_step(params, cache, meta, cfg)` — one new token per active batch row (`DecodeMetadata`);
 * `verify_step(params, cache, rows, cfg)` — ``k`` new rows per request in one step (`StepRows`, static
@@ -12,12 +12,12 @@ Every step is the one model (`v41cp.model.Transformer`) over cached rows (`v41cp
 
 Shapes depend only on capacity (``max_batch`` / ``max_blocks`` / ``rows`` static, the cache's ``num_blocks``),
 never on current lengths, so each step compiles once per bucket; metadata is refreshed on the host every step.
-Inactive rows write nothing (their scatter indices point out of bounds). ``plan`` (`v41cp.serving.dcp.DCPPlan`)
+Inactive rows write nothing (their scatter indices point out of bounds). ``plan`` (`v41cp.serving.attention.dcp.DCPPlan`)
 runs KVP / DCP: owner-masked writes, the exact distributed top-k and the LSE-merged attention, per row; a
 ``DCPPlan.split_selection`` plan (plain attention TP, replicated pages) splits only the selection's scoring over
 the TP ranks, so that no collective of the step grows with the history.
 
-The cache layout is `v41cp.serving.paged_cache` (``init_cache`` re-exported here). Engram hash ids of each row's
+The cache layout is `v41cp.serving.cache.paged` (``init_cache`` re-exported here). Engram hash ids of each row's
 token are host metadata (`engram_ids_for_last`).
 """
 
@@ -35,10 +35,10 @@ from v41cp.config import ModelConfig
 from v41cp.drafter import target_features
 from v41cp.engram_hash import engram_hash_ids
 from v41cp.model import Transformer
-from v41cp.serving import paged_cache as pc
-from v41cp.serving.dcp import DCPPlan
-from v41cp.serving.paged_cache import init_cache
-from v41cp.serving.paged_rows import PagedRows, StepRows
+from v41cp.serving.attention.dcp import DCPPlan
+from v41cp.serving.attention.paged_rows import PagedRows, StepRows
+from v41cp.serving.cache import paged as pc
+from v41cp.serving.cache.paged import init_cache
 
 __all__ = ["DecodeMetadata", "StepRows", "init_cache", "decode_step", "verify_step", "commit_rows", "prefill_chunk",
            "engram_ids_for_last", "ced_boundary", "ced_rows"]
@@ -115,7 +115,7 @@ def _forward_rows(params: dict, cache: dict, meta: StepRows, cfg: ModelConfig, p
 @partial(jax.jit, static_argnames=("cfg", "plan"), donate_argnames=("cache",))
 def decode_step(params: dict, cache: dict, meta: DecodeMetadata, cfg: ModelConfig, plan: DCPPlan | None = None):
     """One token for every active row: ``(logits [max_batch, vocab] FP32, updated cache)``.
-    ``plan``: KVP/DCP layout (`v41cp.serving.dcp.DCPPlan`; the cache from ``init_cache(..., plan=plan)``)."""
+    ``plan``: KVP/DCP layout (`v41cp.serving.attention.dcp.DCPPlan`; the cache from ``init_cache(..., plan=plan)``)."""
     logits, cache, _, _ = _forward_rows(params, cache, _rows_of(meta), cfg, plan)
     return logits[:, 0], cache
 

@@ -6,7 +6,7 @@ virtual blocks ``l·N + r`` (`v41cp.sharding.ownership`). Everything else of the
 compressor tails) is replicated. Three operations run per compressed layer and row, each a shard_map island in
 the otherwise GSPMD-partitioned step:
 
-* writes (`v41cp.serving.paged_cache.write_owned`) — the new compressed entry / index key is computed by
+* writes (`v41cp.serving.cache.paged.write_owned`) — the new compressed entry / index key is computed by
   every rank (replicated) and written only by the owner of its page, at the local row;
 * `select` — index sources score their owned index keys in tiles of pages with a running local top-k and
   block maxima (`v41cp.layers.topk_scan`: temporaries of one tile, not of the history) and run the exact
@@ -27,21 +27,27 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from v41cp.config import LayerRole, ModelConfig
 from v41cp.kernels import interpret_mode
 from v41cp.kernels.indexer_topk import index_block_maxima, indexer_topk
-from v41cp.kernels.sparse_attention import flatten_store, sparse_attention
 from v41cp.kernels.indexer_topk.reference import index_scores
+from v41cp.kernels.sparse_attention import flatten_store, sparse_attention
 from v41cp.layers.topk_scan import SCAN_TILE_BYTES, scan_topk, tile_count
-from v41cp.sharding.dist_topk import (distributed_blocks, distributed_candidate_blocks_from_maxima, entries_in_kept,
-                                      gather_merge_topk, kept_block_mask)
+from v41cp.serving.cache.records import record_bytes
+from v41cp.sharding.dist_topk import (
+    distributed_blocks,
+    distributed_candidate_blocks_from_maxima,
+    entries_in_kept,
+    gather_merge_topk,
+    kept_block_mask,
+)
 from v41cp.sharding.lse_merge import apply_sink, merge_a2a, merge_ag_rs, partial_attention
 from v41cp.sharding.mesh import ATTN_TP, CP
 from v41cp.sharding.ownership import owned_positions
 from v41cp.sharding.topology import ParallelConfig
-from v41cp.serving.records import record_bytes
 
 __all__ = ["DCPPlan", "select", "attend", "gather_history", "gather_owned_records", "collective_plan"]
 

@@ -101,7 +101,7 @@ class CacheSpec:
 
     @property
     def prefix_state_bytes(self) -> int:
-        """Bytes of one stored slot state (`v41cp.serving.slot_state`, without a drafter): the window rings of
+        """Bytes of one stored slot state (`v41cp.serving.cache.slot_state`, without a drafter): the window rings of
         every layer and the open ratio-2 pairs — what exact prefix caching keeps per reusable boundary."""
         return self.swa_bytes_per_request + self.compressor_state_bytes_per_request
 

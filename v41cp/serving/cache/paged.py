@@ -12,7 +12,7 @@ Layout (`init_cache`; ``B`` batch slots, ``NB`` logical blocks of ``block_tokens
 * ``open_kv[g] / open_score[g] [B, D]`` FP32 — the open ratio-2 pair's first row (its compressor projections).
 
 A *store* is either an array of values (model dtype; fake-quantized on write when ``cfg.fake_quant``) or the
-release's byte records ``{"q": payload uint8, "s": scale uint8}`` (`v41cp.serving.records`; FP8 window rows,
+release's byte records ``{"q": payload uint8, "s": scale uint8}`` (`v41cp.serving.cache.records`; FP8 window rows,
 NVFP4 compressed KV, MXFP4 index keys). Reading a record store decodes to exactly the fake-quant values.
 
 KVP (`init_cache(..., plan=...)`): the global pools' block dimension is split over the mesh's ``cp`` axis; rank
@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from v41cp.config import LayerRole, ModelConfig
 from v41cp.layers.common import dtype_of
 from v41cp.quant import FAKE_QUANT
-from v41cp.serving.records import RECORD_FORMATS, decode, encode
+from v41cp.serving.cache.records import RECORD_FORMATS, decode, encode
 from v41cp.sharding.mesh import CP
 from v41cp.sharding.ownership import is_owned, local_row, owner
 
@@ -55,7 +56,7 @@ def init_cache(cfg: ModelConfig, num_blocks: int, block_tokens: int, max_batch: 
     committed to ``sharding`` (default: the first device) so that every step sees the same input types.
 
     ``records`` (default: ``cfg.fake_quant``) stores the release's byte records; otherwise values in the model
-    dtype (fake-quantized when ``cfg.fake_quant``). ``plan`` (KVP, a `v41cp.serving.dcp.DCPPlan`):
+    dtype (fake-quantized when ``cfg.fake_quant``). ``plan`` (KVP, a `v41cp.serving.attention.dcp.DCPPlan`):
     ``num_blocks`` counts virtual blocks (a multiple of the group size N); the global pools are split over
     the mesh's ``cp`` axis (each rank allocates ``num_blocks / N`` pages), everything else is replicated."""
     layout = cache_layout(cfg, num_blocks, block_tokens, max_batch, sharding, records, plan)

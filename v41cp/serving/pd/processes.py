@@ -2,14 +2,14 @@
 
 `CrossProcessDisaggregatedEngine(params, cfg, capacity, prefill, decode)` is what `DisaggregatedEngine` is inside
 one program, with each role's `Engine` on its own process's ``L`` local devices (the same device count on both: the
-transfer pairs them one to one, `v41cp.serving.pd_wire`). Both processes construct it and call the same methods in
+transfer pairs them one to one, `v41cp.serving.pd.wire`). Both processes construct it and call the same methods in
 the same order (SPMD host control, as every multi-process command does); each `step` is, on both:
 
 1. process 0 runs the prefill role's admission round and broadcasts what it has: the requests its first token ended
    (their results) and the prefilled ones, FIFO, with their prompt, sampling, first token, its logits and blocks;
 2. process 1's decode role adopts them in order while it has room (the page cycle continues the prefill's when the
    KVP sizes are equal) and broadcasts the accepted requests' blocks;
-3. for each accepted request both processes build its page-owner `TransferPlan` (`v41cp.serving.pd_transfer`,
+3. for each accepted request both processes build its page-owner `TransferPlan` (`v41cp.serving.pd.transfer`,
    deterministic from the two block lists) and run the transfer collective: process 0 sends, hands the request off
    and frees its pages; process 1 receives into its pages and slot;
 4. process 1 runs a decode round and broadcasts each request's new tokens, its status, the transfer records (bytes
@@ -17,7 +17,7 @@ the same order (SPMD host control, as every multi-process command does); each `s
 
 Every process keeps a view of every request (``requests``: prompt, output so far, status), so rank 0 prints the
 results. Refused: prefix caching, speculative decoding (as in one program), `serve` (rank 0's HTTP requests would
-need broadcasting to this protocol, `v41cp.serving.control_plane`), and more or fewer than two processes.
+need broadcasting to this protocol, `v41cp.serving.multihost.control_plane`), and more or fewer than two processes.
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ import jax
 import numpy as np
 
 from v41cp.config import ModelConfig
-from v41cp.serving.allocator import BlockAllocator
-from v41cp.serving.control_plane import broadcast_json
-from v41cp.serving.disaggregated import TwoRoles
+from v41cp.serving.cache.allocator import BlockAllocator
+from v41cp.serving.cache.slot_state import slot_state_bytes, take_slot_state
 from v41cp.serving.engine import Capacity, Engine, RequestError, SamplingParams
-from v41cp.serving.pd_transfer import check_sizes, plan_transfer, ratios_of
-from v41cp.serving.pd_wire import Wire, WireLayout, check_pairing, device_ranks
-from v41cp.serving.slot_state import slot_state_bytes, take_slot_state
+from v41cp.serving.multihost.control_plane import broadcast_json
+from v41cp.serving.pd.engines import TwoRoles
+from v41cp.serving.pd.transfer import check_sizes, plan_transfer, ratios_of
+from v41cp.serving.pd.wire import Wire, WireLayout, check_pairing, device_ranks
 from v41cp.sharding.topology import ParallelConfig
 
 __all__ = ["CrossProcessDisaggregatedEngine"]

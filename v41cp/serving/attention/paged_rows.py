@@ -17,12 +17,12 @@ layers compute every projection from their own weights; PagedRows only moves key
   pair of each request's last even position is written;
 * `write_entries` — complete compressed entries and index keys to their pages (owner-masked under KVP);
 * `history` / `select` / `attend` — index selection and sparse attention of every row: the XLA path over the
-  gathered history, the kernels reading the pools in place (`v41cp.serving.kernel_ops`), or DCP islands over
-  owned pages with the exact distributed top-k and the LSE merge (`v41cp.serving.dcp`). Each of the step's
+  gathered history, the kernels reading the pools in place (`v41cp.serving.attention.kernel_ops`), or DCP islands over
+  owned pages with the exact distributed top-k and the LSE merge (`v41cp.serving.attention.dcp`). Each of the step's
   rows (``B·R``, or packed ``R``) is one row of these operations (its own position, table and selection).
 
 With ``undo=True`` the context records what the step overwrites (ring rows, open pairs, page entries), the
-input of `v41cp.serving.decode.commit_rows` (keep only the first ``a`` rows of a verification step).
+input of `v41cp.serving.runner.steps.commit_rows` (keep only the first ``a`` rows of a verification step).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from v41cp.layers.attention import CSAState, query_parallel_rows
 from v41cp.layers.common import dtype_of
 from v41cp.layers.indexer import query_parallel_select_rows, select_scored
 from v41cp.layers.tiled_select import attend_rows, select_rows
-from v41cp.serving import dcp, kernel_ops
-from v41cp.serving import paged_cache as pc
+from v41cp.serving.attention import dcp, kernel_ops
+from v41cp.serving.cache import paged as pc
 from v41cp.sharding.operator_qcp import attention_query_parallel_applies, indexer_query_parallel_applies
 
 __all__ = ["StepRows", "PagedRows"]

@@ -4,7 +4,7 @@ modules' ``shard`` is the `v41cp.sharding.row_group.RowGroup`).
 
 Each rank holds local rows ``[1, C]`` (`SpanMetadata` ``positions / requests``; −1 = a padding slot) of any
 requests, in plan order. The layers compute every projection from their own weights on those rows; `QCPRows`
-only moves keys (the same interface as `v41cp.serving.paged_rows.PagedRows`):
+only moves keys (the same interface as `v41cp.serving.attention.paged_rows.PagedRows`):
 
 * `window` — the rows' window KV all-gathered and restored to span order (``span_index``), after the pass's
   history from the SWA ring (read before it is written); each local row's window keys; the ring rows of the
@@ -31,8 +31,8 @@ from v41cp.config import LayerRole, ModelConfig
 from v41cp.layers.attention import CSAState
 from v41cp.layers.common import dtype_of
 from v41cp.layers.tiled_select import ROW_TILE_BYTES, attend_rows, select_rows
-from v41cp.serving import paged_cache as pc
-from v41cp.serving.span_metadata import SpanMetadata
+from v41cp.serving.cache import paged as pc
+from v41cp.serving.runner.span_metadata import SpanMetadata
 from v41cp.sharding.row_group import RowGroup
 
 __all__ = ["QCPRows"]

@@ -6,7 +6,7 @@
   history order, gathered from its blocks (block ``blocks[j // epb]`` row ``j % epb``) as *stored* (record bytes
   undecoded: ``{"q", "s"}`` uint8, or values); under KVP ``kvp = N`` the pools are the global arrays whose rank-``r``
   rows are ``[r · LB, (r + 1) · LB)`` and block ``v`` lives at rank ``v mod N`` row ``v // N``;
-* the slot state (`v41cp.serving.slot_state`): window rings, open ratio-2 pairs (and the drafter's window).
+* the slot state (`v41cp.serving.cache.slot_state`): window rings, open ratio-2 pairs (and the drafter's window).
 
 Rows of a partial last page past ``tokens`` and ring rows of a slot's earlier occupant are not the request's and may
 hold anything; compare window rings only on rows of positions ``max(0, tokens − W) .. tokens − 1`` (`window_rows`).
@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from v41cp.serving.paged_cache import entries_per_block, page_rows, store_rows
+from v41cp.serving.cache.paged import entries_per_block, page_rows, store_rows
 
 __all__ = ["request_state", "window_rows"]
 

@@ -5,11 +5,11 @@ prefill-role `Engine` on the first ``prefill.num_devices`` devices (attention TP
 or span prefill of that topology) and a decode-role `Engine` on the next ``decode.num_devices`` (KVP = DCP decode).
 Every `step`: the prefill role admits and prefills (reserving only the prompt's pages); each prefilled request that
 the decode role can take (FIFO) gets its decode slot and blocks, its cache moves by the page-owner transfer plan
-(`v41cp.serving.pd_transfer`: rank-matched when the KVP sizes are equal, relayout from prefill KVP 1), and the
+(`v41cp.serving.pd.transfer`: rank-matched when the KVP sizes are equal, relayout from prefill KVP 1), and the
 prefill role frees it; then the decode role runs one decode round. A request whose first token already ends it
 finishes on the prefill role. The interface is the `Engine`'s (``submit / step / run / result / cancel / load``).
 ``transport``: ``"copy"`` (`pd_transfer.execute`: per-device gathers, copies and scatters) or ``"collective"`` (the
-transfer PD across processes runs, `v41cp.serving.pd_wire`: one ppermute over both roles' devices, which need equal
+transfer PD across processes runs, `v41cp.serving.pd.wire`: one ppermute over both roles' devices, which need equal
 counts).
 """
 
@@ -18,10 +18,10 @@ from __future__ import annotations
 import jax
 
 from v41cp.config import ModelConfig
+from v41cp.serving.cache.slot_state import slot_state_bytes, take_slot_state
 from v41cp.serving.engine import Capacity, Engine, SamplingParams
-from v41cp.serving.pd_transfer import check_sizes, execute, plan_transfer, ratios_of
-from v41cp.serving.pd_wire import Wire, WireLayout, check_pairing, device_ranks
-from v41cp.serving.slot_state import slot_state_bytes, take_slot_state
+from v41cp.serving.pd.transfer import check_sizes, execute, plan_transfer, ratios_of
+from v41cp.serving.pd.wire import Wire, WireLayout, check_pairing, device_ranks
 from v41cp.sharding.topology import ParallelConfig
 
 __all__ = ["DisaggregatedEngine", "TwoRoles"]

@@ -29,8 +29,8 @@ import threading
 import traceback
 from dataclasses import dataclass
 
-from v41cp.serving.control_plane import Commands, ControlPlane, drop
 from v41cp.serving.engine import Engine, SamplingParams
+from v41cp.serving.multihost.control_plane import Commands, ControlPlane, drop
 
 __all__ = ["EngineLoop", "LoopClosed", "RequestHandle", "TokenEvent"]
 

@@ -3,7 +3,7 @@
 Host-side bookkeeping only (integers and opaque state handles); the engine owns the device arrays.
 
 **Granularity.** A node is one logical block (``block_tokens`` tokens, a multiple of every compress ratio — the LCM
-rule of `v41cp.serving.cache_spec`): after ``k`` whole blocks every ratio-2 pair is closed and every compressed
+rule of `v41cp.serving.cache.spec`): after ``k`` whole blocks every ratio-2 pair is closed and every compressed
 entry and index key of positions ``< k · block_tokens`` lives in blocks ``0 .. k − 1``, which later positions never
 write. Under KVP a block's owner is ``block id mod N`` (`v41cp.sharding.ownership`), so cached pages never move:
 a request that reuses a chain takes the chain's residue class for its own later blocks and stays page-cyclic; the
@@ -12,7 +12,7 @@ KVP size adds no factor to the granularity.
 **State at a boundary.** What is not in pages — every layer's window ring (the last ``sliding_window`` rows), the
 open ratio-2 pair and the drafter's context window — cannot be recomputed exactly from the pages (a window row
 depends on the window rows before it, back to position 0), so it is *stored*: a node may carry a snapshot of the
-slot state taken when a request's prefill reached that boundary exactly (`v41cp.serving.slot_state`). A request
+slot state taken when a request's prefill reached that boundary exactly (`v41cp.serving.cache.slot_state`). A request
 resumes only at a node with a snapshot (the *hit*); matched blocks past it are recomputed (bit-identically) into
 the request's own blocks. Snapshots are taken at two boundaries per request: the last whole block of its prompt
 that leaves at least one token to prefill, and the branch point where its prompt leaves the tree (so that the next
@@ -29,7 +29,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from v41cp.serving.allocator import content_residue
+from v41cp.serving.cache.allocator import content_residue
 
 __all__ = ["Admission", "PrefixCache", "PrefixMatch", "PrefixNode", "admit", "grow"]
 
@@ -214,7 +214,7 @@ class Admission:
 
 
 def admit(alloc, cache: PrefixCache, rid, prompt, need: int) -> Admission | None:
-    """Admit request ``rid`` (``need`` tokens of blocks, `v41cp.serving.allocator.BlockAllocator`) reusing the
+    """Admit request ``rid`` (``need`` tokens of blocks, `v41cp.serving.cache.allocator.BlockAllocator`) reusing the
     longest chain of ``prompt``'s whole blocks that has a stored state and leaves at least one prompt token to
     prefill. None: it does not fit now, even with every cached block no running request holds evicted — only
     running requests hold what it needs, and they free it as they end (nothing changed).

@@ -1,6 +1,6 @@
 """A prefill → decode transfer between processes: each decode device's share of a `TransferPlan` as one byte vector.
 
-PD across processes (`v41cp.serving.pd_processes`) puts the prefill role on process 0's ``L`` local devices and the
+PD across processes (`v41cp.serving.pd.processes`) puts the prefill role on process 0's ``L`` local devices and the
 decode role on process 1's ``L``. Prefill device ``i`` (the ``i``-th local device by id) sends to decode device
 ``i``: every entry of the plan whose destination rank is the rank decode device ``i`` holds, then the request's
 slot state (replicated: every decode device gets a copy). Rank-matched plans need prefill device ``i`` to hold the
@@ -27,9 +27,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from v41cp.serving.paged_cache import store_rows
-from v41cp.serving.pd_transfer import TransferPlan, shard_rank
-from v41cp.serving.slot_state import put_slot_state
+from v41cp.serving.cache.paged import store_rows
+from v41cp.serving.cache.slot_state import put_slot_state
+from v41cp.serving.pd.transfer import TransferPlan, shard_rank
 
 __all__ = ["WireLayout", "Wire", "check_pairing", "device_ranks"]
 
