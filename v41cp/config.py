@@ -22,6 +22,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+import numpy as np
+
 __all__ = ["ConfigError", "ModelConfig", "LayerRole", "PRESETS", "preset", "ENGRAM_ROW_ALIGN"]
 
 ENGRAM_ROW_ALIGN = 64
@@ -297,6 +299,17 @@ class ModelConfig:
                 v = list(v)
             out[f.name] = v
         return out
+
+    def out_of_vocabulary(self, ids) -> str | None:
+        """The one vocabulary check of token ids (any iterable or array of integers): the error text naming the
+        first id outside ``[0, vocab_size)``, or None when every id is inside."""
+        if hasattr(ids, "shape"):
+            a = np.asarray(ids)
+            outside = (a < 0) | (a >= self.vocab_size)
+            bad = int(a[outside][0]) if outside.any() else None
+        else:
+            bad = next((int(t) for t in ids if not 0 <= t < self.vocab_size), None)
+        return None if bad is None else f"token id {bad} is outside the vocabulary [0, {self.vocab_size})"
 
     def replace(self, **changes: Any) -> "ModelConfig":
         """A validated copy with some fields changed."""

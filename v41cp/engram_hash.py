@@ -110,9 +110,9 @@ def engram_hash_ids(cfg: ModelConfig, tokens: np.ndarray, token_mask: np.ndarray
     tokens = np.asarray(tokens)
     if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
         raise ValueError(f"tokens must be an integer array [batch, seq], got {tokens.dtype} {tokens.shape}")
-    bad = (tokens < 0) | (tokens >= cfg.vocab_size)
-    if bad.any():
-        raise ValueError(f"token id {int(tokens[bad][0])} is outside the vocabulary [0, {cfg.vocab_size})")
+    bad = cfg.out_of_vocabulary(tokens)
+    if bad:
+        raise ValueError(bad)
     tables = tables or engram_tables(cfg)
     token_map = np.asarray(cfg.engram_token_map, np.int64)
     pad = token_map[cfg.engram_pad_token_id]

@@ -160,9 +160,9 @@ def engram_inputs(cfg: ModelConfig, tokens) -> np.ndarray:
     if tokens.shape[1] > cfg.max_position_embeddings:
         raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_position_embeddings="
                          f"{cfg.max_position_embeddings}")
-    bad = (tokens < 0) | (tokens >= cfg.vocab_size)
-    if bad.any():
-        raise ValueError(f"token id {int(tokens[bad][0])} is outside the vocabulary [0, {cfg.vocab_size})")
+    bad = cfg.out_of_vocabulary(tokens)
+    if bad:
+        raise ValueError(bad)
     if not cfg.engram_layer_ids:
         return np.zeros((*tokens.shape, 0, 0), np.int32)
     return engram_hash_ids(cfg, tokens)

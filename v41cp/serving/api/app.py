@@ -110,10 +110,9 @@ def build_app(loop: EngineLoop, codec: TextCodec | None, model_name: str) -> Fas
                                 "batched prompts are not supported", param)
         if not ids:
             raise ApiError(400, f"{param}: the prompt is empty", param)
-        bad = [t for t in ids if not 0 <= t < engine.cfg.vocab_size]
+        bad = engine.cfg.out_of_vocabulary(ids)
         if bad:
-            raise ApiError(400, f"{param}: token id {bad[0]} is outside the vocabulary [0, {engine.cfg.vocab_size})",
-                           param)
+            raise ApiError(400, f"{param}: {bad}", param)
         return ids
 
     def sampling(req: RequestBase, n_prompt: int, max_tokens: int | None, prompt_param: str) -> SamplingParams:

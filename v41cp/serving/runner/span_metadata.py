@@ -132,10 +132,9 @@ def build_span_metadata(cfg: ModelConfig, prompts, n: int = 1, *, starts=None, e
                          f"prompts of {totals.tolist()} tokens")
     lengths = (ends - starts).astype(np.int32)
     for i, p in enumerate(prompts):
-        bad = [t for t in p if not 0 <= t < cfg.vocab_size]
+        bad = cfg.out_of_vocabulary(p)
         if bad:
-            raise ValueError(f"span prefill: prompt {i}: token id {bad[0]} is outside the vocabulary "
-                             f"[0, {cfg.vocab_size})")
+            raise ValueError(f"span prefill: prompt {i}: {bad}")
     s = round_up(lengths.max(), 8) if span is None else int(span)
     if lengths.max() > s:
         raise ValueError(f"span prefill: a prompt of {int(lengths.max())} tokens exceeds the span bucket {s}")

@@ -1,0 +1,348 @@
+"""`ModelRunner`: the device side of an engine — the sharded weights, the paged cache, the drafter's cache and the
+jitted steps — building each step's metadata from the scheduled requests and sampling their tokens.
+
+The runner is given the requests of a round with their batch slots and block tables (the scheduler's decisions) and
+a ``done(request)`` callback that ends a request after a token (the scheduler's `finish_if_done`); it appends the
+sampled tokens to the requests and keeps the step statistics (``stats``). Steps (`v41cp.serving.runner.steps`,
+`v41cp.serving.runner.span_prefill`, `v41cp.serving.runner.speculative`) are pure jitted functions of (weights,
+cache, metadata); the runner holds the cache between them.
+
+Topology: ``parallel`` (`ParallelConfig`) builds the mesh over the first ``tp · dp`` devices (unless ``mesh`` is
+given); with ``kv_parallel_size > 1`` the global pages are split over the KVP group and decode runs DCP
+(`v41cp.serving.attention.dcp.DCPPlan`); with plain attention TP the steps split only the selection's scoring
+(`DCPPlan.split_selection`). Model-wide QCP, operator-local QCP or ``Capacity(span_prefill=True)`` prefill the
+admissions of a round in span-prefill passes (`span`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from v41cp.config import ModelConfig
+from v41cp.engram_hash import engram_hash_ids
+from v41cp.model import embedding_and_head, shard_params
+from v41cp.serving.attention.dcp import DCPPlan
+from v41cp.serving.cache.request_state import request_state
+from v41cp.serving.cache.slot_state import put_slot_state, take_slot_state
+from v41cp.serving.capacity import Capacity
+from v41cp.serving.multihost.fetch import fetch
+from v41cp.serving.runner.sampling import sample_token, token_distribution
+from v41cp.serving.runner.span_metadata import build_span_metadata, round_up, row_capacities
+from v41cp.serving.runner.span_prefill import SpanLayout, prefill_span
+from v41cp.serving.runner.span_prefill import compile_count as span_compile_count
+from v41cp.serving.runner.speculative import (
+    Speculative,
+    accept_drafts,
+    draft_step,
+    init_draft_cache,
+    write_draft_context,
+)
+from v41cp.serving.runner.steps import (
+    DecodeMetadata,
+    StepRows,
+    ced_boundary,
+    ced_rows,
+    commit_rows,
+    decode_step,
+    engram_ids_for_last,
+    init_cache,
+    prefill_chunk,
+    verify_step,
+)
+from v41cp.serving.scheduler.request import Request
+from v41cp.sharding.topology import ParallelConfig
+
+__all__ = ["ModelRunner", "checked_proposals"]
+
+Done = Callable[[Request], None]
+
+
+def checked_proposals(ids, n: int, vocab: int) -> np.ndarray:
+    """A proposer's answer as ``n`` token ids, or ValueError naming the bad value."""
+    ids = [int(t) for t in ids]
+    if len(ids) != n or any(not 0 <= t < vocab for t in ids):
+        raise ValueError(f"speculative proposer returned {ids!r}: expected {n} token ids in [0, {vocab})")
+    return np.asarray(ids, np.int32)
+
+
+class ModelRunner:
+    """See the module docstring. Attributes: ``params`` (sharded), ``cache`` (`init_cache`), ``plan`` (the KVP /
+    DCP layout or None), ``step_plan`` (what the cached steps run with: the KVP plan or plain TP's selection split),
+    ``span_layout`` / ``span`` (the span prefill's layout and whether admissions prefill by span), ``dparams`` /
+    ``dcache`` (the drafter), ``num_blocks``, ``kv_parallel_size``, ``stats``."""
+
+    def __init__(self, params, cfg: ModelConfig, capacity: Capacity, mesh=None, parallel: ParallelConfig | None = None,
+                 speculative: Speculative | None = None, devices=None):
+        self.cfg, self.capacity, self.parallel, self.speculative = cfg, capacity, parallel, speculative
+        self.plan = None
+        self.step_plan = None
+        n = 1
+        if parallel is not None and mesh is None:
+            devices = list(jax.devices() if devices is None else devices)
+            if len(devices) < parallel.num_devices:
+                raise ValueError(f"the topology needs {parallel.num_devices} devices, {len(devices)} given")
+            mesh = parallel.make_mesh(devices[:parallel.num_devices])
+        cache_sharding = None
+        if mesh is not None:
+            rules = parallel.rules() if parallel is not None else None
+            params = shard_params(params, cfg, mesh, *([rules] if rules else []))
+            cache_sharding = NamedSharding(mesh, PartitionSpec())
+            if parallel is not None and parallel.kv_parallel_size > 1:
+                self.plan = DCPPlan.build(cfg, parallel, mesh)
+                n = parallel.kv_parallel_size
+            elif "cp" in mesh.shape and mesh.shape["tp"] * mesh.shape["cp"] > 1:
+                # plain attention TP: the cached steps' selection scoring split over the TP ranks (replicated pages)
+                self.step_plan = DCPPlan.split_selection(mesh)
+        self.step_plan = self.step_plan or self.plan
+        self.mesh, self.params, self.kv_parallel_size = mesh, params, n
+        self.span_layout = SpanLayout.from_parallel(parallel, mesh) if parallel is not None else SpanLayout(mesh)
+        lay = self.span_layout
+        self.span = (capacity.span_prefill or capacity.span_chunk is not None or lay.query_parallel
+                     or lay.operator is not None)
+        self.num_blocks = capacity.block_count(n)
+        self.cache = init_cache(cfg, self.num_blocks, capacity.block_tokens, capacity.max_batch,
+                                None if self.plan else cache_sharding, plan=self.plan)
+        self.stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_steps": 0, "decode_tokens": 0,
+                      "decode_s": 0.0, "step_s": deque(maxlen=4096), "ced_encoder_only_rows": 0}
+        self.dparams = self.dcache = None
+        if speculative is not None:
+            rep = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+            if speculative.params is not None:
+                self.dparams = speculative.params if rep is None else jax.device_put(speculative.params, rep)
+            self.dcache = init_draft_cache(cfg, capacity.max_batch, rep)
+            self.stats.update(spec_steps=0, drafts_proposed=0, drafts_accepted=0)
+
+    # ------------------------------------------------------------------ slot states
+    def put_slot_state(self, slot: int, state) -> None:
+        self.cache, self.dcache = put_slot_state(self.cache, slot, state, self.dcache)
+
+    def take_slot_state(self, slot: int):
+        return take_slot_state(self.cache, slot, self.dcache)
+
+    def request_state(self, blocks, tokens: int, slot: int) -> dict:
+        """A request's decode state as host bytes (`v41cp.serving.cache.request_state`)."""
+        state = self.take_slot_state(slot)
+        return request_state(self.cache, blocks, tokens, self.capacity.block_tokens, self.kv_parallel_size, state)
+
+    # ------------------------------------------------------------------ prefill
+    def prefill_serial(self, req: Request, slot: int, table: np.ndarray, done: Done,
+                       at_cut: Callable[[Request, int], None]) -> None:
+        """Token-serial prefill of ``req`` in chunks (from its reused prefix on; chunks also end where the prefix
+        cache stores a state, and ``at_cut(req, position)`` is called there), then its first token."""
+        t0 = time.perf_counter()
+        cfg, c = self.cfg, self.capacity.prefill_chunk
+        n = len(req.prompt)
+        eng = (engram_hash_ids(cfg, np.asarray([req.prompt]))[0] if cfg.engram_layer_ids
+               else np.zeros((n, 0, 0), np.int32))
+        # CED narrowing: rows before the decoder's dependency halo run the encoder (+ boundary prepass) only
+        encoder_rows = max(0, n - ced_rows(cfg)) if self.capacity.ced and ced_boundary(cfg) is not None else 0
+        spans = [(a, min(a + c, encoder_rows), True) for a in range(0, encoder_rows, c)]
+        bounds = sorted({*range(max(encoder_rows, req.cached), n, c), *req.cuts, n})
+        spans += [(a, end, False) for a, end in zip(bounds, bounds[1:])]
+        last = None
+        for a, end, encoder_only in spans:
+            m = end - a
+            tok = np.zeros((c, 1), np.int32)
+            pos = np.zeros((c, 1), np.int32)
+            act = np.zeros((c, 1), bool)
+            ids = np.zeros((c, 1, *eng.shape[1:]), np.int32)
+            tok[:m, 0], pos[:m, 0], act[:m, 0], ids[:m, 0] = req.prompt[a:a + m], np.arange(a, a + m), True, eng[a:a + m]
+            metas = DecodeMetadata(jnp.asarray(tok), jnp.asarray(pos), jnp.full((c, 1), slot, jnp.int32),
+                                   jnp.asarray(np.broadcast_to(table, (c, 1, table.size))), jnp.asarray(act),
+                                   jnp.asarray(ids), 1, self.capacity.max_blocks)
+            if self.dcache is not None and not encoder_only:
+                logits, self.cache, feats = prefill_chunk(self.params, self.cache, metas, cfg, encoder_only,
+                                                          self.step_plan, features=True)
+                pos = jnp.asarray(np.arange(a, a + c)[None], jnp.int32)          # the chunk's last W rows only
+                self._write_context(np.array([slot]), jnp.swapaxes(feats, 0, 1), pos,
+                                    (pos < end) & (pos >= end - cfg.sliding_window))
+            else:
+                logits, self.cache = prefill_chunk(self.params, self.cache, metas, cfg, encoder_only, self.step_plan)
+            if not encoder_only:
+                last = fetch(logits[m - 1, 0])
+            if end in req.cuts:
+                at_cut(req, end)
+        req.last_logits = last
+        req.output.append(sample_token(last, req.sampling, 0))
+        self.stats["prefill_tokens"] += n - req.cached
+        self.stats["ced_encoder_only_rows"] += encoder_rows
+        self.stats["prefill_s"] += time.perf_counter() - t0
+        done(req)
+
+    def span_buckets(self, lengths, starts=None, totals=None) -> dict:
+        """Static buckets of a span prefill pass over chunks of ``lengths`` rows: span (power of two ≥ 8, at
+        most the capacity's tokens rounded to 8) and per-rank rows (powers of two), so few shapes compile."""
+        pow2 = lambda x: 1 << max(int(x) - 1, 0).bit_length()
+        span = min(max(8, pow2(max(lengths))), round_up(self.capacity.max_tokens, 8))
+        rows, dec_rows = row_capacities(self.cfg, lengths, self.span_layout.n, self.capacity.ced, starts, totals)
+        return {"span": span, "capacity": pow2(rows), "dec_capacity": pow2(dec_rows)}
+
+    def prefill_span(self, reqs: list[Request], slots: list[int], tables: np.ndarray, done: Done) -> None:
+        """Prefill ``reqs`` (fresh prompts; their ``slots`` and block ``tables [len(reqs), max_blocks]``) by
+        span-prefill passes of at most ``span_chunk`` rows per request (later passes continue from the cached
+        history); batch rows past them are idle."""
+        t0 = time.perf_counter()
+        cfg, b = self.cfg, self.capacity.max_batch
+        prompts = [r.prompt for r in reqs] + [[]] * (b - len(reqs))
+        totals = np.array([len(p) for p in prompts], np.int32)
+        chunk = self.capacity.span_chunk or int(totals.max())
+        slots = list(slots) + [0] * (b - len(reqs))
+        full = np.full((b, self.capacity.max_blocks), -1, np.int32)
+        full[:len(reqs)] = tables
+        for start in range(0, int(totals.max()), chunk):
+            starts = np.minimum(start, totals)
+            ends = np.minimum(start + chunk, totals)
+            meta = build_span_metadata(cfg, prompts, self.span_layout.n, starts=starts, ends=ends, slots=slots,
+                                       block_tables=full, ced=self.capacity.ced,
+                                       **self.span_buckets(ends - starts, starts, totals))
+            if self.dcache is not None:
+                w = cfg.sliding_window
+                logits, self.cache, (feats, pos, ok) = prefill_span(self.params, self.cache, meta, cfg,
+                                                                    self.span_layout, features=w)
+                self._write_context(np.asarray(slots), feats, pos, ok)
+            else:
+                logits, self.cache = prefill_span(self.params, self.cache, meta, cfg, self.span_layout)
+            logits = fetch(logits)
+            for i, req in enumerate(reqs):
+                if starts[i] < ends[i] == totals[i]:                 # this pass holds the prompt's last row
+                    req.last_logits = logits[i]
+                    req.output.append(sample_token(logits[i], req.sampling, 0))
+        for req in reqs:
+            n = len(req.prompt)
+            self.stats["prefill_tokens"] += n
+            if self.capacity.ced and ced_boundary(cfg) is not None:
+                self.stats["ced_encoder_only_rows"] += max(0, n - ced_rows(cfg))
+        self.stats["prefill_s"] += time.perf_counter() - t0
+        for req in reqs:
+            done(req)
+
+    def _write_context(self, slots, features, positions, keep) -> None:
+        if self.dparams is not None:
+            self.dcache = write_draft_context(self.dparams, self.cfg, self.dcache, jnp.asarray(slots, jnp.int32),
+                                              features, positions, keep)
+
+    # ------------------------------------------------------------------ decode
+    def decode(self, rows: list[Request], slots: list[int], tables: np.ndarray, done: Done) -> None:
+        """One decode round of ``rows`` (running requests with their ``slots`` and block ``tables``): one token
+        each, or with speculative decoding one draft-verify-accept round (`decode_speculative`)."""
+        if self.speculative is not None:
+            return self.decode_speculative(rows, slots, tables, done)
+        t0 = time.perf_counter()
+        cfg, b, mb = self.cfg, self.capacity.max_batch, self.capacity.max_blocks
+        n_eng = len(cfg.engram_layer_ids)
+        tok, pos, slot_ids = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
+        full, active = np.full((b, mb), -1, np.int32), np.zeros(b, bool)
+        eng = np.zeros((b, n_eng, cfg.engram_hash_heads if n_eng else 0), np.int32)
+        for i, req in enumerate(rows):
+            hist = req.history
+            tok[i], pos[i], slot_ids[i], active[i] = hist[-1], len(hist) - 1, slots[i], True
+            full[i] = tables[i]
+            eng[i] = engram_ids_for_last(cfg, hist)
+        meta = DecodeMetadata(*(jnp.asarray(a) for a in (tok, pos, slot_ids, full, active, eng)), b, mb)
+        logits, self.cache = decode_step(self.params, self.cache, meta, cfg, self.step_plan)
+        logits = fetch(logits)
+        for i, req in enumerate(rows):
+            req.last_logits = logits[i]
+            req.output.append(sample_token(logits[i], req.sampling, len(req.output)))
+            done(req)
+        self.stats["decode_steps"] += 1
+        self.stats["decode_tokens"] += len(rows)
+        self.stats["decode_s"] += time.perf_counter() - t0
+
+    def decode_speculative(self, rows: list[Request], slots: list[int], tables: np.ndarray, done: Done) -> None:
+        """One speculative round (`v41cp.serving.runner.speculative`): draft, verify ``n + 1`` rows, accept,
+        commit."""
+        t0 = time.perf_counter()
+        cfg, b, mb, spec = self.cfg, self.capacity.max_batch, self.capacity.max_blocks, self.speculative
+        n, r = spec.num_draft_tokens, spec.num_draft_tokens + 1
+        n_eng = len(cfg.engram_layer_ids)
+        anchors, pos, slot_ids = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
+        for i, req in enumerate(rows):
+            hist = req.history
+            anchors[i], pos[i], slot_ids[i] = hist[-1], len(hist) - 1, slots[i]
+        if spec.proposer is None:
+            drafts, _ = draft_step(self.dparams, *embedding_and_head(self.params), cfg, self.dcache,
+                                   jnp.asarray(slot_ids), jnp.asarray(anchors), jnp.asarray(pos), n)
+            drafts = fetch(drafts)
+        else:
+            drafts = np.zeros((b, n), np.int32)
+            for i, req in enumerate(rows):
+                drafts[i] = checked_proposals(spec.proposer(req.rid, list(req.history), n), n, cfg.vocab_size)
+        tok, lengths = np.zeros((b, r), np.int32), np.zeros(b, np.int32)
+        full = np.full((b, mb), -1, np.int32)
+        eng = np.zeros((b, r, n_eng, cfg.engram_hash_heads if n_eng else 0), np.int32)
+        for i, req in enumerate(rows):
+            hist = req.history
+            lengths[i] = min(r, req.sampling.max_new_tokens - len(req.output))    # rows within the reserved pages
+            tok[i, :lengths[i]] = [hist[-1], *drafts[i, :lengths[i] - 1]]
+            full[i] = tables[i]
+            for j in range(lengths[i]):
+                eng[i, j] = engram_ids_for_last(cfg, hist + list(drafts[i, :j]))
+        meta = StepRows(*(jnp.asarray(a) for a in (tok, pos, lengths, slot_ids, full, eng)), b, mb, r)
+        logits, self.cache, undo, (feats, fpos, fok) = verify_step(self.params, self.cache, meta, cfg,
+                                                                   self.step_plan, features=True)
+        logits = fetch(logits)
+        kept, emitted_total = np.zeros(b, np.int32), 0
+        for i, req in enumerate(rows):
+            sp = req.sampling
+            emitted, m = accept_drafts(list(drafts[i, :lengths[i] - 1]), logits[i, :lengths[i]],
+                                       lambda lg: token_distribution(lg, sp), sp.seed, len(req.output))
+            kept[i] = m + 1                                                        # the anchor and m drafts
+            req.last_logits = logits[i, m]
+            req.spec["steps"] += 1
+            req.spec["proposed"] += int(lengths[i] - 1)
+            req.spec["accepted"] += m
+            for t in emitted:
+                req.output.append(t)
+                req.spec["emitted"] += 1
+                emitted_total += 1
+                done(req)
+                if req.status != "running":
+                    break
+        self.cache = commit_rows(self.cache, undo, jnp.asarray(kept), cfg, self.step_plan)
+        if self.dparams is not None:
+            self._write_context(slot_ids, feats, fpos, fok & (fpos < jnp.asarray(pos + kept)[:, None]))
+        self.stats["decode_steps"] += 1
+        self.stats["spec_steps"] += len(rows)                  # target steps of requests (rows of the rounds)
+        self.stats["drafts_proposed"] += int(np.maximum(lengths - 1, 0).sum())
+        self.stats["drafts_accepted"] += int(kept.sum()) - len(rows)
+        self.stats["decode_tokens"] += emitted_total
+        self.stats["decode_s"] += time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ structure
+    def cache_bytes_per_device(self) -> dict[str, int]:
+        """Decode-state bytes allocated on the first device: the global pages (split over KVP ranks) and the
+        replicated per-request state (SWA rings, compressor tails)."""
+        dev = jax.devices()[0] if self.mesh is None else self.mesh.devices.flat[0]
+
+        def on_dev(tree):
+            total = 0
+            for leaf in jax.tree.leaves(tree):
+                total += sum(sh.data.nbytes for sh in leaf.addressable_shards if sh.device == dev)
+            return total
+
+        pages = on_dev({k: self.cache[k] for k in ("ckv", "ikey")})
+        replicated = on_dev({k: v for k, v in self.cache.items() if k not in ("ckv", "ikey")})
+        return {"global_pages": pages, "replicated_state": replicated, "total": pages + replicated,
+                "pages_per_device": self.num_blocks // (self.plan.n if self.plan else 1)}
+
+    def compiled_decode_text(self) -> str:
+        """Optimized HLO of this runner's decode step (its static bucket), for structure checks."""
+        meta = DecodeMetadata.idle(self.cfg, self.capacity.max_batch, self.capacity.max_blocks)
+        return decode_step.lower(self.params, self.cache, meta, self.cfg, self.step_plan).compile().as_text()
+
+    @staticmethod
+    def compile_counts() -> dict[str, int]:
+        """Compilations so far of the jitted decode step, token-serial prefill chunk, span prefill and the
+        speculative verification and draft steps (one per bucket — and verification width — expected; the span
+        prefill also once more for continuing passes)."""
+        return {"decode_step": decode_step._cache_size(), "prefill_chunk": prefill_chunk._cache_size(),
+                "prefill_span": span_compile_count(), "verify_step": verify_step._cache_size(),
+                "draft_step": draft_step._cache_size()}

@@ -1,0 +1,91 @@
+"""One request: its sampling parameters, its state machine, and every check it passes at submit.
+
+A `Request` is ``waiting`` (queued) → ``running`` (admitted: a batch slot and pages) → ``done`` (EOS or its output
+budget) or ``cancelled``. `check_request` holds the submit-time checks of a request against a model and a capacity;
+an error names the offending input (`RequestError.field`) and changes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from v41cp.config import ModelConfig
+from v41cp.serving.capacity import Capacity
+
+__all__ = ["RequestError", "EngineFull", "SamplingParams", "Request", "check_request", "STATUSES"]
+
+STATUSES = ("waiting", "running", "done", "cancelled")
+
+
+class RequestError(ValueError):
+    """A request is rejected at submit; ``field`` names the offending input (``prompt``, ``max_new_tokens``,
+    ``temperature``, ``top_p``, ``seed``, ``request_id``). Nothing else changes."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
+class EngineFull(RequestError):
+    """The waiting queue holds ``Capacity.max_waiting`` requests already (retry later)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_on_eos: bool = True
+
+
+@dataclass
+class Request:
+    """A request's host state (the scheduler's record; the runner appends its tokens)."""
+
+    rid: object
+    prompt: list[int]
+    sampling: SamplingParams
+    output: list[int] = field(default_factory=list)
+    status: str = "waiting"                # one of STATUSES
+    finish_reason: str | None = None
+    last_logits: np.ndarray | None = None  # FP32 logits that produced the latest output token
+    spec: dict = field(default_factory=lambda: {"steps": 0, "proposed": 0, "accepted": 0, "emitted": 0})
+    cached: int = 0                        # prompt tokens reused from the prefix cache (not prefilled)
+    prefix_nodes: list = field(default_factory=list)   # prefix-cache nodes this request holds
+    cuts: tuple = ()                       # prompt positions where its prefill stores a slot state
+
+    @property
+    def history(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def active(self) -> bool:
+        return self.status in ("waiting", "running")
+
+
+def check_request(rid, prompt: list[int], sampling: SamplingParams, cfg: ModelConfig, capacity: Capacity) -> int:
+    """Every check of a request that depends on the model and the capacity alone; returns the tokens that enter
+    the cache (prompt + outputs − 1). Raises `RequestError` naming the offending field."""
+    if not prompt:
+        raise RequestError(f"request {rid!r}: the prompt is empty", "prompt")
+    bad = cfg.out_of_vocabulary(prompt)
+    if bad:
+        raise RequestError(f"request {rid!r}: {bad}", "prompt")
+    if type(sampling.max_new_tokens) is not int or sampling.max_new_tokens <= 0:
+        raise RequestError(f"request {rid!r}: max_new_tokens must be a positive integer, got "
+                           f"{sampling.max_new_tokens!r}", "max_new_tokens")
+    if not sampling.temperature >= 0:
+        raise RequestError(f"request {rid!r}: temperature must be >= 0, got {sampling.temperature!r}", "temperature")
+    if not 0 < sampling.top_p <= 1:
+        raise RequestError(f"request {rid!r}: top_p must be in (0, 1], got {sampling.top_p!r}", "top_p")
+    if type(sampling.seed) is not int or not 0 <= sampling.seed < 2**63:
+        raise RequestError(f"request {rid!r}: seed must be an integer in [0, 2**63), got {sampling.seed!r}", "seed")
+    total = len(prompt) + sampling.max_new_tokens
+    if total > capacity.max_tokens:
+        field = "prompt" if len(prompt) >= capacity.max_tokens else "max_new_tokens"
+        raise RequestError(f"request {rid!r}: prompt ({len(prompt)}) + max_new_tokens ({sampling.max_new_tokens}) "
+                           f"= {total} tokens is beyond the capacity of {capacity.max_tokens} per request", field)
+    return max(total - 1, 1)
