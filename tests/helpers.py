@@ -12,6 +12,8 @@ from v41cp.checkpoint import params_from_released
 from v41cp.config import ModelConfig
 from v41cp.engram_hash import compressed_token_map
 
+REPO = Path(__file__).resolve().parents[1]          # the repository root
+
 TOKEN_MAP = tuple(min(i, 135) for i in range(256))
 
 

@@ -6,6 +6,8 @@ import pytest
 
 from v41cp.config import PRESETS, ConfigError, ModelConfig, preset
 
+pytestmark = pytest.mark.fast           # the developer tier (`pytest -m fast`)
+
 
 def test_presets_parse():
     for name in PRESETS:

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.fast           # the developer tier (`pytest -m fast`)
+
 PACKAGE = Path(__file__).resolve().parents[1] / "v41cp"
 
 

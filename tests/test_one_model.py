@@ -7,6 +7,7 @@ FP4 / FP8 variants included) or a ``layers_{i}`` key is a module re-coding a lay
 parameter tree.
 """
 
+import pytest
 import ast
 from pathlib import Path
 
@@ -14,6 +15,8 @@ import jax
 
 from v41cp import model
 from v41cp.config import preset
+
+pytestmark = pytest.mark.fast           # the developer tier (`pytest -m fast`)
 
 PACKAGE = Path(__file__).resolve().parents[1] / "v41cp"
 OWNERS = ("layers/", "model.py", "drafter.py", "checkpoint/")

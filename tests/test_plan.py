@@ -1,6 +1,7 @@
 """``python -m v41cp plan``: the compile-only report is the program the engine runs (abstract weights and cache
 compile to the same per-device program as real ones), with its memory figures and the analytic floor."""
 
+import pytest
 import json
 
 import jax
@@ -57,6 +58,7 @@ def test_plan_equals_the_compiled_engine_program(capsys):
     assert out["flops_over_floor"] == out["flops_per_device"] / out["floor_flops_per_device"]
 
 
+@pytest.mark.fast
 def test_floor_counts_the_rows_and_entries_the_model_defines():
     """The floor by hand for the tiny config: per decode row at position c − 1 each layer attends min(W, c)
     window rows plus min(top-k, c / ratio) entries; prefill rows see only their causal prefix and the head meets

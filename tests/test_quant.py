@@ -7,6 +7,8 @@ from safetensors.numpy import load_file
 
 from v41cp import quant
 
+pytestmark = pytest.mark.fast           # the developer tier (`pytest -m fast`)
+
 
 @pytest.mark.oracle
 @pytest.mark.parametrize("fmt,block", [("fp8", 32), ("nvfp4", 16), ("mxfp4", 32)])

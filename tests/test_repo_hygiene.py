@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.fast           # the developer tier (`pytest -m fast`)
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -3,9 +3,9 @@
 `ModelConfig` is a frozen, hashable dataclass so it can be a static argument of jitted
 functions. It is parsed from the released ``config.json`` (the composite config with a
 ``text_config`` entry, or the text config alone) and validated with the rules of
-``v41-architecture.md`` §1.2; every error names the offending field.
+`docs/architecture.md`; every error names the offending field.
 
-Per-layer roles (§1.2, §2.6):
+Per-layer roles:
 
 * ``swa``     compress ratio 0, sliding window only;
 * ``full``    KV source: owns a compressor, publishes compressed KV + index keys + top-k;
@@ -73,7 +73,7 @@ def _default_rope_scaling() -> dict:
             "original_max_position_embeddings": 65536}
 
 
-# Released DeepSeek-V4.1-Flash text config (v41-architecture.md §1.1).
+# Released DeepSeek-V4.1-Flash text config (docs/architecture.md).
 _FLASH: dict[str, Any] = dict(
     vocab_size=129280, hidden_size=5120, num_hidden_layers=40, num_attention_heads=64,
     num_key_value_heads=1, head_dim=512, qk_rope_head_dim=64, q_lora_rank=1280, o_groups=8,
@@ -92,7 +92,7 @@ _FLASH: dict[str, Any] = dict(
     dspark_n_routed_experts=128, dspark_num_experts_per_tok=3, bos_token_id=0, eos_token_id=1, pad_token_id=2, dtype="bfloat16",
 )
 
-# The oracle's tiny config (v41-architecture.md §6.3/§6.4): every layer kind + Engram.
+# The oracle's tiny config (docs/architecture.md): every layer kind + Engram.
 # 0 SWA | 1 ratio-2 Full (+Engram) | 2 Reuse | 3 Reindex (+Engram) | 4 ratio-1 Full + candidate source
 # | 5 ratio-1 Reindex inside the candidates.
 _TINY: dict[str, Any] = dict(
@@ -319,7 +319,7 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
-        """Raise `ConfigError` naming the first offending field (architecture.md §1.2)."""
+        """Raise `ConfigError` naming the first offending field."""
         def pos_int(name: str) -> None:
             v = getattr(self, name)
             if type(v) is not int or v <= 0:

@@ -1,4 +1,4 @@
-"""The DSpark drafter (v41-architecture.md §3.3): three SWA-only stages, stored as ``mtp.0 … mtp.2``, that propose
+"""The DSpark drafter (docs/architecture.md): three SWA-only stages, stored as ``mtp.0 … mtp.2``, that propose
 ``dspark_block_size`` tokens in one parallel forward.
 
 * **Target features** — the residual streams at the attention input of ``dspark_target_layer_ids`` (after a

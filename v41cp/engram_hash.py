@@ -1,4 +1,4 @@
-"""Engram n-gram hashing on the host, integer-exact (v41-architecture.md §3.2).
+"""Engram n-gram hashing on the host, integer-exact (docs/architecture.md).
 
 Hashing is host-side planning (like serving metadata): it needs 64-bit integer products, which
 jitted JAX code only has under the global ``jax_enable_x64`` flag. The result, row ids

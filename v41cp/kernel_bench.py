@@ -36,8 +36,8 @@ from v41cp.layers.moe_dispatch import DispatchShape, dispatch
 
 __all__ = ["SHAPES", "run"]
 
-HBM_BYTES_PER_S = 4.8e12            # H200 datasheet (performance-limits.md §5)
-BF16_TENSOR_FLOP_PER_S = 989e12     # H200 dense BF16 tensor peak (performance-limits.md §1, §9)
+HBM_BYTES_PER_S = 4.8e12            # H200 datasheet: 4.8 TB/s HBM3e
+BF16_TENSOR_FLOP_PER_S = 989e12     # H200 datasheet: dense BF16 tensor peak
 
 SHAPES = {
     "flash": dict(heads=64, head_dim=512, window=128, topk=512, index_heads=32, index_dim=128, epb=32,

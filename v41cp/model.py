@@ -1,6 +1,6 @@
 """The DeepSeek-V4.1 text backbone as a Flax module, and its jitted full-sequence forward.
 
-Reference order (v41-architecture.md §3.7): embed → 4 mHC streams → for each layer
+Reference order (docs/architecture.md): embed → 4 mHC streams → for each layer
 [Engram] → attention site (collapse with the previous FFN site's ``pre``) → FFN site
 (collapse with the attention site's ``pre``) → collapse with the last ``pre`` → norm → FP32 head.
 

@@ -1,6 +1,6 @@
 """The release's cache fake-quant formats (quantize → dequantize), bit-exact.
 
-v41-architecture.md §4.2:
+docs/architecture.md:
 
 * ``fp8``   window KV, block 32: ``sc = pow2ceil(max(amax, 1e-4) · (1/448))``,
             ``q = e4m3(clip(x/sc, ±448))`` (round to nearest even).

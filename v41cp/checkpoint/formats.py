@@ -1,4 +1,4 @@
-"""The release's weight storage formats, on the host in NumPy (v41-architecture.md §5.1, §5.3).
+"""The release's weight storage formats, on the host in NumPy (docs/architecture.md).
 
 * dense FP8: e4m3 ``[out, in]`` with ``float8_e8m0fnu`` scales ``[ceil(out/32), ceil(in/32)]``
   (32×32 blocks, ragged edge blocks allowed);

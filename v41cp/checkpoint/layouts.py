@@ -6,7 +6,7 @@ jnp under tracing); `Layout.read` builds only the region ``index`` of the parame
 shard — asking a ``reader(key, index)`` for exactly the stored elements that region needs. Index
 entries are ascending int arrays, one per axis (``np.arange(n)[slice]``).
 
-Layouts of the release (v41-architecture.md §5.1; ``S`` a stored tensor):
+Layouts of the release (docs/architecture.md; ``S`` a stored tensor):
 
 * `Same` — ``S`` (norms, biases, embeddings);
 * `Transposed` — ``S.T`` (``[out, in]`` linear weights → ``[in, out]``);

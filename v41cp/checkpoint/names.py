@@ -1,9 +1,9 @@
 """Released DeepSeek-V4.1 tensor names → the model's own parameter tree.
 
 `params_from_released(cfg, tensors)` builds the (unboxed) parameter tree from a mapping of
-released checkpoint names (v41-architecture.md §5.1, no ``model.`` prefix) to unquantized arrays
+released checkpoint names (docs/architecture.md; no ``model.`` prefix) to unquantized arrays
 (BF16/FP32, as other frameworks export them). Quantized FP8/FP4 tensors with ``.scale``
-companions are read by the checkpoint reader (a later issue), not here.
+companions are read by `v41cp.checkpoint.released`, not here.
 
 Every error names the offending key and, for shape/dtype problems, the expected and given values.
 """

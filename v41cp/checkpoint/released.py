@@ -1,4 +1,4 @@
-"""Reader for the released DeepSeek-V4.1 checkpoint layout (v41-architecture.md §5).
+"""Reader for the released DeepSeek-V4.1 checkpoint layout (docs/architecture.md).
 
 `ReleasedCheckpoint(path)` opens a directory holding ``config.json`` (composite or text-only),
 ``tokenizer.json`` (needed for Engram's compressed-token map) and safetensors shards, and checks the
@@ -14,7 +14,7 @@ Accepted per tensor (``W`` = ``<name>.weight``, ``S`` = ``<name>.scale``):
 * unquantized BF16 / FP16 / FP32 ``W`` with no ``S`` (other frameworks' exports).
 
 Vision / aligner tensors are skipped with a log line; ``mtp.*`` (DSpark) tensors are listed in
-`dspark_tensors` for a later issue.
+`dspark_tensors`.
 """
 
 from __future__ import annotations
@@ -284,7 +284,7 @@ class ReleasedCheckpoint:
         return tree
 
     def dspark_tensors(self) -> dict[str, np.ndarray]:
-        """``mtp.*`` tensors as stored (memory maps), for the DSpark issue."""
+        """The DSpark drafter's ``mtp.*`` tensors as stored (memory maps)."""
         return {k: self.files.read(k) for k in self.files if k.startswith("mtp.")}
 
     @property

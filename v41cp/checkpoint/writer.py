@@ -1,4 +1,4 @@
-"""Write tensors under released names in the release's storage formats (v41-architecture.md §5.1).
+"""Write tensors under released names in the release's storage formats (docs/architecture.md).
 
 Used to build release-format checkpoints from unquantized weights: the embedded tiny model
 (`checkpoints/make_tiny.sh`), test fixtures and the synthetic inputs of the conversion benchmark.

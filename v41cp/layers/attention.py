@@ -1,4 +1,5 @@
-"""CSA2 attention of one V4.1 layer (§2.1–2.9), full-sequence reference path.
+"""CSA2 attention of one V4.1 layer: one module for every mode — the full sequence, and cached rows through a rows
+backend (`v41cp.serving.attention`: paged rows, DCP, model-wide QCP).
 
 Keys of query ``t`` = its sliding window ``{kv_s : t−W < s ≤ t}`` (FP8 window KV, K = V) ∪ the
 selected compressed entries ``{ckv_j : j ∈ topk(t)}``; one softmax over their union plus the
@@ -132,7 +133,7 @@ def window_kv(wkv: jax.Array, kv_norm, x: jax.Array, angles: jax.Array) -> jax.A
 
 def output_projection(cfg: ModelConfig, w: dict, o: jax.Array, angles: jax.Array) -> jax.Array:
     """Attention output ``o [B,S,heads,D]`` → ``[B,S,H]``: inverse RoPE at ``angles``, then the grouped low-rank
-    ``wo_a`` and ``wo_b`` (§2.9)."""
+    ``wo_a`` and ``wo_b``."""
     b, s = o.shape[:2]
     o = apply_rope(o, angles, inverse=True).reshape(b, s, cfg.o_groups, -1)
     y = jnp.einsum("bsgi,gio->bsgo", o, weight_for(w["wo_a"], o))

@@ -39,7 +39,7 @@ def declare(module: nn.Module, name: str, shape: Sequence[int], axes: Sequence[s
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm in FP32, weight multiplied before the cast back to ``x.dtype`` (§3.6)."""
+    """RMSNorm in FP32, weight multiplied before the cast back to ``x.dtype``."""
     v = x.astype(jnp.float32)
     v = v * jax.lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + eps)
     return (weight.astype(jnp.float32) * v).astype(x.dtype)

@@ -1,4 +1,4 @@
-"""KV-source compressor (§2.4): one routine for every mode and ratio.
+"""KV-source compressor: one routine for every mode and ratio.
 
 Ratio ``r > 1``: each token row gets FP32 projections ``c = x·wkv`` and ``z = x·wgate``; entry ``j`` pools the
 group of rows ``j·r … j·r + r − 1`` channel-wise, ``Σ_rows c · softmax_rows(z)`` (`pool_group`), then RMSNorm.

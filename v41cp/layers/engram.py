@@ -1,4 +1,4 @@
-"""Engram: hashed n-gram memory added to every residual stream before a layer's mHC (§3.2)."""
+"""Engram: hashed n-gram memory added to every residual stream before a layer's mHC."""
 
 from __future__ import annotations
 

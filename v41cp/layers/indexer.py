@@ -1,4 +1,4 @@
-"""CSA2 indexer (§2.5): index keys (KV sources), ReLU-weighted scores and the two-level top-k.
+"""CSA2 indexer: index keys (KV sources), ReLU-weighted scores and the two-level top-k.
 
 Selection convention (shared by the whole code base): top-k order is score descending, then
 logical position ascending (``jax.lax.top_k`` order); picks with score −inf are padding, index −1.

@@ -1,4 +1,4 @@
-"""mHC: manifold-constrained hyper-connections with the V4.1 single-pass hand-off (§3.4).
+"""mHC: manifold-constrained hyper-connections with the V4.1 single-pass hand-off.
 
 The residual is ``X [B, S, hc, H]``. Each site (attention, FFN) predicts FP32 coefficients
 ``pre [B,S,hc]``, ``post [B,S,hc]`` and a Sinkhorn-normalised ``comb [B,S,hc,hc]``

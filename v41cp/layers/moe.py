@@ -1,4 +1,4 @@
-"""MoE FFN (§3.5): sqrtsoftplus router with noaux_tc selection bias, renormalised top-k weights ×
+"""MoE FFN: sqrtsoftplus router with noaux_tc selection bias, renormalised top-k weights ×
 routed_scaling_factor, clamped-SwiGLU experts and one shared expert.
 
 Two dispatches of the routed experts (``cfg.moe_backend``), identical routing and results:

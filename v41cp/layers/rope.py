@@ -1,4 +1,4 @@
-"""Interleaved-pair RoPE on the trailing channels, with the frequency-only YaRN of V4.1 (§2.3).
+"""Interleaved-pair RoPE on the trailing channels, with the frequency-only YaRN of V4.1.
 
 Two tables: ``main`` (θ = rope_theta, no scaling; ratio-0 layers) and ``compress``
 (θ = compress_rope_theta + YaRN; every layer with ratio > 0, incl. its compressed entries,

@@ -5,7 +5,7 @@
 that name the offending values. KVP / DCP / QCP groups are sub-groups of attention TP (they add no
 devices): the inner ``cp`` axis of `v41cp.sharding.make_mesh`.
 
-Restrictions (seed "Configuration"; cp-survey §2.5):
+Restrictions:
 
 * ``kv_parallel_size`` divides attention TP (so a group never crosses a data-parallel replica);
 * decode runs the DCP path over the KVP pages, so ``decode_context_parallel_size == kv_parallel_size``;

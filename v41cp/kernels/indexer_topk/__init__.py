@@ -1,5 +1,5 @@
 """Indexer scan + top-k over paged index keys (the DeepGEMM paged-MQA-logits + top-k contract,
-`performance-limits.md` §3), exact under the shared tie rule (score desc, logical id asc).
+exact under the shared tie rule (score desc, logical id asc).
 
 Inputs shared by every op: ``q [R, Hi, Di]`` index queries, ``w [R, Hi]`` their head weights; ``store`` the
 index-key pool as rows ``[N, Di]`` (values or MXFP4 records ``{"q", "s"}``); per row a **page list** ``pages

@@ -1,5 +1,5 @@
 """Sparse attention over paged V4.1 caches: the window pool and the index-selected compressed entries in
-one softmax (the FlashMLA sparse-decode contract, `performance-limits.md` §2).
+one softmax (the FlashMLA sparse-decode contract).
 
 `sparse_attention(q, stores, indices, lengths=None, sink=None, backend=...)`:
 

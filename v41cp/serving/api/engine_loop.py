@@ -29,7 +29,7 @@ import threading
 import traceback
 from dataclasses import dataclass
 
-from v41cp.serving.engine import Engine, SamplingParams
+from v41cp.serving.engine import EngineLike, SamplingParams
 from v41cp.serving.multihost.control_plane import Commands, ControlPlane, drop
 
 __all__ = ["EngineLoop", "LoopClosed", "RequestHandle", "TokenEvent"]
@@ -90,7 +90,7 @@ class EngineLoop:
     """See the module docstring. ``idle_wait``: seconds the thread sleeps waiting for work when idle; ``control``:
     the control plane to the follower processes (None: one process)."""
 
-    def __init__(self, engine: Engine, idle_wait: float = 0.05, control: ControlPlane | None = None):
+    def __init__(self, engine: EngineLike, idle_wait: float = 0.05, control: ControlPlane | None = None):
         self.engine, self.idle_wait, self.control = engine, idle_wait, control
         self._ops = Commands()
         self._inbox: "queue.SimpleQueue" = queue.SimpleQueue()

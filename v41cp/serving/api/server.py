@@ -25,13 +25,13 @@ from tqdm import tqdm
 from v41cp.serving.api.app import build_app
 from v41cp.serving.api.engine_loop import EngineLoop
 from v41cp.serving.api.text import TextCodec
-from v41cp.serving.engine import Engine, SamplingParams
+from v41cp.serving.engine import EngineLike, SamplingParams
 from v41cp.serving.multihost.control_plane import ControlPlane, follow
 
 __all__ = ["run_follower", "run_server", "warm_up"]
 
 
-def warm_up(engine: Engine, progress: bool = True) -> dict:
+def warm_up(engine: EngineLike, progress: bool = True) -> dict:
     """Compile the engine's programs by serving one short request through every stage (prefill, decode);
     returns its seconds. Leaves the engine as it was (the request is released)."""
     n = max(1, min(4, engine.capacity.max_tokens - 2))
@@ -48,7 +48,7 @@ def warm_up(engine: Engine, progress: bool = True) -> dict:
     return {"warm_up_s": round(time.perf_counter() - t0, 3)}
 
 
-def run_server(engine: Engine, codec: TextCodec | None, model_name: str, host: str = "127.0.0.1", port: int = 8000,
+def run_server(engine: EngineLike, codec: TextCodec | None, model_name: str, host: str = "127.0.0.1", port: int = 8000,
                progress: bool = True, log_level: str = "info", control: ControlPlane | None = None) -> None:
     stages = warm_up(engine, progress)
     print(f"v41cp: warm-up compile {stages['warm_up_s']} s; serving {model_name!r} on http://{host}:{port}", file=sys.stderr,
@@ -75,7 +75,7 @@ def run_server(engine: Engine, codec: TextCodec | None, model_name: str, host: s
             control.shutdown()
 
 
-def run_follower(engine: Engine, control: ControlPlane) -> int:
+def run_follower(engine: EngineLike, control: ControlPlane) -> int:
     """A rank > 0 of a multi-process server: the leader's warm-up in lock-step, then its iterations until it
     closes; returns the steps taken."""
     warm_up(engine, progress=False)

@@ -1,4 +1,4 @@
-"""Byte records of the decode caches in the release's formats (v41-architecture.md §4.2), in jnp.
+"""Byte records of the decode caches in the release's formats (docs/architecture.md), in jnp.
 
 * window KV, FP8: e4m3 bytes ``[..., D]`` + ue8m0 exponent bytes ``[..., D/32]`` (528 B at D = 512);
 * compressed KV, NVFP4: packed e2m1 ``[..., D/2]`` + e4m3 scale bytes ``[..., D/16]`` (288 B);

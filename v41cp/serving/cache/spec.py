@@ -1,4 +1,4 @@
-"""The V4.1 decode-state layout and its exact byte accounting (v41-architecture.md §4.1, §4.2).
+"""The V4.1 decode-state layout and its exact byte accounting (docs/architecture.md).
 
 Per request:
 

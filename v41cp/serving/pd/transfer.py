@@ -8,7 +8,7 @@ rank ``src[i] mod Np``, row ``src[i] // Np``); a decode-role engine (KVP = DCP `
   moves from rank ``r`` to rank ``r`` only;
 * ``Np == 1`` — **relayout**: every page comes from the one prefill rank; each decode rank receives exactly the
   pages it owns;
-* anything else is refused (`check_sizes`), as the seed refuses it.
+* anything else is refused (`check_sizes`).
 
 Only complete entries move — ``tokens // ratio`` per group, so a partial last page ships no stale rows — as stored
 (record bytes ``{"q", "s"}`` uint8 copied as they are: no dequantize / requantize). The replicated slot state (window

@@ -1,4 +1,4 @@
-"""DSpark speculative decoding over the cached steps: draft, verify, accept, commit (issue 16).
+"""DSpark speculative decoding over the cached steps: draft, verify, accept, commit.
 
 One engine step of a request at anchor position ``p`` (the last output token, not yet fed):
 

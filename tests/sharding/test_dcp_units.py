@@ -13,6 +13,8 @@ from v41cp.sharding.lse_merge import apply_sink, merge_a2a, merge_ag_rs, merge_p
 from v41cp.sharding.ownership import is_owned, local_row, owned_positions, owner, pages_owned
 from v41cp.sharding.topology import ParallelConfig
 
+pytestmark = pytest.mark.fast           # the developer tier (`pytest -m fast`)
+
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(tp_size=8, kv_parallel_size=3, decode_context_parallel_size=3), "kv_parallel_size=3 does not divide"),

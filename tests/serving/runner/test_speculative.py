@@ -143,6 +143,7 @@ def test_every_acceptance_length_rolls_back_exactly(setup, j):
               f"(ideal 1/(n+1) = {1 / (N + 1):.3f}; each request's last step is cut by its length)")
 
 
+@pytest.mark.fast
 def test_rejection_sampling_is_lossless():
     """The acceptance rule against a point-mass proposal emits tokens distributed as the target: the first token
     ~ p₀ whatever the draft, and (after an accepted draft) the second ~ p₁. 40,000 seeds; every frequency within

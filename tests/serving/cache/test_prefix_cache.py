@@ -15,6 +15,7 @@ from v41cp.serving.cache.prefix import PrefixCache, admit, grow
 
 
 # ------------------------------------------------------------------------------------------ host bookkeeping
+@pytest.mark.fast
 @pytest.mark.parametrize("kvp", [1, 4])
 def test_random_operations_never_free_a_held_block(kvp):
     """Requests from a few shared prefixes are admitted (hits, branch points, evictions under a small pool),
@@ -71,6 +72,7 @@ def test_random_operations_never_free_a_held_block(kvp):
     assert hits > 20 and evicted > 5, (hits, evicted)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("kvp", [1, 2])
 def test_admission_drops_the_unusable_part_of_a_match_at_tight_capacity(kvp):
     """One request's worth of blocks: the first request's chain fills the pool; the next shares all but its last
@@ -107,6 +109,7 @@ def test_admission_drops_the_unusable_part_of_a_match_at_tight_capacity(kvp):
         cache.release(got.nodes)
 
 
+@pytest.mark.fast
 def test_allocator_shares_blocks_without_freeing_them():
     alloc = BlockAllocator(8, 4, 2, 4, 2)
     assert alloc.admit("x", 8) == [0, 1]

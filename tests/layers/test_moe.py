@@ -73,6 +73,7 @@ def _dense(e, x, idx, w, plain):
     ("random", 200, 2, 4, 1 << 30),              # many tokens per expert: tiles of several rows
     ("random", 200, 2, 4, 3 * H * I * 4 * 3),    # ... in several chunks (the fori_loop)
 ])
+@pytest.mark.fast
 def test_sparse_equals_dense(stored, kind, t, k, e, chunk_bytes):
     rng = np.random.default_rng(t + k + e)
     experts, plain = _experts(e, stored)
@@ -88,6 +89,7 @@ def test_sparse_equals_dense(stored, kind, t, k, e, chunk_bytes):
     assert err <= 1e-5, (kind, t, k, e, err)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("kind,t,k,e", [("random", 24, 6, 16), ("empty_experts", 96, 3, 12), ("random", 200, 2, 4)])
 def test_grouped_fp4_kernel_dispatch_equals_dense(kind, t, k, e):
     """``backend="pallas"``: FP4 experts through the grouped kernel (interpret mode here), tiles of ≥ 16 rows even
@@ -103,6 +105,7 @@ def test_grouped_fp4_kernel_dispatch_equals_dense(kind, t, k, e):
     assert DispatchShape.build(t, k, e, 1, min_tile=16).tile >= 16
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("kind", ["random", "all_to_one", "empty_experts"])
 def test_dispatch_places_every_pair_once_in_a_tile_of_its_expert(kind):
     rng = np.random.default_rng(3)
@@ -120,6 +123,7 @@ def test_dispatch_places_every_pair_once_in_a_tile_of_its_expert(kind):
         assert np.all(np.diff(toks) > 0)
 
 
+@pytest.mark.fast
 def test_dispatch_geometry():
     decode = DispatchShape.build(64, 6, 384, 1)
     assert decode.tile == 1 and decode.slots == 64 * 6                # decode: exactly the pairs
@@ -130,6 +134,7 @@ def test_dispatch_geometry():
         assert s.slots >= t * 6 + 0 and s.tiles * 3 * 5120 * 288 * 2 <= s.chunks * (1 << 30) + s.chunks * 3 * 5120 * 288 * 2
 
 
+@pytest.mark.fast
 def test_sparse_moe_flops_are_k_over_e_of_dense():
     """Compiled FLOPs at the released expert count (384, top-6) and reduced widths: the sparse routed experts do
     k / E of the dense reference's work (+ at most 10 %: the FP4-scale pass and the dispatch)."""
@@ -156,6 +161,7 @@ def test_sparse_moe_flops_are_k_over_e_of_dense():
     assert k / e <= ratio <= 1.1 * k / e
 
 
+@pytest.mark.fast
 def test_program_cost_counts_every_loop_iteration():
     """XLA counts a loop body once; `program_cost` counts it per iteration, nested loops too: a loop of distinct
     matmuls costs what the unrolled program costs."""

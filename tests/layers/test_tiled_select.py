@@ -13,6 +13,8 @@ from v41cp.layers.indexer import select_scored
 from v41cp.layers.tiled_select import attend_rows, select_rows
 from v41cp.sharding.dist_topk import candidate_mask
 
+pytestmark = pytest.mark.fast           # the developer tier (`pytest -m fast`)
+
 CFG = preset("tiny", index_topk=5, candidate_topk_blocks=3, candidate_block_size=2)
 ROLES = {r.index: r for r in CFG.layer_roles}
 

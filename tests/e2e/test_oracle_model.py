@@ -94,7 +94,7 @@ def test_sparse_selection_sets_with_ties(oracle):
     assert all(mine[i] == theirs[i] for i in clear)
 
 
-@pytest.mark.parametrize("batch,seq", [(1, 1), (2, 9)])
+@pytest.mark.parametrize("batch,seq", [pytest.param(1, 1, marks=pytest.mark.fast), (2, 9)])
 def test_short_and_batched_sequences_match_oracle(oracle, batch, seq):
     """Lengths at the edges: one token (no complete ratio-2 group yet) and a batch of 9 tokens
     (one past the window, a trailing open ratio-2 group)."""

@@ -14,7 +14,7 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from helpers import TOKEN_MAP, cache_by_virtual_block, perturbed, rel_err
+from helpers import REPO, TOKEN_MAP, cache_by_virtual_block, perturbed, rel_err
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -101,6 +101,7 @@ def unsharded(setup):
     return {ced: _prefill(setup, ced=ced) for ced in (False, True)}
 
 
+@pytest.mark.fast
 def test_span_metadata_rows_and_ced_owners(setup):
     cfg, _, prompts, tables, slots = setup
     full = build_span_metadata(cfg, prompts, 4, slots=slots, block_tables=tables, span=SPAN)
@@ -195,7 +196,7 @@ def test_qcp_per_device_flops_fall_to_one_nth():
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "qcp_prefill_structure.py"
+    script = REPO / "benchmarks" / "qcp_prefill_structure.py"
     res = subprocess.run([sys.executable, str(script), "--devices", "8", "--rows", "512"], capture_output=True,
                          text=True, timeout=600)
     assert res.returncode == 0, res.stderr

@@ -7,6 +7,8 @@ from safetensors.numpy import load_file
 from v41cp.config import preset
 from v41cp.layers.rope import rope_frequencies
 
+pytestmark = pytest.mark.fast           # the developer tier (`pytest -m fast`)
+
 
 @pytest.mark.oracle
 @pytest.mark.parametrize("name", ["v41-flash", "tiny"])

@@ -7,7 +7,7 @@ layer's selection), above and below the row thresholds:
 
 import jax
 import numpy as np
-from helpers import TOKEN_MAP, perturbed, rel_err
+from helpers import REPO, TOKEN_MAP, perturbed, rel_err
 
 from v41cp import model
 from v41cp.config import preset
@@ -63,7 +63,7 @@ def test_per_device_flops_fall_to_one_nth():
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "operator_qcp_structure.py"
+    script = REPO / "benchmarks" / "operator_qcp_structure.py"
     res = subprocess.run([sys.executable, str(script), "--devices", "8", "--rows", "512"], capture_output=True,
                          text=True, timeout=300)
     assert res.returncode == 0, res.stderr
@@ -83,7 +83,7 @@ def test_span_prefill_operator_qcp_moves_only_the_seed_exchanges():
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "span_operator_qcp_structure.py"
+    script = REPO / "benchmarks" / "span_operator_qcp_structure.py"
     res = subprocess.run([sys.executable, str(script), "--devices", "4", "--rows", "22"], capture_output=True,
                          text=True, timeout=600)
     assert res.returncode == 0, res.stderr

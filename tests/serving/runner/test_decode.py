@@ -113,6 +113,7 @@ def test_one_compile_over_1000_steps_with_changing_batches():
 
 
 
+@pytest.mark.fast
 def test_records_decode_to_the_fake_quant_values():
     from v41cp.quant import fake_quant
     from v41cp.serving.cache.records import decode, encode, record_bytes
@@ -128,6 +129,7 @@ def test_records_decode_to_the_fake_quant_values():
     assert (record_bytes("fp8", 512), record_bytes("nvfp4", 512), record_bytes("mxfp4", 128)) == (528, 288, 68)
 
 
+@pytest.mark.fast
 def test_cache_bytes_equal_the_spec():
     """Exact structure: the record cache of the tiny model holds CacheSpec's bytes per row / block."""
     from v41cp.serving.cache.spec import CacheSpec

@@ -9,6 +9,8 @@ from v41cp.checkpoint import ReleasedCheckpoint, default_released_checkpoint
 from v41cp.checkpoint.formats import dequant_fp4_rows, dequant_fp8_blocks, dequant_fp8_rows
 from v41cp.checkpoint.layouts import GroupsIn, GroupsOut, HeadsOut, PaddedRows, Same, Stacked, Transposed
 
+pytestmark = pytest.mark.fast           # the developer tier (`pytest -m fast`)
+
 RNG = np.random.default_rng(0)
 
 

@@ -9,6 +9,8 @@ from v41cp.config import preset
 from v41cp.serving.cache.allocator import AllocationError, BlockAllocator
 from v41cp.serving.cache.spec import CacheSpec
 
+pytestmark = pytest.mark.fast           # the developer tier (`pytest -m fast`)
+
 
 def test_flash_cache_bytes_match_the_release():
     spec = CacheSpec(preset("v41-flash"), block_tokens=64)

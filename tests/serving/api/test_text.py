@@ -10,6 +10,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from v41cp.checkpoint import default_checkpoint, default_released_checkpoint
 from v41cp.serving.api.text import ChatFormatError, TextCodec, TextStream
 
+pytestmark = pytest.mark.fast           # the developer tier (`pytest -m fast`)
+
 
 @pytest.fixture(scope="module")
 def codec():

@@ -8,6 +8,8 @@ import pytest
 
 from v41cp.sharding.query_shard import QueryShardPlan, zigzag_blocks
 
+pytestmark = pytest.mark.fast           # the developer tier (`pytest -m fast`)
+
 
 def _check(lengths, n):
     plan = QueryShardPlan.build(lengths, n)

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from helpers import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 from execute_notebooks import execute  # noqa: E402
 

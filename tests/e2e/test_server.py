@@ -50,12 +50,14 @@ def _streamed_text(stream) -> tuple[str, str]:
     return "".join(parts), reason
 
 
+@pytest.mark.fast
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     h = server.wait_idle()
     assert h["status"] == "ok" and h["total_blocks"] > 0 and h["free_slots"] == 8
 
 
+@pytest.mark.fast
 def test_completion_text_ids_and_stream(server, client, codec):
     args = dict(model=MODEL, max_tokens=9, temperature=0)
     text = client.completions.create(prompt=PROMPTS[1], extra_body={"return_token_ids": True}, **args)
@@ -176,6 +178,7 @@ def test_full_queue_answers_429(server):
     server.wait_idle(timeout=60)
 
 
+@pytest.mark.fast
 def test_invalid_json_answers_400(server):
     r = httpx.post(server.url + "/v1/completions", content=b'{"model": "tiny-v41", "prompt": ', timeout=30,
                    headers={"content-type": "application/json"})

@@ -10,6 +10,8 @@ from v41cp.layers.indexer import select_candidate_blocks, topk_select
 from v41cp.sharding import make_mesh
 from v41cp.sharding.dist_topk import candidate_mask, distributed_candidate_blocks, distributed_topk, merge_topk
 
+pytestmark = pytest.mark.fast           # the developer tier (`pytest -m fast`)
+
 
 def _split(n, epb, g, first_residue):
     """Entry ids ``[n, G/n]`` each rank owns under page-cyclic ownership (pages of ``epb`` entries), −1 padding."""

@@ -103,6 +103,7 @@ def test_disaggregated_equals_aggregated(tiny_tp8, aggregated, prefill_kvp, tran
     assert short["pages"] == 1 and sorted(short["entries"].values()) == [1, 2] and len(short["rank_pairs"]) == 1
 
 
+@pytest.mark.fast
 def test_transfer_plan_counts_and_refusals():
     """Entries of a partial last page stop at the true token count; each decode rank receives exactly the pages it
     owns; unsupported size pairs are refused naming them."""

@@ -75,6 +75,7 @@ def test_seeded_sampling_is_deterministic(tiny):
     assert runs[0] == runs[1] and runs[0] != runs[2]
 
 
+@pytest.mark.fast
 def test_bad_input_is_rejected_and_others_unharmed(tiny):
     cfg, params = tiny
     eng = Engine(params, cfg, CAP)
@@ -177,6 +178,7 @@ def test_engine_rejects_when_the_queue_is_full(tiny):
     assert [r["status"] for r in eng.run()] == ["done", "done"]
 
 
+@pytest.mark.fast
 def test_submit_names_the_field_and_rejects_what_can_never_run(tiny):
     """Errors carry the offending field; a request larger than the whole cache is rejected at submit rather than
     left waiting forever (blocking the queue); a negative seed is rejected before it can fail a step."""

@@ -5,6 +5,8 @@ import pytest
 
 from v41cp.checkpoint import CheckpointError, ReleasedCheckpoint, default_released_checkpoint, params_from_released
 
+pytestmark = pytest.mark.fast           # the developer tier (`pytest -m fast`)
+
 
 @pytest.fixture(scope="module")
 def embedded():

@@ -64,6 +64,7 @@ def test_dequant_bit_exact_vs_oracle_incl_ragged_blocks(oracle, tmp_path):
         np.testing.assert_array_equal(got, want, err_msg=name)
 
 
+@pytest.mark.fast
 def test_quantizers_round_trip_on_the_grid():
     x = np.array([[0.5, -1.0, 6.0, 0.0] * 8 + [1.5, -3.0, 4.0, -0.5] * 8], np.float32)
     np.testing.assert_array_equal(dequant_fp4_rows(*quant_fp4_rows(x)), x)
@@ -166,6 +167,7 @@ def test_bad_tensor_is_named_and_leaves_no_output(tmp_path, edit, needle):
     _expect_convert_error(src, tmp_path / "out", needle)
 
 
+@pytest.mark.fast
 def test_truncated_shard(tmp_path):
     src = _copy(tmp_path)
     shard = sorted(src.glob("*.safetensors"))[-1]
@@ -246,6 +248,7 @@ def test_unquantized_export_and_dspark_vision_tensors(tmp_path):
             np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.fast
 def test_in_jit_decoders_match_host_decoders():
     import jax.numpy as jnp
 

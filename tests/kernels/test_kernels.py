@@ -22,6 +22,7 @@ from v41cp.quant import FP4_TABLE, mxfp4_block32
 from v41cp.serving.cache.records import decode, encode
 
 
+@pytest.mark.fast
 def test_in_kernel_decoders_equal_the_record_decoder():
     b = jnp.arange(256, dtype=jnp.int32)
     finite = (b & 0x7F) != 0x7F                                     # e4m3fn NaN codes are never written
@@ -73,6 +74,7 @@ def test_sparse_attention_kernel_equals_reference(dtype, tol):
     np.testing.assert_allclose(np.asarray(lse_ref)[0], np.log(np.exp(logits).sum(-1)), rtol=1e-5)
 
 
+@pytest.mark.fast
 def test_sink_is_an_output_epilogue_that_leaves_the_lse_alone():
     q, stores, idx, lengths = _attention_case("float32", h=16, d=64)
     sink = jnp.linspace(-2.0, 2.0, 16)
@@ -200,6 +202,7 @@ def test_every_kernel_lowers_for_cuda(dtype):
           s((24, 1, 288), dtype), s((24,), i32), s((8, 5120, 144), u8), s((8, 5120, 9), u8))
 
 
+@pytest.mark.fast
 def test_backend_names_are_validated():
     with pytest.raises(ConfigError, match="attention_backend"):
         preset("tiny", attention_backend="triton")
