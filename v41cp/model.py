@@ -87,7 +87,7 @@ class Transformer(nn.Module):
     (`engram_inputs`); returns ``(logits [B,S,vocab] FP32, block inputs, cache)``.
 
     * full sequence (``rows`` None): rows are positions ``0 … S−1`` of each sequence; no cache (None returned);
-    * cached rows (``rows`` a `v41cp.serving.attention.paged_rows.PagedRows`, ``cache`` its paged cache): row ``i`` of
+    * cached rows (``rows`` a `v41cp.layers.rows_backend.RowsBackend`, ``cache`` its cache): row ``i`` of
       request ``b`` is at position ``starts[b] + i`` and attends the request's cached history; the updated
       cache is returned. CED narrowing: with ``encoder_only``, the layers before the CED boundary and the
       boundary layer's cache-only prepass (logits are zeros); with a narrowing ``rows`` (``decoder_rows > 0``),

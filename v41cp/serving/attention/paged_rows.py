@@ -39,6 +39,7 @@ from v41cp.kernels.sparse_attention.reference import sink_attention
 from v41cp.layers.attention import CSAState, query_parallel_rows
 from v41cp.layers.common import dtype_of
 from v41cp.layers.indexer import query_parallel_select_rows, select_scored
+from v41cp.layers.rows_backend import RowsBackend
 from v41cp.layers.tiled_select import attend_rows, select_rows
 from v41cp.serving.attention import dcp, kernel_ops
 from v41cp.serving.cache import paged as pc
@@ -112,7 +113,7 @@ class StepRows:
         return (local < self.lengths[req])[None]
 
 
-class PagedRows:
+class PagedRows(RowsBackend):
     """Trace-time context of one cached step (see the module docstring). Not a pytree: built inside the jitted
     step from the cache and `StepRows`; ``plan`` is the static KVP / DCP layout (None = one device or GSPMD), or
     with replicated pages (`DCPPlan.split_selection`, plain attention TP) the split of the XLA selection's scoring

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from v41cp.config import LayerRole, ModelConfig
 from v41cp.layers.attention import CSAState
 from v41cp.layers.common import dtype_of
+from v41cp.layers.rows_backend import RowsBackend
 from v41cp.layers.tiled_select import ROW_TILE_BYTES, attend_rows, select_rows
 from v41cp.serving.cache import paged as pc
 from v41cp.serving.runner.span_metadata import SpanMetadata
@@ -38,7 +39,7 @@ from v41cp.sharding.row_group import RowGroup
 __all__ = ["QCPRows"]
 
 
-class QCPRows:
+class QCPRows(RowsBackend):
     """Trace-time context of one model-wide QCP pass (inside the map; ``meta``'s per-rank fields are the rank's).
     ``kvp``: the KVP group size when the pages are split over the map's ``cp`` axis, else 1; ``tile_bytes``: the
     temporaries of one tile of the row-tiled selection / attention."""
