@@ -42,15 +42,16 @@ def test_topology_errors_name_the_value(kwargs, match):
 
 
 def test_cli_merge_choices_are_the_topology_merges():
-    """`--dcp-merge` lists `DCP_MERGES` literally (the CLI must not import jax before it reads --devices)."""
+    """The CLI's `--dcp-merge` / `--dcp-q` (the topology flag group) offer exactly the topology's merges and modes."""
     import argparse
 
-    from v41cp.__main__ import _topology_flags
-    from v41cp.sharding.topology import DCP_MERGES
+    from v41cp.cli import flags
+    from v41cp.sharding.topology import DCP_MERGES, DCP_Q_MODES
 
     p = argparse.ArgumentParser()
-    _topology_flags(p)
-    assert tuple(next(a for a in p._actions if a.dest == "dcp_merge").choices) == DCP_MERGES
+    flags.add(p, flags.TopologyFlags)
+    choices = {a.dest: tuple(a.choices) for a in p._actions if a.dest in ("dcp_merge", "dcp_q")}
+    assert choices == {"dcp_merge": DCP_MERGES, "dcp_q": DCP_Q_MODES}
 
 
 def test_topology_model_and_device_errors():

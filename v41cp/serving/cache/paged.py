@@ -35,7 +35,8 @@ from v41cp.serving.cache.records import RECORD_FORMATS, decode, encode
 from v41cp.sharding.mesh import CP
 from v41cp.sharding.ownership import is_owned, local_row, owner
 
-__all__ = ["kv_groups", "init_cache", "cache_layout", "pool_sharding", "write", "read", "stored_values", "store_rows",
+__all__ = ["kv_groups", "init_cache", "cache_layout", "cache_specs", "POOLS", "pool_sharding", "write", "read",
+           "stored_values", "store_rows",
            "entries_per_block", "cache_slots", "take_raw", "put_raw", "gather_pages", "entry_location", "page_rows", "write_entries",
            "read_pages", "write_owned", "restore_owned"]
 
@@ -43,6 +44,16 @@ __all__ = ["kv_groups", "init_cache", "cache_layout", "pool_sharding", "write", 
 def kv_groups(cfg: ModelConfig) -> list[LayerRole]:
     """The KV sources (one global cache group each), in layer order."""
     return [r for r in cfg.layer_roles if r.is_kv_source]
+
+
+POOLS = ("ckv", "ikey")        # the global pools (page-cyclic over the KVP group); every other leaf is per batch slot
+
+
+def cache_specs(cache: dict, kv_parallel: bool) -> dict:
+    """Every leaf's `PartitionSpec` — the one place the cache's partitioning is chosen: under KVP the global pools'
+    block dimension over ``cp``, everything else replicated."""
+    pool = P(CP) if kv_parallel else P()
+    return {k: jax.tree.map(lambda _: pool if k in POOLS else P(), v) for k, v in cache.items()}
 
 
 def pool_sharding(mesh) -> NamedSharding:
@@ -103,8 +114,8 @@ def cache_layout(cfg: ModelConfig, num_blocks: int, block_tokens: int, max_batch
     else:
         if num_blocks % plan.n:
             raise ValueError(f"num_blocks={num_blocks} must be a multiple of kv_parallel_size={plan.n}")
-        rep, pool = NamedSharding(plan.mesh, P()), pool_sharding(plan.mesh)
-        shardings = {k: jax.tree.map(lambda _: pool if k in ("ckv", "ikey") else rep, v) for k, v in cache.items()}
+        shardings = jax.tree.map(lambda spec: NamedSharding(plan.mesh, spec), cache_specs(cache, True),
+                                 is_leaf=lambda x: isinstance(x, P))
     return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), cache, shardings)
 
 

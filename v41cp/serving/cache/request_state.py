@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from v41cp.serving.cache.paged import entries_per_block, page_rows, store_rows
+from v41cp.serving.cache.paged import POOLS, entries_per_block, page_rows, store_rows
 
 __all__ = ["request_state", "window_rows"]
 
@@ -26,7 +26,7 @@ def request_state(cache: dict, blocks, tokens: int, block_tokens: int, kvp: int 
                   slot_state: dict | None = None) -> dict:
     """See the module docstring (``tokens``: the positions the cache holds; ``slot_state``: already taken)."""
     pages = {}
-    for name in ("ckv", "ikey"):
+    for name in POOLS:
         pages[name] = {}
         for src, store in cache[name].items():
             count = tokens // (block_tokens // entries_per_block(store))          # complete entries

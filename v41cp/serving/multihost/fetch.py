@@ -7,7 +7,6 @@ calling it at the same point; an array this process holds entirely is read direc
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 
 __all__ = ["fetch"]

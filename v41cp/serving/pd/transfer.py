@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from v41cp.serving.cache.paged import entries_per_block, store_rows
+from v41cp.serving.cache.paged import POOLS, entries_per_block, store_rows
 from v41cp.serving.cache.slot_state import put_slot_state, state_bytes, take_slot_state
 
 __all__ = ["TransferPlan", "check_sizes", "plan_transfer", "execute", "shard_rank"]
@@ -64,7 +64,7 @@ class TransferPlan:
         """Bytes `execute` moves: every entry's stored record (main KV + index key) once per device holding its
         destination rank's pages (``dst_replicas``), plus the slot state once per decode device."""
         per_entry = {src: sum(a.dtype.itemsize * int(np.prod(a.shape[2:]))
-                              for name in ("ckv", "ikey") for a in jax.tree.leaves(src_cache[name][src]))
+                              for name in POOLS for a in jax.tree.leaves(src_cache[name][src]))
                      for src in self.copies}
         return sum(self.entries(g) * per_entry[g] for g in self.copies) * dst_replicas + slot_bytes * dst_devices
 
@@ -132,7 +132,7 @@ def execute(plan: TransferPlan, src_cache: dict, dst_cache: dict, src_slot: int,
     replicated parts are placed with ``dst_sharding``). Returns ``(dst_cache, bytes moved)``."""
     moved = 0
     dst_cache = dict(dst_cache)
-    for name in ("ckv", "ikey"):
+    for name in POOLS:
         pools = dict(dst_cache[name])
         for group, pair_copies in plan.copies.items():
             pools[group], m = _move_pool(src_cache[name][group], pools[group], pair_copies, plan.prefill_kvp,

@@ -27,13 +27,12 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from v41cp.serving.cache.paged import store_rows
+from v41cp.serving.cache.paged import POOLS, store_rows
 from v41cp.serving.cache.slot_state import put_slot_state
 from v41cp.serving.pd.transfer import TransferPlan, shard_rank
 
 __all__ = ["WireLayout", "Wire", "check_pairing", "device_ranks"]
 
-_POOLS = ("ckv", "ikey")
 
 
 def _leaves(store) -> list[tuple[str, jax.Array]]:
@@ -89,7 +88,7 @@ class WireLayout:
         self.entries: dict[int, list[_Piece]] = {}
         for r_dst in range(plan.decode_kvp):
             pieces = []
-            for pool in _POOLS:
+            for pool in POOLS:
                 for group in sorted(plan.copies):
                     for key, a in _leaves(cache[pool][group]):
                         for pair, (s_rows, _, _) in sorted(plan.copies[group].items()):
@@ -180,7 +179,7 @@ class Wire:
             got = self._exchange({}, layout.bucket(self.dst_ranks))
         cache = dict(cache)
         new = {pool: {g: {k: {sh.device: sh.data for sh in a.addressable_shards}
-                          for k, a in _leaves(cache[pool][g])} for g in plan.copies} for pool in _POOLS}
+                          for k, a in _leaves(cache[pool][g])} for g in plan.copies} for pool in POOLS}
         state_parts = [dict() for _ in layout.state]
         received = 0
         for i, dev in enumerate(self.decode):
@@ -195,7 +194,7 @@ class Wire:
                 leaf = new[piece.pool][piece.group][piece.key]
                 leaf[dev] = leaf[dev].at[jnp.asarray(d_rows), jnp.asarray(in_page)].set(values)
             received += offset
-        for pool in _POOLS:
+        for pool in POOLS:
             pools = dict(cache[pool])
             for g in plan.copies:
                 out = {k: jax.make_array_from_single_device_arrays(

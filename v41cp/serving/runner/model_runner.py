@@ -29,6 +29,7 @@ from v41cp.config import ModelConfig
 from v41cp.engram_hash import engram_hash_ids
 from v41cp.model import embedding_and_head, shard_params
 from v41cp.serving.attention.dcp import DCPPlan
+from v41cp.serving.cache.paged import POOLS
 from v41cp.serving.cache.request_state import request_state
 from v41cp.serving.cache.slot_state import put_slot_state, take_slot_state
 from v41cp.serving.capacity import Capacity
@@ -328,8 +329,8 @@ class ModelRunner:
                 total += sum(sh.data.nbytes for sh in leaf.addressable_shards if sh.device == dev)
             return total
 
-        pages = on_dev({k: self.cache[k] for k in ("ckv", "ikey")})
-        replicated = on_dev({k: v for k, v in self.cache.items() if k not in ("ckv", "ikey")})
+        pages = on_dev({k: self.cache[k] for k in POOLS})
+        replicated = on_dev({k: v for k, v in self.cache.items() if k not in POOLS})
         return {"global_pages": pages, "replicated_state": replicated, "total": pages + replicated,
                 "pages_per_device": self.num_blocks // (self.plan.n if self.plan else 1)}
 

@@ -51,6 +51,7 @@ from v41cp.model import Transformer, abstract_params
 from v41cp.serving.attention.dcp import DCPPlan
 from v41cp.serving.attention.paged_rows import StepRows
 from v41cp.serving.attention.qcp_rows import QCPRows
+from v41cp.serving.cache.paged import cache_specs
 from v41cp.serving.runner.span_metadata import SpanMetadata
 from v41cp.serving.runner.steps import _forward_rows
 from v41cp.sharding.mesh import ATTN_TP, CP
@@ -121,8 +122,7 @@ def _qcp_body(params, cache, meta: SpanMetadata, cfg: ModelConfig, layout: SpanL
 def _specs(cfg: ModelConfig, layout: SpanLayout, params, cache, meta):
     shardings = param_shardings(abstract_params(cfg), layout.mesh, QCP_RULES)
     pspec = jax.tree.map(lambda s: s.spec, shardings, is_leaf=lambda x: isinstance(x, jax.sharding.NamedSharding))
-    pool = P(CP) if layout.kv_parallel > 1 else P()
-    cspec = {k: jax.tree.map(lambda _: pool if k in ("ckv", "ikey") else P(), v) for k, v in cache.items()}
+    cspec = cache_specs(cache, layout.kv_parallel > 1)
     rank = P(layout.axes)
     mspec = SpanMetadata(*(rank,) * 5, *(P(),) * 7, meta.n, meta.capacity, meta.dec_capacity, meta.span, meta.ced,
                          meta.continued)

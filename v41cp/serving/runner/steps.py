@@ -38,7 +38,7 @@ from v41cp.model import Transformer
 from v41cp.serving.attention.dcp import DCPPlan
 from v41cp.serving.attention.paged_rows import PagedRows, StepRows
 from v41cp.serving.cache import paged as pc
-from v41cp.serving.cache.paged import init_cache
+from v41cp.serving.cache.paged import POOLS, init_cache
 
 __all__ = ["DecodeMetadata", "StepRows", "init_cache", "decode_step", "verify_step", "commit_rows", "prefill_chunk",
            "engram_ids_for_last", "ced_boundary", "ced_rows"]
@@ -173,7 +173,7 @@ def commit_rows(cache: dict, undo: dict, accepted: jax.Array, cfg: ModelConfig, 
                                 src: cache["open_score"][src].at[at].set(pick(o["z"], o["score"]), mode="drop")}}
     for src, e in undo["entries"].items():
         back = e["emits"] & reject
-        for name in ("ckv", "ikey"):
+        for name in POOLS:
             pool = cache[name][src]
             if plan is not None and not plan.replicated_pages:
                 flat = lambda a: a.reshape(-1)

@@ -47,6 +47,7 @@ def two_processes(*args: str, timeout: float = 480) -> list[tuple[int, str, str]
     return result
 
 
+@pytest.mark.fast
 def test_info_lists_every_layer_role():
     res = _cli("info", "--json")
     assert res.returncode == 0, res.stderr
@@ -79,6 +80,7 @@ def test_forward_matches_the_library():
     np.testing.assert_allclose([t["logit"] for t in got["top"]], want[-1, [t["id"] for t in got["top"]]], rtol=1e-5)
 
 
+@pytest.mark.fast
 def test_forward_rejects_bad_token_id():
     res = _cli("forward", "--tokens", "1 2 999")
     assert res.returncode != 0 and "token id 999" in res.stderr
@@ -238,6 +240,7 @@ def test_two_processes_equal_one_process(qcp8_one_process):
     assert two["timings"]["compiles"] == qcp8_one_process["timings"]["compiles"]
 
 
+@pytest.mark.fast
 def test_distributed_flags_are_validated():
     res = _cli("generate", "--nnodes", "2", "--node-rank", "2", "--dist-init-addr", "127.0.0.1:1")
     assert res.returncode == 2 and "--node-rank 2 is outside [0, --nnodes 2)" in res.stderr
@@ -247,6 +250,7 @@ def test_distributed_flags_are_validated():
     assert res.returncode == 2 and "serve with --prefill-devices across processes" in res.stderr
 
 
+@pytest.mark.fast
 def test_topology_flags_are_validated():
     res = _cli("generate", "--devices", "8", "--kv-parallel-size", "4", "--decode-context-parallel-size", "2")
     assert res.returncode == 2 and "decode_context_parallel_size=2 must equal kv_parallel_size=4" in res.stderr

@@ -1,0 +1,50 @@
+"""``v41cp serve``: the OpenAI-compatible HTTP server (`v41cp.serving.api.server`) over the serving engine; with
+``--nnodes > 1`` rank 0 serves HTTP and the other ranks follow its broadcast commands."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from v41cp.cli import flags
+from v41cp.cli.engine import open_engine, text_codec
+from v41cp.serving.api.server import run_follower, run_server
+from v41cp.serving.multihost.control_plane import ControlPlane
+
+
+def add_arguments(parser) -> None:
+    flags.add(parser, flags.ModelFlags, "checkpoint")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", help="the model name clients send (default: the checkpoint folder)")
+    parser.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
+    flags.add(parser, flags.CapacityFlags, defaults={"max_batch": 8, "max_context": 256})
+    for group in (flags.TopologyFlags, flags.QueryParallelFlags, flags.DisaggregationFlags, flags.DistributedFlags,
+                  flags.BackendFlags, flags.PrefillFlags, flags.SpeculativeFlags):
+        flags.add(parser, group)
+    flags.add(parser, flags.ModelFlags, "no_fake_quant")
+
+
+def check(args) -> str | None:
+    if args.nnodes > 1 and args.prefill_devices is not None:
+        return ("serve with --prefill-devices across processes (--nnodes > 1) is not supported yet: PD across "
+                "processes runs `generate` (prefill in process 0, decode in process 1)")
+    return None
+
+
+def run(args) -> int:
+    flags.DistributedFlags.from_args(args).start()
+    model = flags.ModelFlags.from_args(args)
+    codec = text_codec(model.path, required=False)
+    cap = flags.CapacityFlags.from_args(args).capacity(flags.PrefillFlags.from_args(args), args.max_context)
+    cfg, eng = open_engine(args, cap)
+    control = None
+    if args.nnodes > 1:                           # rank 0 serves HTTP, the others follow its broadcast commands
+        control = ControlPlane()
+        if not control.leader:
+            run_follower(eng, control)
+            return 0
+    name = args.served_model_name or Path(model.path).name
+    run_server(eng, codec, name, args.host, args.port, progress=sys.stderr.isatty(), log_level=args.log_level,
+               control=control)
+    return 0
