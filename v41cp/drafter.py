@@ -34,11 +34,11 @@ import jax.numpy as jnp
 from v41cp.ced import ced_boundary
 from v41cp.config import ModelConfig
 from v41cp.kernels.sparse_attention.reference import sink_attention
-from v41cp.layers.attention import attention_weights, output_projection, window_kv
+from v41cp.layers.attention import attention_weights, output_projection, query_projection, window_kv
 from v41cp.layers.common import RMSNorm, declare, dtype_of, weight_for
 from v41cp.layers.mhc import HyperConnection, collapse, mhc_layer
 from v41cp.layers.moe import MoE
-from v41cp.layers.rope import apply_rope, rope_angles
+from v41cp.layers.rope import rope_angles
 from v41cp.quant import fp8_block32
 
 __all__ = ["Drafter", "target_features", "init_drafter_params", "abstract_drafter_params", "draft_logits",
@@ -80,8 +80,7 @@ class DraftAttention(nn.Module):
         (``ctx_valid [B, C]``) and every block row → ``[B, N, H]``."""
         cfg, w = self.cfg, self.w
         angles = rope_angles(cfg, positions, False)
-        qr = self.q_norm(jnp.einsum("bsh,hr->bsr", x, weight_for(w["wq_a"], x)))
-        q = apply_rope(jnp.einsum("bsr,rnd->bsnd", qr, weight_for(w["wq_b"], qr)), angles)
+        _, q = query_projection(w, self.q_norm, x, angles)
         keys = jnp.concatenate([ctx_keys.astype(x.dtype), self.keys(x, positions)], axis=1)     # [B, C + N, D]
         valid = jnp.concatenate([ctx_valid, jnp.ones(x.shape[:2], bool)], axis=1)
         n = x.shape[1]

@@ -29,7 +29,7 @@ from v41cp.quant import fp8_block32, nvfp4_block16
 from v41cp.sharding.operator_qcp import attention_query_parallel_applies, rows_island
 from v41cp.sharding.rules import ShardingContext, constrain
 
-__all__ = ["CSAState", "Attention", "attention_weights", "window_kv", "output_projection"]
+__all__ = ["CSAState", "Attention", "attention_weights", "query_projection", "window_kv", "output_projection"]
 
 
 class CSAState(NamedTuple):
@@ -125,6 +125,13 @@ def attention_weights(module: nn.Module, cfg: ModelConfig) -> dict:
             "attn_sink": declare(module, "attn_sink", (nh,), ("heads",), jnp.float32, zeros_init)}
 
 
+def query_projection(w: dict, q_norm, x: jax.Array, angles: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The queries of rows ``x [B,S,H]``: ``(qr = q_norm(x · wq_a) [B,S,q_lora], q = RoPE(qr · wq_b) [B,S,heads,D])``
+    (``qr`` also feeds the indexer's queries)."""
+    qr = q_norm(jnp.einsum("bsh,hr->bsr", x, weight_for(w["wq_a"], x)))
+    return qr, apply_rope(jnp.einsum("bsr,rnd->bsnd", qr, weight_for(w["wq_b"], qr)), angles)
+
+
 def window_kv(wkv: jax.Array, kv_norm, x: jax.Array, angles: jax.Array) -> jax.Array:
     """The window key (= value) of rows ``x [..., H]``: ``kv_norm(x · wkv)`` rotated at ``angles`` →
     ``[..., D]`` (before the cache's FP8 fake-quant)."""
@@ -172,8 +179,7 @@ class Attention(nn.Module):
         compressed = role.ratio > 0
         positions = jnp.broadcast_to(jnp.arange(s), (b, s)) if rows is None else rows.pos
         angles = rope_angles(cfg, positions, compressed)
-        qr = q_norm(jnp.einsum("bsh,hr->bsr", x, weight_for(w["wq_a"], x)))
-        q = apply_rope(jnp.einsum("bsr,rnd->bsnd", qr, weight_for(w["wq_b"], qr)), angles)
+        qr, q = query_projection(w, q_norm, x, angles)
         q = constrain(q, ("batch", None, "heads", None), self.shard)
         kv = window_kv(w["wkv"], kv_norm, x, angles)
         compressor = Compressor(cfg, role.ratio, name="compressor") if role.is_kv_source else None
