@@ -16,10 +16,11 @@ layers compute every projection from their own weights; PagedRows only moves key
 * `group_first` — a ratio-2 row's pair partner: the open pair (cache) or the step's previous row; the open
   pair of each request's last even position is written;
 * `write_entries` — complete compressed entries and index keys to their pages (owner-masked under KVP);
-* `history` / `select` / `attend` — index selection and sparse attention of every row: the XLA path over the
-  gathered history, the kernels reading the pools in place (`v41cp.serving.attention.kernel_ops`), or DCP islands over
-  owned pages with the exact distributed top-k and the LSE merge (`v41cp.serving.attention.dcp`). Each of the step's
-  rows (``B·R``, or packed ``R``) is one row of these operations (its own position, table and selection).
+* `history` / `select` / `attend` — index selection and sparse attention of every row through the step's selection
+  and attention paths, chosen once from the backend settings (`v41cp.serving.attention.paged_paths.choose`): the
+  XLA path over the gathered history, the kernels reading the pools in place, or DCP islands over owned pages with
+  the exact distributed top-k and the LSE merge. Each of the step's rows (``B·R``, or packed ``R``) is one row of
+  these operations (its own position, table and selection).
 
 With ``undo=True`` the context records what the step overwrites (ring rows, open pairs, page entries), the
 input of `v41cp.serving.runner.steps.commit_rows` (keep only the first ``a`` rows of a verification step).
@@ -35,15 +36,11 @@ import jax
 import jax.numpy as jnp
 
 from v41cp.config import LayerRole, ModelConfig
-from v41cp.kernels.sparse_attention.reference import sink_attention
-from v41cp.layers.attention import CSAState, query_parallel_rows
+from v41cp.layers.attention import CSAState
 from v41cp.layers.common import dtype_of
-from v41cp.layers.indexer import query_parallel_select_rows, select_scored
 from v41cp.layers.rows_backend import RowsBackend
-from v41cp.layers.tiled_select import attend_rows, select_rows
-from v41cp.serving.attention import dcp, kernel_ops
+from v41cp.serving.attention import paged_paths
 from v41cp.serving.cache import paged as pc
-from v41cp.sharding.operator_qcp import attention_query_parallel_applies, indexer_query_parallel_applies
 
 __all__ = ["StepRows", "PagedRows"]
 
@@ -127,6 +124,7 @@ class PagedRows(RowsBackend):
         self.plan = None if split else plan                         # KVP: the pages are split over cp
         xla = cfg.indexer_backend == "xla" and cfg.attention_backend == "xla"
         self.split = plan if split and xla else None
+        self.selection, self.attention = paged_paths.choose(cfg, self.plan, self.split)
         self.dtype = dtype_of(cfg.dtype)
         self.n_slots = pc.cache_slots(cache)
         groups = pc.kv_groups(cfg)
@@ -306,11 +304,9 @@ class PagedRows(RowsBackend):
 
     # --------------------------------------------------------------------------- selection and attention
     def history(self, cache: dict, role: LayerRole) -> CSAState:
-        """The XLA path's gathered history of a KV source (``ckv [B,G,D]``, ``ikeys [B,G,Di]``); empty when every
-        reader of it goes through DCP or the kernels (they read the pools in place)."""
-        cfg = self.cfg
-        if self.plan is not None or self.split is not None or (cfg.attention_backend == "pallas"
-                                                                and cfg.indexer_backend == "pallas"):
+        """The gathered history of a KV source (``ckv [B,G,D]``, ``ikeys [B,G,Di]``) when this step's selection or
+        attention path reads it (`paged_paths`); empty when both read the pools in place."""
+        if not (self.selection.reads_history or self.attention.reads_history):
             return CSAState()
         src = str(role.kv_source)
         gather = lambda a: pc.gather_pages(a, self.meta.block_tables)
@@ -319,83 +315,12 @@ class PagedRows(RowsBackend):
 
     def select(self, cache: dict, role: LayerRole, q: jax.Array, weights: jax.Array, state: CSAState):
         """Index selection of every row: ``q [B,R,Hi,Di]`` / ``weights [B,R,Hi]`` → ``(topk [B,R,K], candidates)``;
-        candidates are the candidate source's kept mask in this backend's form (entry mask ``[B,R,G]``, or
+        candidates are the candidate source's kept mask in this path's form (entry mask ``[B,R,G]``, or
         kept blocks ``[B·R, kb]`` under DCP), passed back in for the layers that use them."""
-        cfg, src = self.cfg, str(role.kv_source)
-        pool = cache["ikey"][src]
-        if self.plan is not None or self.split is not None:
-            topk, cand = dcp.select(self.plan or self.split, cfg, role, lambda a, f: pc.read(a, "mxfp4", self.dtype, f), pool,
-                                    self.flat(q), self.flat(weights), self.row_tables, self.flat(self.pos),
-                                    state.candidates)
-            return self.unflat(topk), cand
-        if cfg.indexer_backend == "pallas":
-            cand = state.candidates
-            topk, cand = kernel_ops.select(cfg, role, self.flat(q), self.flat(weights), pool, self.row_tables,
-                                           self.flat(self.pos), None if cand is None else self.flat(cand))
-            return self.unflat(topk), None if cand is None else self.unflat(cand)
-        if self.op is not None and indexer_query_parallel_applies(self.op, role, self.n_rows):
-            topk = query_parallel_select_rows(self.op, cfg, role, self.flat(q), self.flat(weights), state.ikeys,
-                                              self.row_req, self.flat(self.pos))
-            return self.unflat(topk), state.candidates
-        if self.meta.packed:            # each row against its own request's keys, in tiles (candidates as blocks)
-            topk, cand = select_rows(cfg, role, self.flat(q), self.flat(weights), state.ikeys, self.row_req,
-                                     self.flat(self.pos), state.candidates)
-            return self.unflat(topk), cand
-        topk, cand, _ = select_scored(cfg, role, q, weights, state.ikeys, self.pos, state.candidates)
-        return topk, cand
+        return self.selection.select(self, cache, role, q, weights, state)
 
     def attend(self, cache: dict, role: LayerRole, q: jax.Array, keys: jax.Array, valid: jax.Array,
                state: CSAState, sink: jax.Array) -> jax.Array:
         """Sink attention of every row over its window keys (`window`) and its selected entries ``state.topk``:
         ``q [B,R,H,D]`` → ``[B,R,H,D]``."""
-        cfg = self.cfg
-        compressed = role.ratio > 0
-        pool = cache["ckv"][str(role.kv_source)] if compressed else None
-        topk = state.topk if compressed else None
-        if self.plan is not None and compressed:
-            o = dcp.attend(self.plan, lambda a, f: pc.read(a, "nvfp4", self.dtype, f), self.flat(q),
-                           self.flat(keys), self.flat(valid), self.flat(topk), pool, self.row_tables, sink,
-                           cfg.attention_backend)
-            return self.unflat(o)
-        if cfg.attention_backend == "pallas":
-            return self.unflat(self._kernel_attend(cache, role, q, keys, valid, pool, topk, sink))
-        if self.meta.packed and not (self.op is not None and attention_query_parallel_applies(self.op, cfg, role,
-                                                                                           self.n_rows)):
-            # a prefill pass's rows in row tiles: each tile gathers its own window keys and selected entries
-            sel = self.flat(topk) if compressed and topk.shape[-1] else None
-            o = attend_rows(self.flat(q), lambda r: self.flat(keys)[r], self.flat(valid),
-                            state.ckv if sel is not None else None, self.row_req, sel, sink, window_operands=(keys,))
-            return self.unflat(o)
-        if compressed and topk.shape[-1]:
-            if self.split is not None:                  # only the selected entries, from the pool in place
-                picked = self.unflat(self._selected_entries(pool, self.flat(topk)))
-            else:
-                picked = state.ckv[self.unflat(self.row_req)[..., None], jnp.maximum(topk, 0)]    # [B,R,K,D]
-            keys = jnp.concatenate([keys, picked], axis=2)
-            valid = jnp.concatenate([valid, topk >= 0], axis=2)
-        if self.op is not None and attention_query_parallel_applies(self.op, cfg, role, self.n_rows):
-            return self.unflat(query_parallel_rows(self.op, self.flat(q), self.flat(keys), self.flat(valid), sink))
-        return sink_attention(q, keys, valid, sink)
-
-    def _selected_entries(self, pool, topk: jax.Array) -> jax.Array:
-        """Records of the selected entries ``topk [N, K]`` (logical ids, −1 padding) of every flat row, decoded from
-        the (replicated) pool through the rows' block tables → ``[N, K, D]``."""
-        blk, row, _ = pc.entry_location(self.row_tables, jnp.maximum(topk, 0), pc.entries_per_block(pool))
-        page = jnp.where((topk >= 0) & (blk >= 0), blk, 0)
-        return pc.read(pool, "nvfp4", self.dtype, lambda a: a[page, row])
-
-    def _kernel_attend(self, cache, role, q, keys, valid, pool, topk, sink):
-        """The sparse-attention kernel over the window and the selected page entries, in place. One row per
-        request: the window is read from the ring (already written); several rows: from the gathered keys."""
-        b, r = self.pos.shape
-        w = keys.shape[2]
-        if r == 1 and not self.meta.packed:
-            store = cache["swa"]
-            win = kernel_ops.window_slots(role.index, self.slot_r, valid[:, 0], self.n_slots)
-        else:
-            store = keys.reshape(b * r * w, -1)
-            win = jnp.where(self.flat(valid), jnp.arange(b * r)[:, None] * w + jnp.arange(w), -1)
-        sel = None
-        if pool is not None:
-            sel = kernel_ops.entry_slots(self.flat(topk), self.row_tables, pc.entries_per_block(pool))
-        return kernel_ops.attend(self.cfg, self.flat(q), store, win, pool, sel, sink)
+        return self.attention.attend(self, cache, role, q, keys, valid, state, sink)
