@@ -1,0 +1,64 @@
+"""The multi-host control plane's messages and their application, in one process: a follower engine that applies the
+leader's `Commands` (submits and cancels, in the leader's order) and steps with it stays in lock-step — the same
+requests, tokens and free pages after every step — and a command the follower refuses is raised, not skipped."""
+
+import pytest
+
+from v41cp.checkpoint import default_checkpoint, load
+from v41cp.serving.engine import Capacity, Engine, SamplingParams
+from v41cp.serving.multihost.control_plane import Commands, apply_commands, drop, release_finished
+
+pytestmark = pytest.mark.fast           # the developer tier (`pytest -m fast`)
+
+
+def test_commands_round_trip_as_bytes():
+    c = Commands()
+    c.submit("a", [5, 17, 42], SamplingParams(max_new_tokens=3, temperature=0.5, top_p=0.9, seed=7))
+    c.submit(3, [1], SamplingParams())
+    c.cancel("a")
+    got = Commands.decode(c.encode())
+    assert got.ops == [("submit", "a", [5, 17, 42], {"max_new_tokens": 3, "temperature": 0.5, "top_p": 0.9,
+                                                     "seed": 7, "stop_on_eos": True}),
+                       ("submit", 3, [1], {"max_new_tokens": 16, "temperature": 0.0, "top_p": 1.0, "seed": 0,
+                                           "stop_on_eos": True}),
+                       ("cancel", "a")] and not got.close
+    with pytest.raises(TypeError, match="str or int"):
+        c.submit(("a", 1), [1], SamplingParams())
+    with pytest.raises(ValueError, match="unknown control-plane operation 'evict'"):
+        apply_commands(None, Commands([("evict", "a")]))
+
+
+def test_a_follower_applying_the_leaders_commands_stays_in_lock_step():
+    cfg, params = load(default_checkpoint())
+    cap = Capacity(max_batch=2, max_tokens=32, num_blocks=6)
+    leader, follower = Engine(params, cfg, cap), Engine(params, cfg, cap)
+    rounds = [[("submit", "a", [5, 17, 42], SamplingParams(max_new_tokens=6)),
+               ("submit", "b", [9, 8, 7, 6], SamplingParams(max_new_tokens=5, temperature=0.8, seed=3))],
+              [("submit", "c", [1, 2, 3], SamplingParams(max_new_tokens=4))],
+              [("cancel", "b")], [], [], [], [], [], [], []]
+    for ops in rounds:
+        commands = Commands()
+        for op in ops:                   # the leader applies its own operations and records them
+            if op[0] == "submit":
+                leader.submit(*op[1:])
+                commands.submit(*op[1:])
+            else:
+                drop(leader, op[1])
+                commands.cancel(op[1])
+        apply_commands(follower, Commands.decode(commands.encode()))
+        for eng in (leader, follower):
+            if eng.pending:
+                eng.step()
+        assert {r: (q.status, q.output) for r, q in leader.requests.items()} == \
+               {r: (q.status, q.output) for r, q in follower.requests.items()}
+        assert leader.load() == follower.load()
+        release_finished(leader)
+        release_finished(follower)
+    assert not leader.requests and not follower.requests
+    assert leader.alloc.free_blocks == follower.alloc.free_blocks == leader.num_blocks
+    # a submit the follower refuses (here: an id it still holds) means the engines diverged: raised
+    follower.submit("x", [1, 2], SamplingParams(max_new_tokens=2))
+    c = Commands()
+    c.submit("x", [1, 2], SamplingParams(max_new_tokens=2))
+    with pytest.raises(ValueError, match="already active"):
+        apply_commands(follower, c)
