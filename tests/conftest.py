@@ -75,10 +75,12 @@ class Oracle:
         return self.cache[key]
 
 
-# Test files by their measured time (s, 2 cores, 2026-12-01), longest first: xdist's --dist loadfile hands files
-# out in collection order, so the longest go first and the short ones fill in at the end (longest-processing-
-# time-first: neither worker is left alone with a long file at the end of the run). Others keep their order.
-_LONGEST_FIRST = ("test_cli.py", "test_dcp_decode.py", "test_qcp_prefill.py", "test_speculative.py",
+# Test files by their measured time (2 cores; 2026-12-01; test_compiled_structure.py 2026-12-03), longest first:
+# xdist's --dist loadfile hands files out in collection order, so the longest go first and the short ones fill in
+# at the end (longest-processing-time-first: neither worker is left alone with a long file at the end of the run).
+# Others keep their order.
+_LONGEST_FIRST = ("test_cli.py", "test_dcp_decode.py", "test_qcp_prefill.py", "test_compiled_structure.py",
+                  "test_speculative.py",
                   "test_qcp_engine.py", "test_notebooks.py", "test_oracle_model.py", "test_prefix_cache.py",
                   "test_disaggregated.py", "test_operator_qcp.py",
                   "test_engine.py", "test_decode.py", "test_checkpoint_io.py", "test_kernels.py", "test_server.py",
