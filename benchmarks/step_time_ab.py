@@ -23,7 +23,8 @@ WORKER = r'''
 import json, sys, time
 import jax, jax.numpy as jnp, numpy as np
 from v41cp.checkpoint import default_checkpoint, load
-from v41cp.serving.runner.steps import DecodeMetadata, decode_step, init_cache
+from v41cp.serving.runner.steps import decode_step, init_cache
+from v41cp.serving.step_batch import StepBatch
 from v41cp.serving.runner.span_metadata import build_span_metadata
 from v41cp.serving.runner.span_prefill import prefill_span
 
@@ -36,9 +37,8 @@ tables = np.arange(B * MB, dtype=np.int32).reshape(B, MB)
 rng = np.random.default_rng(0)
 
 def meta(t):
-    return DecodeMetadata(jnp.asarray(rng.integers(3, cfg.vocab_size, B), jnp.int32), jnp.full(B, t, jnp.int32),
-                          jnp.arange(B, dtype=jnp.int32), jnp.asarray(tables), jnp.ones(B, bool),
-                          jnp.zeros((B, n_eng, cfg.engram_hash_heads), jnp.int32), B, MB)
+    return StepBatch.decode(rng.integers(3, cfg.vocab_size, B), np.full(B, t), np.arange(B), tables, np.ones(B, bool),
+                            np.zeros((B, n_eng, cfg.engram_hash_heads), np.int32))
 
 logits, cache = decode_step(params, cache, meta(0), cfg)
 logits.block_until_ready()

@@ -53,7 +53,8 @@ def _verify_program(cfg, batch, context, parallel, rows=3, block_tokens=16):
     from v41cp.plan import abstract_sharded_params
     from v41cp.serving.attention.dcp import DCPPlan
     from v41cp.serving.cache.paged import cache_layout
-    from v41cp.serving.runner.steps import StepRows, verify_step
+    from v41cp.serving.runner.steps import verify_step
+    from v41cp.serving.step_batch import StepBatch
 
     mesh = parallel.make_mesh(jax.devices()[:parallel.num_devices]) if parallel is not None else None
     params = abstract_sharded_params(cfg, mesh, parallel.rules() if parallel is not None else None)
@@ -68,7 +69,7 @@ def _verify_program(cfg, batch, context, parallel, rows=3, block_tokens=16):
         plan = DCPPlan.split_selection(mesh)
     n_eng = len(cfg.engram_layer_ids)
     arg = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rep)
-    meta = StepRows(arg((batch, rows)), arg((batch,)), arg((batch,)), arg((batch,)), arg((batch, max_blocks)),
+    meta = StepBatch(arg((batch, rows)), arg((batch,)), arg((batch,)), arg((batch,)), arg((batch, max_blocks)),
                     arg((batch, rows, n_eng, cfg.engram_hash_heads if n_eng else 0)), batch, max_blocks, rows)
     with jax.default_matmul_precision("highest" if cfg.dtype == "float32" else "default"):
         return verify_step.lower(params, cache, meta, cfg, plan).compile()

@@ -11,7 +11,8 @@ from v41cp import model
 from v41cp.config import preset
 from v41cp.plan import floor_flops
 from v41cp.serving.attention.dcp import DCPPlan
-from v41cp.serving.runner.steps import DecodeMetadata, decode_step, init_cache
+from v41cp.serving.runner.steps import decode_step, init_cache
+from v41cp.serving.step_batch import StepBatch
 from v41cp.sharding.hlo_stats import collectives, program_cost
 from v41cp.sharding.topology import ParallelConfig
 
@@ -39,7 +40,7 @@ def test_plan_equals_the_compiled_engine_program(capsys):
     num_blocks = 8 * BATCH * -(-max_blocks // 8)             # the engine's: each request's pages on whole ranks
     cache = init_cache(cfg, num_blocks, BLOCK, BATCH, plan=plan)
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    meta = jax.device_put(DecodeMetadata.idle(cfg, BATCH, max_blocks), rep)
+    meta = jax.device_put(StepBatch.idle(cfg, BATCH, max_blocks), rep)
     compiled = decode_step.lower(params, cache, meta, cfg, plan).compile()
     cost = program_cost(compiled)                            # loop bodies counted per iteration
     mem = compiled.memory_analysis()

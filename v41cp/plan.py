@@ -33,7 +33,8 @@ from v41cp.serving.attention.dcp import DCPPlan
 from v41cp.serving.cache.paged import cache_layout
 from v41cp.serving.runner.span_metadata import build_span_metadata
 from v41cp.serving.runner.span_prefill import SpanLayout, lower_prefill_span
-from v41cp.serving.runner.steps import DecodeMetadata, decode_step
+from v41cp.serving.runner.steps import decode_step
+from v41cp.serving.step_batch import StepBatch
 from v41cp.sharding.hlo_stats import collectives, dot_flops_by_op, program_cost
 from v41cp.sharding.rules import param_shardings
 
@@ -125,8 +126,8 @@ def _decode_program(cfg, batch, context, block_tokens, parallel, mesh, params):
     n_eng = len(cfg.engram_layer_ids)
     arg = lambda shape, dt=jnp.int32: jax.ShapeDtypeStruct(shape, dt, sharding=rep or jax.sharding.SingleDeviceSharding(
         jax.devices()[0]))
-    meta = DecodeMetadata(arg((batch,)), arg((batch,)), arg((batch,)), arg((batch, max_blocks)), arg((batch,), bool),
-                          arg((batch, n_eng, cfg.engram_hash_heads if n_eng else 0)), batch, max_blocks)
+    meta = StepBatch(arg((batch, 1)), arg((batch,)), arg((batch,)), arg((batch,)), arg((batch, max_blocks)),
+                     arg((batch, 1, n_eng, cfg.engram_hash_heads if n_eng else 0)), batch, max_blocks, 1)
     return decode_step.lower(params, cache, meta, cfg, plan), cache
 
 

@@ -34,7 +34,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from v41cp.kernels import match_varying
 from v41cp.kernels.grouped_matmul import grouped_fp4_matmul

@@ -1,6 +1,7 @@
 """Serving: the engine and its rooms.
 
 * `engine` — `Engine`, `Capacity`, `SamplingParams`: continuous batching over the compiled steps;
+* `step_batch` — `StepBatch`: the one metadata record of every cached step (decode, verify, prefill passes);
 * `cache` — the paged device cache, the page allocator, slot and request states, prefix caching;
 * `attention` — the backends the one model reads its keys through (paged rows, KVP / DCP, model-wide QCP);
 * `runner` — the jitted steps (decode, verify, prefill), their metadata, speculative decoding;

@@ -180,7 +180,7 @@ def _with_entry(hlo_text: str, name: str) -> str:
 
 def _xla_cost_of(hlo_text: str, client) -> dict:
     from jax._src.lib import _jax
-    from jaxlib import _hlo          # private XLA API (the cost analysis of HLO text), read only here
+    from jaxlib import _hlo  # private XLA API (the cost analysis of HLO text), read only here
 
     return _jax.hlo_module_cost_analysis(client, _hlo.hlo_module_from_text(hlo_text))
 

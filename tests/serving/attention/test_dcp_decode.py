@@ -15,7 +15,8 @@ from v41cp import model
 from v41cp.config import preset
 from v41cp.serving.attention.dcp import DCPPlan, collective_plan
 from v41cp.serving.cache.allocator import BlockAllocator
-from v41cp.serving.runner.steps import DecodeMetadata, decode_step, engram_ids_for_last, init_cache
+from v41cp.serving.runner.steps import decode_step, engram_ids_for_last, init_cache
+from v41cp.serving.step_batch import StepBatch
 from v41cp.sharding.hlo_stats import collective_bytes, mesh_axis_groups
 from v41cp.sharding.topology import ParallelConfig
 
@@ -48,7 +49,7 @@ def _meta(cfg, alloc, rows):
         blocks = alloc.blocks(rid)
         tables[i, :len(blocks)] = blocks
         eng[i] = engram_ids_for_last(cfg, hist)
-    return DecodeMetadata(*(jnp.asarray(a) for a in (tok, pos, slots, tables, active, eng)), B, MB)
+    return StepBatch.decode(tok, pos, slots, tables, active, eng)
 
 
 def _run(cfg, params, parallel=None, scan_tile_bytes=None):
@@ -128,7 +129,7 @@ def test_dcp_sparse_selection_tokens_equal_single_device():
 
 def _compiled_text(cfg, params, plan, max_blocks):
     cache = init_cache(cfg, B * max_blocks, BT, B, plan=plan)
-    meta = DecodeMetadata.idle(cfg, B, max_blocks)
+    meta = StepBatch.idle(cfg, B, max_blocks)
     return decode_step.lower(params, cache, meta, cfg, plan).compile().as_text(), cache
 
 
@@ -173,7 +174,7 @@ def test_plain_tp_step_collectives_do_not_grow_with_history():
     plan = DCPPlan.split_selection(mesh)
     for mb in (8, 64):
         cache = init_cache(cfg, B * mb, BT, B, rep)
-        text = decode_step.lower(sharded, cache, DecodeMetadata.idle(cfg, B, mb), cfg, plan).compile().as_text()
+        text = decode_step.lower(sharded, cache, StepBatch.idle(cfg, B, mb), cfg, plan).compile().as_text()
         totals[mb] = collective_bytes(text)
     print(f"\n[plain TP structure] step collective bytes (8 vs 64 blocks): split {totals[8]} / {totals[64]}")
     assert totals[8] == totals[64] > 0
@@ -230,9 +231,7 @@ VERIFY_SEED, TIE_GAP = 18, 1e-5
 
 
 def _step_rows(cfg, alloc, rows):
-    """rows: list of (rid, history, fed tokens) → `StepRows` of K rows per request."""
-    from v41cp.serving.runner.steps import StepRows
-
+    """rows: list of (rid, history, fed tokens) → a `StepBatch` of K rows per request."""
     n_eng = len(cfg.engram_layer_ids)
     tok, starts, lengths = np.zeros((B, K), np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
     slots, tables = np.arange(B, dtype=np.int32), np.full((B, MB), -1, np.int32)
@@ -243,7 +242,7 @@ def _step_rows(cfg, alloc, rows):
         tables[i, :len(blocks)] = blocks
         for j in range(len(fed)):
             eng[i, j] = engram_ids_for_last(cfg, hist + fed[:j + 1])
-    return StepRows(*(jnp.asarray(a) for a in (tok, starts, lengths, slots, tables, eng)), B, MB, K)
+    return StepBatch(*(jnp.asarray(a) for a in (tok, starts, lengths, slots, tables, eng)), B, MB, K)
 
 
 def _compare_caches(got, want, kvp, tag):
@@ -326,13 +325,13 @@ def test_verification_rows_equal_feeding_one_token_at_a_time(n, sparse):
 
 
 def test_verification_needs_rows_within_the_window():
-    from v41cp.serving.runner.steps import StepRows, verify_step
+    from v41cp.serving.runner.steps import verify_step
 
     cfg, params = _model(False)
     w = cfg.sliding_window
     z = jnp.zeros((B, w + 1), jnp.int32)
-    rows = StepRows(z, z[:, 0], z[:, 0], z[:, 0], jnp.full((B, MB), -1, jnp.int32),
-                    jnp.zeros((B, w + 1, len(cfg.engram_layer_ids), cfg.engram_hash_heads), jnp.int32), B, MB, w + 1)
+    rows = StepBatch(z, z[:, 0], z[:, 0], z[:, 0], jnp.full((B, MB), -1, jnp.int32),
+                     jnp.zeros((B, w + 1, len(cfg.engram_layer_ids), cfg.engram_hash_heads), jnp.int32), B, MB, w + 1)
     with pytest.raises(ValueError, match=f"rows={w + 1} exceeds sliding_window={w}"):
         verify_step(params, init_cache(cfg, B * MB, BT, B), rows, cfg)
 

@@ -9,7 +9,8 @@ from helpers import rel_err
 from v41cp import model
 from v41cp.checkpoint import default_checkpoint, load
 from v41cp.serving.cache.allocator import AllocationError, BlockAllocator
-from v41cp.serving.runner.steps import DecodeMetadata, decode_step, engram_ids_for_last, init_cache
+from v41cp.serving.runner.steps import decode_step, engram_ids_for_last, init_cache
+from v41cp.serving.step_batch import StepBatch
 
 BLOCK, MAX_BATCH, MAX_BLOCKS, NUM_BLOCKS = 4, 4, 12, 40
 
@@ -28,8 +29,7 @@ def _meta(cfg, alloc, rows, max_batch=MAX_BATCH, max_blocks=MAX_BLOCKS):
         blocks = alloc.blocks(rid)
         tables[i, :len(blocks)] = blocks
         eng[i] = engram_ids_for_last(cfg, hist)
-    return DecodeMetadata(jnp.asarray(tok), jnp.asarray(pos), jnp.asarray(slots), jnp.asarray(tables),
-                          jnp.asarray(active), jnp.asarray(eng), max_batch, max_blocks)
+    return StepBatch.decode(tok, pos, slots, tables, active, eng)
 
 
 @pytest.mark.parametrize("fake_quant,tol", [(False, 1e-5), (True, 1e-4)], ids=["fq-off", "fq-on"])

@@ -1,8 +1,8 @@
 """The cached-rows backend: where the model's attention reads its keys when rows continue a request's cached
 history (decode = one row per request, verification = ``k`` rows, the token-serial prefill = one row at a time).
 
-`StepRows` is the step's metadata (a registered dataclass, static bucket fields ``max_batch`` / ``max_blocks`` /
-``rows``): request ``b`` feeds rows ``starts[b] … starts[b] + lengths[b] − 1`` (``lengths ≤ rows``; 0 = an idle
+The step's metadata is a `v41cp.serving.step_batch.StepBatch` (static bucket fields ``max_batch`` / ``max_blocks``
+/ ``rows``): request ``b`` feeds rows ``starts[b] … starts[b] + lengths[b] − 1`` (``lengths ≤ rows``; 0 = an idle
 batch row) from batch slot ``slots[b]`` with block table ``block_tables[b]``. Two row layouts: ``[max_batch,
 rows]`` (decode, verification: every request the same number of rows) and packed ``[1, rows]`` (a span-prefill
 pass: the requests' rows back to back, ``offsets``, so ragged prompts compute no padding rows).
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -41,83 +40,19 @@ from v41cp.layers.common import dtype_of
 from v41cp.layers.rows_backend import RowsBackend
 from v41cp.serving.attention import paged_paths
 from v41cp.serving.cache import paged as pc
+from v41cp.serving.step_batch import StepBatch
 
-__all__ = ["StepRows", "PagedRows"]
-
-
-@partial(jax.tree_util.register_dataclass, data_fields=["tokens", "starts", "lengths", "slots", "block_tables",
-                                                        "engram_ids", "encoder_rows", "offsets"],
-         meta_fields=["max_batch", "max_blocks", "rows", "decoder_rows"])
-@dataclasses.dataclass(frozen=True)
-class StepRows:
-    """Metadata of a cached step of ``rows`` rows per request (host-built, padded).
-
-    tokens ``[max_batch, rows]`` int32; starts / lengths / slots ``[max_batch]`` int32 (first position, rows fed
-    — 0 = idle —, batch slot); block_tables ``[max_batch, max_blocks]`` int32 (−1 = none); engram_ids
-    ``[max_batch, rows, n_engram, hash_heads]`` int32.
-
-    Packed rows (a prefill pass; ``offsets [max_batch]`` given): the requests' rows lie back to back in one row
-    list — tokens ``[1, rows]``, engram_ids ``[1, rows, …]``, request ``b``'s rows at ``offsets[b] …
-    offsets[b] + lengths[b] − 1``, the rest padding — so a ragged batch computes only its real rows (``rows`` ≥
-    Σ lengths is the bucket), not ``max_batch × longest``.
-
-    CED narrowing (a prefill pass; ``decoder_rows > 0``, static): the first ``encoder_rows [max_batch]`` rows of
-    each request run only the layers before the CED boundary and the boundary's cache writes; the rest continue
-    through every layer (`PagedRows.ced_split`): at most ``decoder_rows`` per request, or (packed) at most
-    ``decoder_rows`` in all."""
-
-    tokens: jax.Array
-    starts: jax.Array
-    lengths: jax.Array
-    slots: jax.Array
-    block_tables: jax.Array
-    engram_ids: jax.Array
-    max_batch: int
-    max_blocks: int
-    rows: int
-    encoder_rows: jax.Array | None = None
-    decoder_rows: int = 0
-    offsets: jax.Array | None = None
-
-    @property
-    def packed(self) -> bool:
-        return self.offsets is not None
-
-    def row_requests(self) -> tuple[jax.Array, jax.Array]:
-        """``(request, row within the request)`` of every row, flattened ``[max_batch · rows]`` (packed:
-        ``[rows]``; a padding row's row index is ≥ its request's length)."""
-        if not self.packed:
-            b, r = self.max_batch, self.rows
-            return (jnp.repeat(jnp.arange(b, dtype=jnp.int32), r), jnp.tile(jnp.arange(r, dtype=jnp.int32), b))
-        i = jnp.arange(self.rows, dtype=jnp.int32)
-        req = jnp.clip(jnp.searchsorted(self.offsets, i, side="right") - 1, 0, self.max_batch - 1).astype(jnp.int32)
-        return req, i - self.offsets[req]
-
-    @property
-    def positions(self) -> jax.Array:
-        """``[max_batch, rows]`` (packed: ``[1, rows]``): each row's position."""
-        if not self.packed:
-            return self.starts[:, None] + jnp.arange(self.rows, dtype=jnp.int32)[None]
-        req, local = self.row_requests()
-        return (self.starts[req] + local)[None]
-
-    @property
-    def row_valid(self) -> jax.Array:
-        """``[max_batch, rows]`` (packed: ``[1, rows]``) bool: rows that are fed (``row < length``)."""
-        if not self.packed:
-            return jnp.arange(self.rows)[None] < self.lengths[:, None]
-        req, local = self.row_requests()
-        return (local < self.lengths[req])[None]
+__all__ = ["PagedRows"]
 
 
 class PagedRows(RowsBackend):
     """Trace-time context of one cached step (see the module docstring). Not a pytree: built inside the jitted
-    step from the cache and `StepRows`; ``plan`` is the static KVP / DCP layout (None = one device or GSPMD), or
+    step from the cache and `StepBatch`; ``plan`` is the static KVP / DCP layout (None = one device or GSPMD), or
     with replicated pages (`DCPPlan.split_selection`, plain attention TP) the split of the XLA selection's scoring
     over the TP ranks: then no step gathers a history (selection reads the pools in place, attention only the
     selected entries)."""
 
-    def __init__(self, cfg: ModelConfig, meta: StepRows, cache: dict, plan=None, undo: bool = False,
+    def __init__(self, cfg: ModelConfig, meta: StepBatch, cache: dict, plan=None, undo: bool = False,
                  operator=None):
         split = plan is not None and plan.replicated_pages
         self.cfg, self.op = cfg, operator
@@ -135,7 +70,7 @@ class PagedRows(RowsBackend):
         self.undo = {"swa": {}, "open": {}, "entries": {}} if undo else None
         self._bind(meta)
 
-    def _bind(self, meta: StepRows):
+    def _bind(self, meta: StepBatch):
         self.meta = meta
         self.pos, self.valid = meta.positions, meta.row_valid
         self.slot_r = jnp.clip(meta.slots, 0, self.n_slots - 1)
@@ -156,7 +91,7 @@ class PagedRows(RowsBackend):
         """The flat step row of request ``req``'s row ``local`` (clipped into the step)."""
         return jnp.clip(self.first[req] + local, 0, self.n_rows - 1)
 
-    def _with_meta(self, meta: StepRows) -> "PagedRows":
+    def _with_meta(self, meta: StepBatch) -> "PagedRows":
         other = copy.copy(self)
         other._bind(meta)
         return other
@@ -175,8 +110,8 @@ class PagedRows(RowsBackend):
         m = self.meta
         if self.undo is not None:
             raise ValueError("a CED-narrowed step records no undo (it is a prefill pass)")
-        enc, rd = m.encoder_rows, m.decoder_rows
-        encoder = dataclasses.replace(m, lengths=jnp.minimum(enc, m.lengths), encoder_rows=None, decoder_rows=0)
+        enc, rd = m.ced.encoder_rows, m.ced.decoder_rows
+        encoder = dataclasses.replace(m, lengths=jnp.minimum(enc, m.lengths), ced=None)
         dec_lengths = jnp.maximum(m.lengths - enc, 0)
         if m.packed:                    # the decoder rows packed again: request b's from offsets_d[b]
             offsets = (jnp.cumsum(dec_lengths) - dec_lengths).astype(jnp.int32)
@@ -192,7 +127,7 @@ class PagedRows(RowsBackend):
                 return jnp.take_along_axis(a, shift.reshape(*shift.shape, *(1,) * (a.ndim - 2)), axis=1)
 
         decoder = dataclasses.replace(m, tokens=take(m.tokens), engram_ids=take(m.engram_ids), starts=m.starts + enc,
-                                      lengths=dec_lengths, rows=rd, encoder_rows=None, decoder_rows=0,
+                                      lengths=dec_lengths, rows=rd, ced=None,
                                       offsets=offsets)
         return self._with_meta(encoder), self._with_meta(decoder), take
 

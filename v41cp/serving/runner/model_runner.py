@@ -46,8 +46,6 @@ from v41cp.serving.runner.speculative import (
     write_draft_context,
 )
 from v41cp.serving.runner.steps import (
-    DecodeMetadata,
-    StepRows,
     ced_boundary,
     ced_rows,
     commit_rows,
@@ -58,6 +56,7 @@ from v41cp.serving.runner.steps import (
     verify_step,
 )
 from v41cp.serving.scheduler.request import Request
+from v41cp.serving.step_batch import StepBatch
 from v41cp.sharding.topology import ParallelConfig
 
 __all__ = ["ModelRunner", "checked_proposals"]
@@ -155,9 +154,8 @@ class ModelRunner:
             act = np.zeros((c, 1), bool)
             ids = np.zeros((c, 1, *eng.shape[1:]), np.int32)
             tok[:m, 0], pos[:m, 0], act[:m, 0], ids[:m, 0] = req.prompt[a:a + m], np.arange(a, a + m), True, eng[a:a + m]
-            metas = DecodeMetadata(jnp.asarray(tok), jnp.asarray(pos), jnp.full((c, 1), slot, jnp.int32),
-                                   jnp.asarray(np.broadcast_to(table, (c, 1, table.size))), jnp.asarray(act),
-                                   jnp.asarray(ids), 1, self.capacity.max_blocks)
+            metas = StepBatch.decode(tok, pos, np.full((c, 1), slot, np.int32),
+                                     np.broadcast_to(table, (c, 1, table.size)), act, ids)
             if self.dcache is not None and not encoder_only:
                 logits, self.cache, feats = prefill_chunk(self.params, self.cache, metas, cfg, encoder_only,
                                                           self.step_plan, features=True)
@@ -246,7 +244,7 @@ class ModelRunner:
             tok[i], pos[i], slot_ids[i], active[i] = hist[-1], len(hist) - 1, slots[i], True
             full[i] = tables[i]
             eng[i] = engram_ids_for_last(cfg, hist)
-        meta = DecodeMetadata(*(jnp.asarray(a) for a in (tok, pos, slot_ids, full, active, eng)), b, mb)
+        meta = StepBatch.decode(tok, pos, slot_ids, full, active, eng)
         logits, self.cache = decode_step(self.params, self.cache, meta, cfg, self.step_plan)
         logits = fetch(logits)
         for i, req in enumerate(rows):
@@ -286,7 +284,7 @@ class ModelRunner:
             full[i] = tables[i]
             for j in range(lengths[i]):
                 eng[i, j] = engram_ids_for_last(cfg, hist + list(drafts[i, :j]))
-        meta = StepRows(*(jnp.asarray(a) for a in (tok, pos, lengths, slot_ids, full, eng)), b, mb, r)
+        meta = StepBatch(*(jnp.asarray(a) for a in (tok, pos, lengths, slot_ids, full, eng)), b, mb, r)
         logits, self.cache, undo, (feats, fpos, fok) = verify_step(self.params, self.cache, meta, cfg,
                                                                    self.step_plan, features=True)
         logits = fetch(logits)
@@ -336,7 +334,7 @@ class ModelRunner:
 
     def compiled_decode_text(self) -> str:
         """Optimized HLO of this runner's decode step (its static bucket), for structure checks."""
-        meta = DecodeMetadata.idle(self.cfg, self.capacity.max_batch, self.capacity.max_blocks)
+        meta = StepBatch.idle(self.cfg, self.capacity.max_batch, self.capacity.max_blocks)
         return decode_step.lower(self.params, self.cache, meta, self.cfg, self.step_plan).compile().as_text()
 
     @staticmethod

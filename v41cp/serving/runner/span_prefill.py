@@ -49,11 +49,11 @@ from v41cp.kernels import interpret_mode
 from v41cp.layers.tiled_select import ROW_TILE_BYTES
 from v41cp.model import Transformer, abstract_params
 from v41cp.serving.attention.dcp import DCPPlan
-from v41cp.serving.attention.paged_rows import StepRows
 from v41cp.serving.attention.qcp_rows import QCPRows
 from v41cp.serving.cache.paged import cache_specs
 from v41cp.serving.runner.span_metadata import SpanMetadata
 from v41cp.serving.runner.steps import _forward_rows
+from v41cp.serving.step_batch import CEDRows, StepBatch
 from v41cp.sharding.mesh import ATTN_TP, CP
 from v41cp.sharding.row_group import RowGroup
 from v41cp.sharding.rules import QCP_RULES, ShardingContext, logical_sharding, param_shardings
@@ -148,14 +148,14 @@ def _prefill_qcp(params, cache: dict, meta: SpanMetadata, cfg: ModelConfig, layo
 
 @partial(jax.jit, static_argnames=("cfg", "plan", "operator", "features"), donate_argnames=("cache",))
 def _prefill_rows(params, cache: dict, rows, cfg: ModelConfig, plan, operator, features: int = 0):
-    last = rows.lengths - 1 - (0 if rows.encoder_rows is None else rows.encoder_rows)    # in the decoder rows
+    last = rows.lengths - 1 - (0 if rows.ced is None else rows.ced.encoder_rows)        # in the decoder rows
     logits, cache, _, feats = _forward_rows(params, cache, rows, cfg, plan, logits_at=last, operator=operator,
                                             features=features)
     return (logits[:, 0], cache, feats) if features else (logits[:, 0], cache)
 
 
 def _span_rows(cfg: ModelConfig, meta: SpanMetadata):
-    """One-rank span metadata → the pass's packed `StepRows`: the requests' rows back to back (``rows`` = the
+    """One-rank span metadata → the pass's packed `StepBatch`: the requests' rows back to back (``rows`` = the
     metadata's row capacity, ``offsets`` = where each request's rows start), so a ragged batch computes only its
     rows; under CED narrowed at the boundary to the retained decoder rows (``decoder_rows`` = the metadata's CED
     row capacity). Host NumPy."""
@@ -166,12 +166,11 @@ def _span_rows(cfg: ModelConfig, meta: SpanMetadata):
     for b, n in enumerate(lengths):
         where[offsets[b]:offsets[b] + n] = meta.span_index[b, :n]
     pad = lambda a: np.concatenate([np.asarray(a[0]), np.zeros((1, *a.shape[2:]), a.dtype)])[where][None]
-    enc, dec_rows = None, 0
-    if meta.ced:                       # rows before the retained decoder rows run the encoder only
-        enc, dec_rows = meta.encoder_rows(), meta.dec_capacity
-    return StepRows(jnp.asarray(pad(meta.tokens)), jnp.asarray(meta.starts, jnp.int32), jnp.asarray(lengths),
-                    jnp.asarray(meta.slots), jnp.asarray(meta.block_tables), jnp.asarray(pad(meta.engram_ids)),
-                    len(lengths), meta.block_tables.shape[1], t, enc, dec_rows, jnp.asarray(offsets))
+    # CED: the rows before the retained decoder rows run the encoder only
+    ced = CEDRows(meta.encoder_rows(), meta.dec_capacity) if meta.ced else None
+    return StepBatch(jnp.asarray(pad(meta.tokens)), jnp.asarray(meta.starts, jnp.int32), jnp.asarray(lengths),
+                     jnp.asarray(meta.slots), jnp.asarray(meta.block_tables), jnp.asarray(pad(meta.engram_ids)),
+                     len(lengths), meta.block_tables.shape[1], t, ced, jnp.asarray(offsets))
 
 
 def _layout_plan(cfg: ModelConfig, layout: SpanLayout):

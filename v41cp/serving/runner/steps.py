@@ -2,8 +2,9 @@
 
 Every step is the one model (`v41cp.model.Transformer`) over cached rows (`v41cp.serving.attention.paged_rows`):
 
-* `decode_step(params, cache, meta, cfg)` — one new token per active batch row (`DecodeMetadata`);
-* `verify_step(params, cache, rows, cfg)` — ``k`` new rows per request in one step (`StepRows`, static
+* `decode_step(params, cache, meta, cfg)` — one new token per active batch row (a `StepBatch` of one row each,
+  `StepBatch.decode`);
+* `verify_step(params, cache, rows, cfg)` — ``k`` new rows per request in one step (a `StepBatch`, static
   ``rows = k``, ragged ``lengths ≤ k``): the logits of every row and the cache equal feeding the same tokens one
   at a time; `commit_rows` then keeps only the first ``a ≤ k`` rows of each request (the cache equals having
   fed ``a`` tokens) — the step speculative decoding verifies drafts with;
@@ -23,7 +24,6 @@ token are host metadata (`engram_ids_for_last`).
 
 from __future__ import annotations
 
-import dataclasses
 from functools import partial
 
 import jax
@@ -36,43 +36,13 @@ from v41cp.drafter import target_features
 from v41cp.engram_hash import engram_hash_ids
 from v41cp.model import Transformer
 from v41cp.serving.attention.dcp import DCPPlan
-from v41cp.serving.attention.paged_rows import PagedRows, StepRows
+from v41cp.serving.attention.paged_rows import PagedRows
 from v41cp.serving.cache import paged as pc
 from v41cp.serving.cache.paged import POOLS, init_cache
+from v41cp.serving.step_batch import StepBatch
 
-__all__ = ["DecodeMetadata", "StepRows", "init_cache", "decode_step", "verify_step", "commit_rows", "prefill_chunk",
+__all__ = ["StepBatch", "init_cache", "decode_step", "verify_step", "commit_rows", "prefill_chunk",
            "engram_ids_for_last", "ced_boundary", "ced_rows"]
-
-
-@partial(jax.tree_util.register_dataclass, data_fields=["tokens", "positions", "slots", "block_tables", "active",
-                                                        "engram_ids"], meta_fields=["max_batch", "max_blocks"])
-@dataclasses.dataclass(frozen=True)
-class DecodeMetadata:
-    """Host-built, padded per-step metadata. Rows ``≥`` the live batch have ``active = False``.
-
-    tokens / positions / slots ``[max_batch]`` int32 (the new token, its position, the request's batch
-    slot), block_tables ``[max_batch, max_blocks]`` int32, active ``[max_batch]`` bool, engram_ids
-    ``[max_batch, n_engram, hash_heads]`` int32. ``max_batch`` / ``max_blocks`` are static (the bucket).
-    """
-
-    tokens: jax.Array
-    positions: jax.Array
-    slots: jax.Array
-    block_tables: jax.Array
-    active: jax.Array
-    engram_ids: jax.Array
-    max_batch: int
-    max_blocks: int
-
-    @classmethod
-    def idle(cls, cfg: ModelConfig, max_batch: int, max_blocks: int) -> "DecodeMetadata":
-        """Metadata of a bucket with no active row (for lowering / compiling the step ahead of traffic)."""
-        n_eng = len(cfg.engram_layer_ids)
-        return cls(jnp.zeros(max_batch, jnp.int32), jnp.zeros(max_batch, jnp.int32),
-                   jnp.arange(max_batch, dtype=jnp.int32), jnp.full((max_batch, max_blocks), -1, jnp.int32),
-                   jnp.zeros(max_batch, bool),
-                   jnp.zeros((max_batch, n_eng, cfg.engram_hash_heads if n_eng else 0), jnp.int32),
-                   max_batch, max_blocks)
 
 
 def engram_ids_for_last(cfg: ModelConfig, history) -> np.ndarray:
@@ -84,13 +54,7 @@ def engram_ids_for_last(cfg: ModelConfig, history) -> np.ndarray:
     return engram_hash_ids(cfg, tail)[0, -1]
 
 
-def _rows_of(meta: DecodeMetadata) -> StepRows:
-    """A decode step's metadata as one cached row per request."""
-    return StepRows(meta.tokens[:, None], meta.positions, meta.active.astype(jnp.int32), meta.slots,
-                    meta.block_tables, meta.engram_ids[:, None], meta.max_batch, meta.max_blocks, 1)
-
-
-def _forward_rows(params: dict, cache: dict, meta: StepRows, cfg: ModelConfig, plan: DCPPlan | None,
+def _forward_rows(params: dict, cache: dict, meta: StepBatch, cfg: ModelConfig, plan: DCPPlan | None,
                   encoder_only: bool = False, undo: bool = False, logits_at=None, operator=None, features: int = 0):
     """The model over cached rows: ``(logits [B,R,vocab] FP32 — ``[B,1,vocab]`` at ``logits_at`` —, cache, undo
     record or None, features)``. ``operator``: operator-local QCP settings (`PagedRows`). ``features > 0``: the
@@ -113,15 +77,15 @@ def _forward_rows(params: dict, cache: dict, meta: StepRows, cfg: ModelConfig, p
 
 
 @partial(jax.jit, static_argnames=("cfg", "plan"), donate_argnames=("cache",))
-def decode_step(params: dict, cache: dict, meta: DecodeMetadata, cfg: ModelConfig, plan: DCPPlan | None = None):
+def decode_step(params: dict, cache: dict, meta: StepBatch, cfg: ModelConfig, plan: DCPPlan | None = None):
     """One token for every active row: ``(logits [max_batch, vocab] FP32, updated cache)``.
     ``plan``: KVP/DCP layout (`v41cp.serving.attention.dcp.DCPPlan`; the cache from ``init_cache(..., plan=plan)``)."""
-    logits, cache, _, _ = _forward_rows(params, cache, _rows_of(meta), cfg, plan)
+    logits, cache, _, _ = _forward_rows(params, cache, meta, cfg, plan)
     return logits[:, 0], cache
 
 
 @partial(jax.jit, static_argnames=("cfg", "plan", "features"), donate_argnames=("cache",))
-def verify_step(params: dict, cache: dict, rows: StepRows, cfg: ModelConfig, plan: DCPPlan | None = None,
+def verify_step(params: dict, cache: dict, rows: StepBatch, cfg: ModelConfig, plan: DCPPlan | None = None,
                 features: bool = False):
     """``rows.rows = k`` new rows per request continuing from the cache, in one step: ``(logits [max_batch, k,
     vocab] FP32, cache, undo)``. Row ``i`` of request ``b`` is position ``starts[b] + i``; rows past
@@ -185,9 +149,9 @@ def commit_rows(cache: dict, undo: dict, accepted: jax.Array, cfg: ModelConfig, 
 
 
 @partial(jax.jit, static_argnames=("cfg", "encoder_only", "plan", "features"), donate_argnames=("cache",))
-def prefill_chunk(params: dict, cache: dict, metas: DecodeMetadata, cfg: ModelConfig, encoder_only: bool = False,
+def prefill_chunk(params: dict, cache: dict, metas: StepBatch, cfg: ModelConfig, encoder_only: bool = False,
                   plan: DCPPlan | None = None, features: bool = False):
-    """Feed a chunk of tokens through the cached path in order: ``metas`` holds one `DecodeMetadata` per
+    """Feed a chunk of tokens through the cached path in order: ``metas`` holds one one-row `StepBatch` per
     token along a leading chunk axis (padding tokens inactive). Returns (logits of every chunk position
     ``[chunk, max_batch, vocab]``, cache). Exact by construction (token-serial over the caches), so a chunk
     may split pages and compression groups anywhere.
@@ -195,7 +159,7 @@ def prefill_chunk(params: dict, cache: dict, metas: DecodeMetadata, cfg: ModelCo
     cache-only prepass (its global KV and index keys), skipping the decoder; logits are then zeros.
     ``features``: also return every chunk position's DSpark target features ``[chunk, max_batch, n·H]``."""
     def body(c, m):
-        logits, c, _, feats = _forward_rows(params, c, _rows_of(m), cfg, plan, encoder_only,
+        logits, c, _, feats = _forward_rows(params, c, m, cfg, plan, encoder_only,
                                             features=1 if features else 0)
         return c, (logits[:, 0], feats[0][:, 0] if features else None)
 

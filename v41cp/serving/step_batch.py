@@ -1,0 +1,137 @@
+"""`StepBatch`: the one metadata record of every cached step — decode, verification and prefill passes — built on
+the host from the scheduled requests and read by the model's rows backend (`v41cp.serving.attention.paged_rows`).
+
+A registered dataclass: its arrays are the step's data, its bucket sizes static (one compiled program per bucket,
+whatever the batch's contents). Shapes (``B`` = ``max_batch``, ``R`` = ``rows``, ``MB`` = ``max_blocks``):
+
+* ``tokens [B, R]`` int32 — each request's rows (packed: ``[1, R]``);
+* ``starts / lengths / slots [B]`` int32 — each request's first position, its rows fed (0 = an idle batch row)
+  and its batch slot;
+* ``block_tables [B, MB]`` int32 — each request's pages (−1 = none);
+* ``engram_ids [B, R, n_engram, hash_heads]`` int32 (packed: ``[1, R, …]``) — hashed on the host;
+* ``offsets [B]`` int32 or None — packed rows (a prefill pass): the requests' rows lie back to back in one row
+  list, request ``b``'s at ``offsets[b] … offsets[b] + lengths[b] − 1``, the rest padding, so a ragged batch
+  computes only its real rows (``R`` ≥ Σ lengths is the bucket);
+* ``ced`` (`CEDRows`) or None — CED narrowing of a prefill pass: the first ``encoder_rows [B]`` rows of each
+  request run only the layers before the CED boundary and the boundary's cache writes, the rest (at most
+  ``decoder_rows`` per request, or packed at most ``decoder_rows`` in all) every layer.
+
+Modes (`mode`): ``DECODE`` one row per request (the decode step; the token-serial prefill scans these),
+``VERIFY`` ``R`` rows per request (speculative verification), ``PREFILL`` a packed pass (span prefill on one rank,
+or with operator-local QCP). Model-wide QCP's passes lay their rows out per rank instead
+(`v41cp.serving.runner.span_metadata.SpanMetadata`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from v41cp.config import ModelConfig
+
+__all__ = ["StepBatch", "CEDRows", "ForwardMode"]
+
+
+class ForwardMode(enum.Enum):
+    DECODE = "decode"
+    VERIFY = "verify"
+    PREFILL = "prefill"
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["encoder_rows"], meta_fields=["decoder_rows"])
+@dataclasses.dataclass(frozen=True)
+class CEDRows:
+    """CED narrowing of a prefill pass: ``encoder_rows [B]`` int32, ``decoder_rows`` (static, > 0)."""
+
+    encoder_rows: jax.Array
+    decoder_rows: int
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["tokens", "starts", "lengths", "slots", "block_tables",
+                                                        "engram_ids", "ced", "offsets"],
+         meta_fields=["max_batch", "max_blocks", "rows"])
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    """See the module docstring."""
+
+    tokens: jax.Array
+    starts: jax.Array
+    lengths: jax.Array
+    slots: jax.Array
+    block_tables: jax.Array
+    engram_ids: jax.Array
+    max_batch: int
+    max_blocks: int
+    rows: int
+    ced: CEDRows | None = None
+    offsets: jax.Array | None = None
+
+    # ------------------------------------------------------------------ built on the host
+    @classmethod
+    def decode(cls, tokens, positions, slots, block_tables, active, engram_ids) -> "StepBatch":
+        """One row per request: ``tokens / positions / slots [B]``, ``block_tables [B, MB]``, ``active [B]`` bool,
+        ``engram_ids [B, n_engram, hash_heads]`` (host arrays; a leading chunk axis is kept: the token-serial
+        prefill scans a stack of these)."""
+        tokens, engram_ids = np.asarray(tokens), np.asarray(engram_ids)
+        b, mb = np.shape(block_tables)[-2:]
+        return cls(jnp.asarray(tokens[..., None], jnp.int32), jnp.asarray(positions, jnp.int32),
+                   jnp.asarray(np.asarray(active).astype(np.int32)), jnp.asarray(slots, jnp.int32),
+                   jnp.asarray(block_tables, jnp.int32), jnp.asarray(engram_ids[..., None, :, :], jnp.int32),
+                   int(b), int(mb), 1)
+
+    @classmethod
+    def idle(cls, cfg: ModelConfig, max_batch: int, max_blocks: int, rows: int = 1) -> "StepBatch":
+        """A bucket with no active row (for lowering / compiling a step ahead of traffic)."""
+        n_eng = len(cfg.engram_layer_ids)
+        z = jnp.zeros(max_batch, jnp.int32)
+        return cls(jnp.zeros((max_batch, rows), jnp.int32), z, z, jnp.arange(max_batch, dtype=jnp.int32),
+                   jnp.full((max_batch, max_blocks), -1, jnp.int32),
+                   jnp.zeros((max_batch, rows, n_eng, cfg.engram_hash_heads if n_eng else 0), jnp.int32),
+                   max_batch, max_blocks, rows)
+
+    # ------------------------------------------------------------------ read inside the step
+    @property
+    def packed(self) -> bool:
+        return self.offsets is not None
+
+    @property
+    def mode(self) -> ForwardMode:
+        if self.packed:
+            return ForwardMode.PREFILL
+        return ForwardMode.DECODE if self.rows == 1 else ForwardMode.VERIFY
+
+    @property
+    def decoder_rows(self) -> int:
+        """CED: the decoder rows' bucket (0 = no narrowing)."""
+        return self.ced.decoder_rows if self.ced is not None else 0
+
+    def row_requests(self) -> tuple[jax.Array, jax.Array]:
+        """``(request, row within the request)`` of every row, flattened ``[max_batch · rows]`` (packed:
+        ``[rows]``; a padding row's row index is ≥ its request's length)."""
+        if not self.packed:
+            b, r = self.max_batch, self.rows
+            return (jnp.repeat(jnp.arange(b, dtype=jnp.int32), r), jnp.tile(jnp.arange(r, dtype=jnp.int32), b))
+        i = jnp.arange(self.rows, dtype=jnp.int32)
+        req = jnp.clip(jnp.searchsorted(self.offsets, i, side="right") - 1, 0, self.max_batch - 1).astype(jnp.int32)
+        return req, i - self.offsets[req]
+
+    @property
+    def positions(self) -> jax.Array:
+        """``[max_batch, rows]`` (packed: ``[1, rows]``): each row's position."""
+        if not self.packed:
+            return self.starts[:, None] + jnp.arange(self.rows, dtype=jnp.int32)[None]
+        req, local = self.row_requests()
+        return (self.starts[req] + local)[None]
+
+    @property
+    def row_valid(self) -> jax.Array:
+        """``[max_batch, rows]`` (packed: ``[1, rows]``) bool: rows that are fed (``row < length``)."""
+        if not self.packed:
+            return jnp.arange(self.rows)[None] < self.lengths[:, None]
+        req, local = self.row_requests()
+        return (local < self.lengths[req])[None]
