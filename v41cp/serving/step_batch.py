@@ -33,8 +33,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from v41cp.config import ModelConfig
+from v41cp.engram_hash import engram_hash_ids
 
-__all__ = ["StepBatch", "CEDRows", "ForwardMode"]
+__all__ = ["StepBatch", "CEDRows", "ForwardMode", "engram_ids_for_last"]
+
+
+def engram_ids_for_last(cfg: ModelConfig, history) -> np.ndarray:
+    """Engram row ids ``[n_engram, hash_heads]`` of the last token of ``history`` (host side)."""
+    if not cfg.engram_layer_ids:
+        return np.zeros((0, 0), np.int32)
+    tail = np.asarray(history[-cfg.engram_max_ngram_size:], np.int64)[None]
+    # hashing only looks back max_ngram − 1 tokens; a tail shorter than that means the sequence start
+    return engram_hash_ids(cfg, tail)[0, -1]
 
 
 class ForwardMode(enum.Enum):
@@ -83,6 +93,21 @@ class StepBatch:
                    jnp.asarray(np.asarray(active).astype(np.int32)), jnp.asarray(slots, jnp.int32),
                    jnp.asarray(block_tables, jnp.int32), jnp.asarray(engram_ids[..., None, :, :], jnp.int32),
                    int(b), int(mb), 1)
+
+    @classmethod
+    def for_histories(cls, cfg: ModelConfig, histories, slots, tables, max_batch: int, max_blocks: int) -> "StepBatch":
+        """The decode step of requests with token ``histories`` (each's last token is the step's input), batch
+        ``slots`` and block ``tables`` (each a list of block ids or a ``[max_blocks]`` row with −1 padding),
+        padded to the bucket ``max_batch × max_blocks`` with idle rows."""
+        n_eng = len(cfg.engram_layer_ids)
+        tok, pos, slot_ids = (np.zeros(max_batch, np.int32) for _ in range(3))
+        full, active = np.full((max_batch, max_blocks), -1, np.int32), np.zeros(max_batch, bool)
+        eng = np.zeros((max_batch, n_eng, cfg.engram_hash_heads if n_eng else 0), np.int32)
+        for i, (hist, slot, table) in enumerate(zip(histories, slots, tables)):
+            tok[i], pos[i], slot_ids[i], active[i] = hist[-1], len(hist) - 1, slot, True
+            full[i, :len(table)] = table
+            eng[i] = engram_ids_for_last(cfg, hist)
+        return cls.decode(tok, pos, slot_ids, full, active, eng)
 
     @classmethod
     def idle(cls, cfg: ModelConfig, max_batch: int, max_blocks: int, rows: int = 1) -> "StepBatch":

@@ -15,8 +15,8 @@ from v41cp import model
 from v41cp.config import preset
 from v41cp.serving.attention.dcp import DCPPlan, collective_plan
 from v41cp.serving.cache.allocator import BlockAllocator
-from v41cp.serving.runner.steps import decode_step, engram_ids_for_last, init_cache
-from v41cp.serving.step_batch import StepBatch
+from v41cp.serving.runner.steps import decode_step, init_cache
+from v41cp.serving.step_batch import StepBatch, engram_ids_for_last
 from v41cp.sharding.hlo_stats import collective_bytes, mesh_axis_groups
 from v41cp.sharding.topology import ParallelConfig
 
@@ -40,16 +40,8 @@ def _model(sparse: bool):
 
 
 def _meta(cfg, alloc, rows):
-    n_eng = len(cfg.engram_layer_ids)
-    tok, pos, slots = np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
-    tables, active = np.full((B, MB), -1, np.int32), np.zeros(B, bool)
-    eng = np.zeros((B, n_eng, cfg.engram_hash_heads), np.int32)
-    for i, (rid, hist) in enumerate(rows):
-        tok[i], pos[i], slots[i], active[i] = hist[-1], len(hist) - 1, alloc.slot(rid), True
-        blocks = alloc.blocks(rid)
-        tables[i, :len(blocks)] = blocks
-        eng[i] = engram_ids_for_last(cfg, hist)
-    return StepBatch.decode(tok, pos, slots, tables, active, eng)
+    return StepBatch.for_histories(cfg, [h for _, h in rows], [alloc.slot(r) for r, _ in rows],
+                                   [alloc.blocks(r) for r, _ in rows], B, MB)
 
 
 def _run(cfg, params, parallel=None, scan_tile_bytes=None):

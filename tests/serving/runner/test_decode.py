@@ -9,7 +9,7 @@ from helpers import rel_err
 from v41cp import model
 from v41cp.checkpoint import default_checkpoint, load
 from v41cp.serving.cache.allocator import AllocationError, BlockAllocator
-from v41cp.serving.runner.steps import decode_step, engram_ids_for_last, init_cache
+from v41cp.serving.runner.steps import decode_step, init_cache
 from v41cp.serving.step_batch import StepBatch
 
 BLOCK, MAX_BATCH, MAX_BLOCKS, NUM_BLOCKS = 4, 4, 12, 40
@@ -17,19 +17,8 @@ BLOCK, MAX_BATCH, MAX_BLOCKS, NUM_BLOCKS = 4, 4, 12, 40
 
 def _meta(cfg, alloc, rows, max_batch=MAX_BATCH, max_blocks=MAX_BLOCKS):
     """rows: list of (rid, history) whose last token is this step's input."""
-    n_eng = len(cfg.engram_layer_ids)
-    tok = np.zeros(max_batch, np.int32)
-    pos = np.zeros(max_batch, np.int32)
-    slots = np.zeros(max_batch, np.int32)
-    tables = np.full((max_batch, max_blocks), -1, np.int32)
-    active = np.zeros(max_batch, bool)
-    eng = np.zeros((max_batch, n_eng, cfg.engram_hash_heads if n_eng else 0), np.int32)
-    for i, (rid, hist) in enumerate(rows):
-        tok[i], pos[i], slots[i], active[i] = hist[-1], len(hist) - 1, alloc.slot(rid), True
-        blocks = alloc.blocks(rid)
-        tables[i, :len(blocks)] = blocks
-        eng[i] = engram_ids_for_last(cfg, hist)
-    return StepBatch.decode(tok, pos, slots, tables, active, eng)
+    return StepBatch.for_histories(cfg, [h for _, h in rows], [alloc.slot(r) for r, _ in rows],
+                                   [alloc.blocks(r) for r, _ in rows], max_batch, max_blocks)
 
 
 @pytest.mark.parametrize("fake_quant,tol", [(False, 1e-5), (True, 1e-4)], ids=["fq-off", "fq-on"])

@@ -50,13 +50,12 @@ from v41cp.serving.runner.steps import (
     ced_rows,
     commit_rows,
     decode_step,
-    engram_ids_for_last,
     init_cache,
     prefill_chunk,
     verify_step,
 )
 from v41cp.serving.scheduler.request import Request
-from v41cp.serving.step_batch import StepBatch
+from v41cp.serving.step_batch import StepBatch, engram_ids_for_last
 from v41cp.sharding.topology import ParallelConfig
 
 __all__ = ["ModelRunner", "checked_proposals"]
@@ -234,17 +233,9 @@ class ModelRunner:
         if self.speculative is not None:
             return self.decode_speculative(rows, slots, tables, done)
         t0 = time.perf_counter()
-        cfg, b, mb = self.cfg, self.capacity.max_batch, self.capacity.max_blocks
-        n_eng = len(cfg.engram_layer_ids)
-        tok, pos, slot_ids = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
-        full, active = np.full((b, mb), -1, np.int32), np.zeros(b, bool)
-        eng = np.zeros((b, n_eng, cfg.engram_hash_heads if n_eng else 0), np.int32)
-        for i, req in enumerate(rows):
-            hist = req.history
-            tok[i], pos[i], slot_ids[i], active[i] = hist[-1], len(hist) - 1, slots[i], True
-            full[i] = tables[i]
-            eng[i] = engram_ids_for_last(cfg, hist)
-        meta = StepBatch.decode(tok, pos, slot_ids, full, active, eng)
+        cfg = self.cfg
+        meta = StepBatch.for_histories(cfg, [r.history for r in rows], slots, tables, self.capacity.max_batch,
+                                       self.capacity.max_blocks)
         logits, self.cache = decode_step(self.params, self.cache, meta, cfg, self.step_plan)
         logits = fetch(logits)
         for i, req in enumerate(rows):

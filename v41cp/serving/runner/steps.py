@@ -19,7 +19,7 @@ runs KVP / DCP: owner-masked writes, the exact distributed top-k and the LSE-mer
 the TP ranks, so that no collective of the step grows with the history.
 
 The cache layout is `v41cp.serving.cache.paged` (``init_cache`` re-exported here). Engram hash ids of each row's
-token are host metadata (`engram_ids_for_last`).
+token are host metadata (`v41cp.serving.step_batch.engram_ids_for_last`).
 """
 
 from __future__ import annotations
@@ -28,12 +28,10 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from v41cp.ced import ced_boundary, ced_rows
 from v41cp.config import ModelConfig
 from v41cp.drafter import target_features
-from v41cp.engram_hash import engram_hash_ids
 from v41cp.model import Transformer
 from v41cp.serving.attention.dcp import DCPPlan
 from v41cp.serving.attention.paged_rows import PagedRows
@@ -42,16 +40,7 @@ from v41cp.serving.cache.paged import POOLS, init_cache
 from v41cp.serving.step_batch import StepBatch
 
 __all__ = ["StepBatch", "init_cache", "decode_step", "verify_step", "commit_rows", "prefill_chunk",
-           "engram_ids_for_last", "ced_boundary", "ced_rows"]
-
-
-def engram_ids_for_last(cfg: ModelConfig, history) -> np.ndarray:
-    """Engram row ids ``[n_engram, hash_heads]`` of the last token of ``history`` (host side)."""
-    if not cfg.engram_layer_ids:
-        return np.zeros((0, 0), np.int32)
-    tail = np.asarray(history[-cfg.engram_max_ngram_size:], np.int64)[None]
-    # hashing only looks back max_ngram − 1 tokens; a tail shorter than that means the sequence start
-    return engram_hash_ids(cfg, tail)[0, -1]
+           "ced_boundary", "ced_rows"]
 
 
 def _forward_rows(params: dict, cache: dict, meta: StepBatch, cfg: ModelConfig, plan: DCPPlan | None,
