@@ -52,7 +52,7 @@ def _verify_program(cfg, batch, context, parallel, rows=3, block_tokens=16):
 
     from v41cp.plan import abstract_sharded_params
     from v41cp.serving.attention.dcp import DCPPlan
-    from v41cp.serving.cache.paged import cache_layout
+    from v41cp.serving.cache.device_cache import cache_layout
     from v41cp.serving.runner.steps import verify_step
     from v41cp.serving.step_batch import StepBatch
 

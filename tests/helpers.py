@@ -11,6 +11,7 @@ from safetensors.numpy import load_file
 from v41cp.checkpoint import params_from_released
 from v41cp.config import ModelConfig
 from v41cp.engram_hash import compressed_token_map
+from v41cp.serving.cache.device_cache import POOLS
 
 REPO = Path(__file__).resolve().parents[1]          # the repository root
 
@@ -107,7 +108,7 @@ def cache_by_virtual_block(cache, kvp):
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(cache)[0]:
         key, a = jax.tree_util.keystr(path), np.asarray(leaf)
-        if kvp > 1 and ("'ckv'" in key or "'ikey'" in key):
+        if kvp > 1 and path[0].name in POOLS:
             v = np.arange(a.shape[0])
             a = a[(v % kvp) * (a.shape[0] // kvp) + v // kvp]
         out[key] = a
@@ -122,7 +123,7 @@ def assert_same_records(got: np.ndarray, want: np.ndarray, key: str) -> None:
     assert diff.mean() <= 1e-3, (key, int(diff.sum()))
     g, w = got[diff].astype(int), want[diff].astype(int)
     nibbles = [(g & 15) - (w & 15), (g >> 4) - (w >> 4)]
-    packed = ("'ckv'" in key or "'ikey'" in key) and "'q'" in key
+    packed = any(f".{pool}[" in key for pool in POOLS) and "'q'" in key
     steps = np.maximum(*map(np.abs, nibbles)) if packed else np.abs(g - w)
     assert (steps == 1).all(), (key, g, w)
 

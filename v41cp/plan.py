@@ -30,7 +30,7 @@ from v41cp.ced import ced_boundary, ced_rows
 from v41cp.config import ModelConfig
 from v41cp.model import abstract_params
 from v41cp.serving.attention.dcp import DCPPlan
-from v41cp.serving.cache.paged import cache_layout
+from v41cp.serving.cache.device_cache import cache_layout
 from v41cp.serving.runner.span_metadata import build_span_metadata
 from v41cp.serving.runner.span_prefill import SpanLayout, lower_prefill_span
 from v41cp.serving.runner.steps import decode_step

@@ -188,7 +188,7 @@ def test_gather_history_copies_packed_pages_from_owners(n):
     """A request's pages come back in table order, byte for byte, from a cp-split pool (ranks that own none
     of its pages included); padding positions are zeros."""
     from v41cp.serving.attention.dcp import DCPPlan, gather_history
-    from v41cp.serving.cache.paged import pool_sharding
+    from v41cp.serving.cache.device_cache import pool_sharding
 
     mesh = make_mesh(tp=8, cp=n)
     plan = DCPPlan(mesh)

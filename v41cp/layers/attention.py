@@ -164,7 +164,7 @@ class Attention(nn.Module):
     shard: ShardingContext | None = None
 
     @nn.compact
-    def __call__(self, x: jax.Array, state: CSAState, rows=None, cache: dict | None = None,
+    def __call__(self, x: jax.Array, state: CSAState, rows=None, cache=None,
                  cache_only: bool = False):
         """``x [B,S,H]`` (attention-normed) → ``([B,S,H], new state, cache)``. ``cache_only`` (cached mode, the
         CED prepass): write this layer's caches and return ``(None, state, cache)``."""

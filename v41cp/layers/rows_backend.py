@@ -4,7 +4,8 @@ The model (`v41cp.model.Transformer`) runs the full sequence with ``rows=None`` 
 own rows: the layers compute window, compressed entries and selection themselves). In a serving step its rows
 continue requests whose keys live in a cache, and a backend moves those keys; it never reads a weight. Shapes:
 ``B`` batch rows of ``R`` rows each (packed layouts: ``B = 1`` and ``R`` the step's rows), ``W`` the window, ``D``
-the head dim, ``Di`` / ``Hi`` the index head dim and heads, ``K`` the selected entries.
+the head dim, ``Di`` / ``Hi`` the index head dim and heads, ``K`` the selected entries. ``cache`` is the backend's
+own (a `v41cp.serving.cache.device_cache.PagedCache` for both implementations): the layers pass it through unread.
 
 Implementations: `v41cp.serving.attention.paged_rows.PagedRows` (cached rows over the paged cache: decode,
 verification, token-serial and packed span prefill; XLA, the Pallas kernels, KVP / DCP islands or plain TP's split
@@ -14,7 +15,7 @@ attention-TP rank its share of a span prefill's rows).
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 
@@ -43,22 +44,22 @@ class RowsBackend(Protocol):
     def last_rows(self, x: jax.Array, count: int):
         """Each request's last ``count`` rows of ``x [B,R,…]`` → ``(rows [B,count,…], positions, valid [B,count])``."""
 
-    def window(self, cache: dict, layer: int, kv: jax.Array):
+    def window(self, cache: Any, layer: int, kv: jax.Array):
         """Window keys of every row and the ring write: ``kv [B,R,D]`` → ``(cache, keys [B,R,W,D], valid [B,R,W])``."""
 
-    def group_first(self, cache: dict, src: str, c: jax.Array, z: jax.Array):
+    def group_first(self, cache: Any, src: str, c: jax.Array, z: jax.Array):
         """Ratio-2 pair partners of every row (``c / z [B,R,D]``) → ``(cache, c0, z0)``; the open pair is written."""
 
-    def write_entries(self, cache: dict, role: LayerRole, ckv: jax.Array, ik: jax.Array, j: jax.Array,
+    def write_entries(self, cache: Any, role: LayerRole, ckv: jax.Array, ik: jax.Array, j: jax.Array,
                       emits: jax.Array) -> dict:
         """Write the compressed entries ``j [B,R]`` (``ckv [B,R,D]``, index keys ``ik [B,R,Di]``) where ``emits``."""
 
-    def history(self, cache: dict, role: LayerRole) -> CSAState:
+    def history(self, cache: Any, role: LayerRole) -> CSAState:
         """The gathered history of a KV source for the paths that need it (empty when they read pools in place)."""
 
-    def select(self, cache: dict, role: LayerRole, q: jax.Array, weights: jax.Array, state: CSAState):
+    def select(self, cache: Any, role: LayerRole, q: jax.Array, weights: jax.Array, state: CSAState):
         """Index selection of every row: ``q [B,R,Hi,Di]`` / ``weights [B,R,Hi]`` → ``(topk [B,R,K], candidates)``."""
 
-    def attend(self, cache: dict, role: LayerRole, q: jax.Array, keys, valid: jax.Array, state: CSAState,
+    def attend(self, cache: Any, role: LayerRole, q: jax.Array, keys, valid: jax.Array, state: CSAState,
                sink: jax.Array) -> jax.Array:
         """Sink attention of every row over its window keys and selected entries: ``q [B,R,H,D]`` → ``[B,R,H,D]``."""

@@ -144,7 +144,7 @@ def test_compiled_step_structure(merge, q_mode):
         # split projection, which it may reduce over the cp sub-groups — are not DCP's)
         assert collective_bytes(text, mesh_axis_groups(mesh, "cp"), within="shard_map") == want["total"], want
         for group in ("ckv", "ikey"):
-            for leaf in jax.tree.leaves(cache[group]):
+            for leaf in jax.tree.leaves(cache.pool(group)):
                 shard = leaf.addressable_shards[0].data
                 assert shard.shape[0] == B * mb // 4 and shard.nbytes * 4 == leaf.nbytes
     print(f"\n[dcp structure] {merge}/{q_mode}: step collective bytes {totals} (8 vs 64 blocks); "

@@ -126,7 +126,7 @@ def test_cache_bytes_equal_the_spec():
     cfg, _ = load(default_checkpoint())
     cache = init_cache(cfg, NUM_BLOCKS, BLOCK, MAX_BATCH)
     spec = CacheSpec(cfg, block_tokens=BLOCK)
-    swa = sum(a.nbytes for a in jax.tree.leaves(cache["swa"]))
+    swa = sum(a.nbytes for a in jax.tree.leaves(cache.swa))
     assert swa == MAX_BATCH * spec.swa_bytes_per_request
-    glob = sum(a.nbytes for part in ("ckv", "ikey") for a in jax.tree.leaves(cache[part]))
+    glob = sum(a.nbytes for part in ("ckv", "ikey") for a in jax.tree.leaves(cache.pool(part)))
     assert glob == NUM_BLOCKS * spec.block_bytes

@@ -103,7 +103,7 @@ def _check_draft_cache(eng, cfg, params, drafter, slot, fed, tag):
     d = Drafter(cfg)
     main_x = d.apply({"params": drafter}, feats[:, pos], method=Drafter.main_x)
     keys = np.asarray(d.apply({"params": drafter}, main_x, pos[None], method=Drafter.context_keys))[:, 0]
-    got = np.asarray(eng.dcache["keys"])[:, slot, pos % w]
+    got = np.asarray(eng.dcache.keys)[:, slot, pos % w]
     assert rel_err(got, keys) <= 1e-5, (tag, len(fed), rel_err(got, keys))
 
 

@@ -34,6 +34,7 @@ from v41cp.layers.indexer import query_parallel_select_rows, select_scored
 from v41cp.layers.tiled_select import attend_rows, select_rows
 from v41cp.serving.attention import dcp, kernel_ops
 from v41cp.serving.cache import paged as pc
+from v41cp.serving.cache.device_cache import PagedCache
 from v41cp.sharding.operator_qcp import attention_query_parallel_applies, indexer_query_parallel_applies
 
 __all__ = ["GatheredSelection", "KernelSelection", "OwnedPagesSelection", "GatheredAttention", "KernelAttention",
@@ -43,7 +44,7 @@ __all__ = ["GatheredSelection", "KernelSelection", "OwnedPagesSelection", "Gathe
 class GatheredSelection:
     reads_history = True
 
-    def select(self, rows, cache: dict, role: LayerRole, q, weights, state: CSAState):
+    def select(self, rows, cache: PagedCache, role: LayerRole, q, weights, state: CSAState):
         cfg = rows.cfg
         if rows.op is not None and indexer_query_parallel_applies(rows.op, role, rows.n_rows):
             topk = query_parallel_select_rows(rows.op, cfg, role, rows.flat(q), rows.flat(weights), state.ikeys,
@@ -60,8 +61,8 @@ class GatheredSelection:
 class KernelSelection:
     reads_history = False
 
-    def select(self, rows, cache: dict, role: LayerRole, q, weights, state: CSAState):
-        pool, cand = cache["ikey"][str(role.kv_source)], state.candidates
+    def select(self, rows, cache: PagedCache, role: LayerRole, q, weights, state: CSAState):
+        pool, cand = cache.ikey[str(role.kv_source)], state.candidates
         topk, cand = kernel_ops.select(rows.cfg, role, rows.flat(q), rows.flat(weights), pool, rows.row_tables,
                                        rows.flat(rows.pos), None if cand is None else rows.flat(cand))
         return rows.unflat(topk), None if cand is None else rows.unflat(cand)
@@ -73,9 +74,9 @@ class OwnedPagesSelection:
     def __init__(self, plan):
         self.plan = plan
 
-    def select(self, rows, cache: dict, role: LayerRole, q, weights, state: CSAState):
+    def select(self, rows, cache: PagedCache, role: LayerRole, q, weights, state: CSAState):
         read = lambda a, f: pc.read(a, "mxfp4", rows.dtype, f)
-        topk, cand = dcp.select(self.plan, rows.cfg, role, read, cache["ikey"][str(role.kv_source)], rows.flat(q),
+        topk, cand = dcp.select(self.plan, rows.cfg, role, read, cache.ikey[str(role.kv_source)], rows.flat(q),
                                 rows.flat(weights), rows.row_tables, rows.flat(rows.pos), state.candidates)
         return rows.unflat(topk), cand
 
@@ -88,9 +89,9 @@ class GatheredAttention:
         self.from_pool = from_pool
         self.reads_history = not from_pool
 
-    def attend(self, rows, cache: dict, role: LayerRole, q, keys, valid, state: CSAState, sink):
+    def attend(self, rows, cache: PagedCache, role: LayerRole, q, keys, valid, state: CSAState, sink):
         cfg, compressed = rows.cfg, role.ratio > 0
-        pool = cache["ckv"][str(role.kv_source)] if compressed else None
+        pool = cache.ckv[str(role.kv_source)] if compressed else None
         topk = state.topk if compressed else None
         qcp = rows.op is not None and attention_query_parallel_applies(rows.op, cfg, role, rows.n_rows)
         if rows.meta.packed and not qcp:
@@ -125,14 +126,14 @@ class KernelAttention:
 
     reads_history = False
 
-    def attend(self, rows, cache: dict, role: LayerRole, q, keys, valid, state: CSAState, sink):
+    def attend(self, rows, cache: PagedCache, role: LayerRole, q, keys, valid, state: CSAState, sink):
         compressed = role.ratio > 0
-        pool = cache["ckv"][str(role.kv_source)] if compressed else None
+        pool = cache.ckv[str(role.kv_source)] if compressed else None
         topk = state.topk if compressed else None
         b, r = rows.pos.shape
         w = keys.shape[2]
         if r == 1 and not rows.meta.packed:
-            store = cache["swa"]
+            store = cache.swa
             win = kernel_ops.window_slots(role.index, rows.slot_r, valid[:, 0], rows.n_slots)
         else:
             store = keys.reshape(b * r * w, -1)
@@ -151,12 +152,12 @@ class OwnedPagesAttention:
     def __init__(self, plan, local):
         self.plan, self.local = plan, local
 
-    def attend(self, rows, cache: dict, role: LayerRole, q, keys, valid, state: CSAState, sink):
+    def attend(self, rows, cache: PagedCache, role: LayerRole, q, keys, valid, state: CSAState, sink):
         if role.ratio == 0:
             return self.local.attend(rows, cache, role, q, keys, valid, state, sink)
         read = lambda a, f: pc.read(a, "nvfp4", rows.dtype, f)
         o = dcp.attend(self.plan, read, rows.flat(q), rows.flat(keys), rows.flat(valid), rows.flat(state.topk),
-                       cache["ckv"][str(role.kv_source)], rows.row_tables, sink, rows.cfg.attention_backend)
+                       cache.ckv[str(role.kv_source)], rows.row_tables, sink, rows.cfg.attention_backend)
         return rows.unflat(o)
 
 

@@ -40,6 +40,8 @@ from v41cp.layers.common import dtype_of
 from v41cp.layers.rows_backend import RowsBackend
 from v41cp.serving.attention import paged_paths
 from v41cp.serving.cache import paged as pc
+from v41cp.serving.cache.device_cache import PagedCache, kv_groups
+from v41cp.serving.cache.undo import EntriesUndo, OpenPairUndo, VerifyUndo
 from v41cp.serving.step_batch import StepBatch
 
 __all__ = ["PagedRows"]
@@ -52,7 +54,7 @@ class PagedRows(RowsBackend):
     over the TP ranks: then no step gathers a history (selection reads the pools in place, attention only the
     selected entries)."""
 
-    def __init__(self, cfg: ModelConfig, meta: StepBatch, cache: dict, plan=None, undo: bool = False,
+    def __init__(self, cfg: ModelConfig, meta: StepBatch, cache: PagedCache, plan=None, undo: bool = False,
                  operator=None):
         split = plan is not None and plan.replicated_pages
         self.cfg, self.op = cfg, operator
@@ -62,8 +64,8 @@ class PagedRows(RowsBackend):
         self.selection, self.attention = paged_paths.choose(cfg, self.plan, self.split)
         self.dtype = dtype_of(cfg.dtype)
         self.n_slots = pc.cache_slots(cache)
-        groups = pc.kv_groups(cfg)
-        first = cache["ckv"][str(groups[0].index)] if groups else None
+        groups = kv_groups(cfg)
+        first = cache.ckv[str(groups[0].index)] if groups else None
         self.num_blocks = pc.store_rows(first) if groups else 0
         if undo and meta.packed:
             raise ValueError("a packed-rows step records no undo (it is a prefill pass)")
@@ -90,6 +92,12 @@ class PagedRows(RowsBackend):
     def _flat_row(self, req: jax.Array, local: jax.Array) -> jax.Array:
         """The flat step row of request ``req``'s row ``local`` (clipped into the step)."""
         return jnp.clip(self.first[req] + local, 0, self.n_rows - 1)
+
+    def undo_record(self) -> VerifyUndo:
+        """What the step overwrote (``undo=True``; call after the model ran): the input of ``commit_rows``."""
+        m = self.meta
+        return VerifyUndo(swa=self.undo["swa"], open=self.undo["open"], entries=self.undo["entries"],
+                          starts=m.starts, lengths=m.lengths, slots=m.slots)
 
     def _with_meta(self, meta: StepBatch) -> "PagedRows":
         other = copy.copy(self)
@@ -154,12 +162,12 @@ class PagedRows(RowsBackend):
         return jnp.where((at >= 0)[:, None, None], rows, 0)
 
     # -------------------------------------------------------------------------------------- window ring
-    def window(self, cache: dict, layer: int, kv: jax.Array):
+    def window(self, cache: PagedCache, layer: int, kv: jax.Array):
         """Window keys of every row and the ring update. ``kv [B,R,D]`` (packed ``[1,R,D]``; pre-quantization) →
         ``(cache, keys [B,R,W,D], valid [B,R,W])``; key column ``k`` holds position ``p − ((p − k) mod W)``."""
         cfg, w, m = self.cfg, self.cfg.sliding_window, self.meta
         b, r = self.pos.shape
-        swa = cache["swa"]
+        swa = cache.swa
         start = self.by_row(m.starts)[..., None]
         held = self.pos[..., None] - ((self.pos[..., None] - jnp.arange(w)) % w)           # [B,R,W]
         ring = pc.read(swa, "fp8", self.dtype, lambda a: a[layer][self.slot_r])            # [B,W,D] before the step
@@ -175,17 +183,17 @@ class PagedRows(RowsBackend):
         at = (layer, jnp.where(ok, self.by_row(m.slots), self.n_slots), self.pos % w)
         if self.undo is not None:
             self.undo["swa"][layer] = pc.take_raw(swa, (layer, self.slot_r[:, None], self.pos % w))
-        cache = {**cache, "swa": pc.write(cfg, swa, at, kv, "fp8")}
+        cache = cache.replace(swa=pc.write(cfg, swa, at, kv, "fp8"))
         return cache, keys, held >= 0
 
     # ------------------------------------------------------------------------------------ compressor
-    def group_first(self, cache: dict, src: str, c: jax.Array, z: jax.Array):
+    def group_first(self, cache: PagedCache, src: str, c: jax.Array, z: jax.Array):
         """Ratio-2 pair partners of every row: ``c / z [B,R,D]`` (packed ``[1,R,D]``) FP32 projections → ``(cache,
         c0, z0)`` where a request's row ``i``'s partner is its row ``i − 1`` of the step or, for ``i = 0``, the cached
         open pair. Writes the open pair
         of each request's last fed even position."""
         m = self.meta
-        open_kv, open_z = cache["open_kv"][src], cache["open_score"][src]
+        open_kv, open_z = cache.open_kv[src], cache.open_score[src]
         if m.packed:                   # the previous flat row, or the open pair at a request's first row
             first_row = (self.row_local == 0)[:, None]
             before = jnp.clip(jnp.arange(self.n_rows) - 1, 0, self.n_rows - 1)
@@ -202,17 +210,17 @@ class PagedRows(RowsBackend):
         else:
             pick = lambda a: a[jnp.arange(m.max_batch), jnp.maximum(even, 0)]
         if self.undo is not None:
-            self.undo["open"][src] = {"kv": open_kv[self.slot_r], "score": open_z[self.slot_r], "c": c, "z": z}
-        cache = {**cache, "open_kv": {**cache["open_kv"], src: open_kv.at[at].set(pick(c), mode="drop")},
-                 "open_score": {**cache["open_score"], src: open_z.at[at].set(pick(z), mode="drop")}}
+            self.undo["open"][src] = OpenPairUndo(kv=open_kv[self.slot_r], score=open_z[self.slot_r], c=c, z=z)
+        cache = cache.replace(open_kv={**cache.open_kv, src: open_kv.at[at].set(pick(c), mode="drop")},
+                              open_score={**cache.open_score, src: open_z.at[at].set(pick(z), mode="drop")})
         return cache, c0, z0
 
-    def write_entries(self, cache: dict, role: LayerRole, ckv: jax.Array, ik: jax.Array, j: jax.Array,
+    def write_entries(self, cache: PagedCache, role: LayerRole, ckv: jax.Array, ik: jax.Array, j: jax.Array,
                       emits: jax.Array) -> dict:
         """Write entries ``j [B,R]`` (compressed KV ``ckv [B,R,D]``, index keys ``ik [B,R,Di]``, pre-quantization)
         where ``emits [B,R]`` to the pages of KV source ``role``."""
         src = str(role.kv_source)
-        epb = pc.entries_per_block(cache["ckv"][src])
+        epb = pc.entries_per_block(cache.ckv[src])
         if self.meta.packed:
             blk, row, inside = (self.unflat(a[:, 0]) for a in pc.entry_location(self.row_tables, self.flat(j)[:, None],
                                                                                  epb))
@@ -222,7 +230,7 @@ class PagedRows(RowsBackend):
         undo = {"blk": blk, "row": row, "emits": emits} if self.undo is not None else None
         out = {}
         for name, values, fmt in (("ckv", ckv, "nvfp4"), ("ikey", ik, "mxfp4")):
-            pool = cache[name][src]
+            pool = cache.pool(name)[src]
             if self.plan is not None:
                 got = pc.write_owned(self.plan, self.cfg, pool, self.flat(blk), self.flat(row), self.flat(values),
                                      self.flat(emits), fmt, keep_old=undo is not None)
@@ -234,27 +242,27 @@ class PagedRows(RowsBackend):
             if undo is not None:
                 undo[name] = old
         if undo is not None:
-            self.undo["entries"][src] = undo
-        return {**cache, "ckv": {**cache["ckv"], src: out["ckv"]}, "ikey": {**cache["ikey"], src: out["ikey"]}}
+            self.undo["entries"][src] = EntriesUndo(**undo)
+        return cache.with_pool("ckv", src, out["ckv"]).with_pool("ikey", src, out["ikey"])
 
     # --------------------------------------------------------------------------- selection and attention
-    def history(self, cache: dict, role: LayerRole) -> CSAState:
+    def history(self, cache: PagedCache, role: LayerRole) -> CSAState:
         """The gathered history of a KV source (``ckv [B,G,D]``, ``ikeys [B,G,Di]``) when this step's selection or
         attention path reads it (`paged_paths`); empty when both read the pools in place."""
         if not (self.selection.reads_history or self.attention.reads_history):
             return CSAState()
         src = str(role.kv_source)
         gather = lambda a: pc.gather_pages(a, self.meta.block_tables)
-        return CSAState(ckv=pc.read(cache["ckv"][src], "nvfp4", self.dtype, gather),
-                        ikeys=pc.read(cache["ikey"][src], "mxfp4", self.dtype, gather))
+        return CSAState(ckv=pc.read(cache.ckv[src], "nvfp4", self.dtype, gather),
+                        ikeys=pc.read(cache.ikey[src], "mxfp4", self.dtype, gather))
 
-    def select(self, cache: dict, role: LayerRole, q: jax.Array, weights: jax.Array, state: CSAState):
+    def select(self, cache: PagedCache, role: LayerRole, q: jax.Array, weights: jax.Array, state: CSAState):
         """Index selection of every row: ``q [B,R,Hi,Di]`` / ``weights [B,R,Hi]`` → ``(topk [B,R,K], candidates)``;
         candidates are the candidate source's kept mask in this path's form (entry mask ``[B,R,G]``, or
         kept blocks ``[B·R, kb]`` under DCP), passed back in for the layers that use them."""
         return self.selection.select(self, cache, role, q, weights, state)
 
-    def attend(self, cache: dict, role: LayerRole, q: jax.Array, keys: jax.Array, valid: jax.Array,
+    def attend(self, cache: PagedCache, role: LayerRole, q: jax.Array, keys: jax.Array, valid: jax.Array,
                state: CSAState, sink: jax.Array) -> jax.Array:
         """Sink attention of every row over its window keys (`window`) and its selected entries ``state.topk``:
         ``q [B,R,H,D]`` → ``[B,R,H,D]``."""

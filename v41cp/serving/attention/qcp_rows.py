@@ -33,6 +33,7 @@ from v41cp.layers.common import dtype_of
 from v41cp.layers.rows_backend import RowsBackend
 from v41cp.layers.tiled_select import ROW_TILE_BYTES, attend_rows, select_rows
 from v41cp.serving.cache import paged as pc
+from v41cp.serving.cache.device_cache import PagedCache
 from v41cp.serving.runner.span_metadata import SpanMetadata
 from v41cp.sharding.row_group import RowGroup
 
@@ -44,7 +45,7 @@ class QCPRows(RowsBackend):
     ``kvp``: the KVP group size when the pages are split over the map's ``cp`` axis, else 1; ``tile_bytes``: the
     temporaries of one tile of the row-tiled selection / attention."""
 
-    def __init__(self, cfg: ModelConfig, grp: RowGroup, meta: SpanMetadata, cache: dict, kvp: int,
+    def __init__(self, cfg: ModelConfig, grp: RowGroup, meta: SpanMetadata, cache: PagedCache, kvp: int,
                  tile_bytes: int = ROW_TILE_BYTES):
         self.cfg, self.grp, self.kvp, self.meta, self.tile_bytes = cfg, grp, kvp, meta, tile_bytes
         self.dtype = dtype_of(cfg.dtype)
@@ -119,7 +120,7 @@ class QCPRows(RowsBackend):
         return jnp.take_along_axis(a, jnp.clip(rel, 0, a.shape[1] - 1)[..., None], axis=1)
 
     # -------------------------------------------------------------------------------------- window ring
-    def window(self, cache: dict, layer: int, kv: jax.Array):
+    def window(self, cache: PagedCache, layer: int, kv: jax.Array):
         """``kv [1,C,D]`` (pre-quantization) → ``(cache, keys, valid [1,C,W])``: the local rows' window keys oldest
         first, as `WindowKeys` (gathered per row tile by `attend`, never as one ``[C, W, D]`` array)."""
         cfg, w = self.cfg, self.cfg.sliding_window
@@ -129,7 +130,7 @@ class QCPRows(RowsBackend):
         start = self.starts
         hist_pos = start[:, None] - w + jnp.arange(w)[None]                             # [B,W]
         if self.continued:
-            ring = pc.read(cache["swa"], "fp8", self.dtype, lambda a: a[layer][self.slot_r])
+            ring = pc.read(cache.swa, "fp8", self.dtype, lambda a: a[layer][self.slot_r])
             hist = jnp.take_along_axis(ring, (hist_pos % w)[..., None], axis=1)
         else:
             hist = jnp.zeros((b, w, new.shape[-1]), new.dtype)
@@ -137,21 +138,21 @@ class QCPRows(RowsBackend):
         present = jnp.concatenate([hist_pos >= 0, self.present], axis=1)
         last = start[:, None] + self.lengths[:, None] - w + jnp.arange(w)[None]        # the pass's last W
         at = jnp.where((last >= start[:, None]) & (last >= 0), self.meta.slots[:, None], self.n_slots)
-        cache = {**cache, "swa": pc.write(cfg, cache["swa"], (layer, at, jnp.maximum(last, 0) % w),
-                                          self._row(raw, last - start[:, None]), "fp8")}
+        cache = cache.replace(swa=pc.write(cfg, cache.swa, (layer, at, jnp.maximum(last, 0) % w),
+                                           self._row(raw, last - start[:, None]), "fp8"))
         cols = jnp.clip((self.pos_c - start[self.rq])[:, None] + 1 + jnp.arange(w)[None], 0, w + s - 1)
         valid = present[self.rq[:, None], cols] & (self.pos_c[:, None] - (w - 1) + jnp.arange(w)[None] >= 0)
         return cache, WindowKeys(ext, self.rq, cols), valid[None]
 
     # ------------------------------------------------------------------------------------ compressor
-    def group_first(self, cache: dict, src: str, c: jax.Array, z: jax.Array):
+    def group_first(self, cache: PagedCache, src: str, c: jax.Array, z: jax.Array):
         """Ratio-2 pair partners (the previous position) of the local rows ``c / z [1,C,D]`` → ``(cache, c0,
         z0)``; writes the open pair of each request's last even position of the pass."""
         cs, zs = self._span(c), self._span(z)
         b, s = cs.shape[:2]
         start = self.starts
         prev = (self.pos_c - start[self.rq] - 1)[:, None]                               # [C,1]
-        open_kv, open_z = cache["open_kv"][src], cache["open_score"][src]
+        open_kv, open_z = cache.open_kv[src], cache.open_score[src]
 
         def partner(span, opened):
             got = span[self.rq[:, None], jnp.maximum(prev, 0)][:, 0]
@@ -162,11 +163,11 @@ class QCPRows(RowsBackend):
         first = 2 * ((end - 1) // 2)
         at = jnp.where((self.lengths > 0) & (first >= start), self.meta.slots, self.n_slots)
         pick = lambda a: self._row(a, (first - start)[:, None])[:, 0]
-        cache = {**cache, "open_kv": {**cache["open_kv"], src: open_kv.at[at].set(pick(cs), mode="drop")},
-                 "open_score": {**cache["open_score"], src: open_z.at[at].set(pick(zs), mode="drop")}}
+        cache = cache.replace(open_kv={**cache.open_kv, src: open_kv.at[at].set(pick(cs), mode="drop")},
+                              open_score={**cache.open_score, src: open_z.at[at].set(pick(zs), mode="drop")})
         return cache, c0, z0
 
-    def write_entries(self, cache: dict, role: LayerRole, ckv: jax.Array, ik: jax.Array, j: jax.Array,
+    def write_entries(self, cache: PagedCache, role: LayerRole, ckv: jax.Array, ik: jax.Array, j: jax.Array,
                       emits: jax.Array) -> dict:
         """The local rows' entries ``j [1,C]`` (``ckv [1,C,D]`` / ``ik [1,C,Di]`` pre-quantization, where
         ``emits``) → every rank's, written to the pages of KV source ``role``."""
@@ -177,26 +178,26 @@ class QCPRows(RowsBackend):
         jj = g(j[0])[:, None]
         out = {}
         for name, values, fmt in (("ckv", ckv, "nvfp4"), ("ikey", ik, "mxfp4")):
-            out[name] = pc.write_entries(self.cfg, self.kvp, True, cache[name][src], g(values[0])[:, None], jj, ok,
+            out[name] = pc.write_entries(self.cfg, self.kvp, True, cache.pool(name)[src], g(values[0])[:, None], jj, ok,
                                          tables, fmt)
-        return {**cache, "ckv": {**cache["ckv"], src: out["ckv"]}, "ikey": {**cache["ikey"], src: out["ikey"]}}
+        return cache.with_pool("ckv", src, out["ckv"]).with_pool("ikey", src, out["ikey"])
 
     # --------------------------------------------------------------------------- selection and attention
-    def history(self, cache: dict, role: LayerRole) -> CSAState:
+    def history(self, cache: PagedCache, role: LayerRole) -> CSAState:
         """A KV source's entries of every request ``[B, MB·epb, ·]`` from its pages (after this pass's writes)."""
         src = str(role.kv_source)
-        read = lambda name, fmt: pc.read_pages(self.kvp, True, cache[name][src], self.meta.block_tables, fmt,
+        read = lambda name, fmt: pc.read_pages(self.kvp, True, cache.pool(name)[src], self.meta.block_tables, fmt,
                                                self.dtype)
         return CSAState(ckv=read("ckv", "nvfp4"), ikeys=read("ikey", "mxfp4"))
 
-    def select(self, cache: dict, role: LayerRole, q: jax.Array, weights: jax.Array, state: CSAState):
+    def select(self, cache: PagedCache, role: LayerRole, q: jax.Array, weights: jax.Array, state: CSAState):
         """Each local row scores its request's index keys in tiles (`v41cp.layers.tiled_select.select_rows`):
         ``q [1,C,Hi,Di]`` → ``(topk [1,C,K], candidates as kept block ids [C, kb])``."""
         topk, cand = select_rows(self.cfg, role, q[0], weights[0], state.ikeys, self.rq, self.pos_c,
                                  state.candidates, budget=self.tile_bytes)
         return topk[None], cand
 
-    def attend(self, cache: dict, role: LayerRole, q: jax.Array, keys: "WindowKeys", valid: jax.Array,
+    def attend(self, cache: PagedCache, role: LayerRole, q: jax.Array, keys: "WindowKeys", valid: jax.Array,
                state: CSAState, sink: jax.Array) -> jax.Array:
         """Sink attention of the local rows over their window keys and selected entries (every head), in row tiles
         (`v41cp.layers.tiled_select.attend_rows`)."""

@@ -1,122 +1,35 @@
-"""The paged decode cache: its layout, its stores (values or byte records), and every read / write of it.
+"""Every read and write of the paged decode cache (`v41cp.serving.cache.device_cache.PagedCache`): its stores
+(values or byte records) and its page addressing.
 
-One module owns the cache. Every mode that touches it — the decode / verification step, the token-serial
-prefill, the span prefill, their KVP (owner-masked) variants and the kernels' in-place reads — goes through
-these functions, so the layout, the record encoding and the page addressing are written once.
-
-Layout (`init_cache`; ``B`` batch slots, ``NB`` logical blocks of ``block_tokens`` tokens):
-
-* ``swa [L, B, W, ·]`` — the window ring: row ``p % W`` of slot ``b`` holds the window KV of position ``p``;
-* ``ckv[g] / ikey[g] [NB, epb, ·]`` per KV source ``g`` (``epb = block_tokens / ratio``) — entry ``j`` of a
-  request lives in block ``block_table[j // epb]`` at row ``j % epb``;
-* ``open_kv[g] / open_score[g] [B, D]`` FP32 — the open ratio-2 pair's first row (its compressor projections).
+Every mode that touches the cache — the decode / verification step, the token-serial prefill, the span prefill, their
+KVP (owner-masked) variants and the kernels' in-place reads — goes through these functions, so the record encoding
+and the page addressing are written once.
 
 A *store* is either an array of values (model dtype; fake-quantized on write when ``cfg.fake_quant``) or the
 release's byte records ``{"q": payload uint8, "s": scale uint8}`` (`v41cp.serving.cache.records`; FP8 window rows,
 NVFP4 compressed KV, MXFP4 index keys). Reading a record store decodes to exactly the fake-quant values.
 
-KVP (`init_cache(..., plan=...)`): the global pools' block dimension is split over the mesh's ``cp`` axis; rank
-``r`` holds virtual blocks ``l·N + r`` at its row ``l`` (`v41cp.sharding.ownership`). Inside a ``cp`` island a
-pool is the rank's rows; under GSPMD it is the global array whose rank-``r`` rows are ``[r·LB, (r+1)·LB)``.
-Writes out of bounds are dropped (how inactive rows and non-owners write nothing).
+KVP: the global pools' ``pages`` axis is split over the mesh's ``cp`` axis; rank ``r`` holds virtual blocks
+``l·N + r`` at its row ``l`` (`v41cp.sharding.ownership`). Inside a ``cp`` island a pool is the rank's rows; under
+GSPMD it is the global array whose rank-``r`` rows are ``[r·LB, (r+1)·LB)``. Writes out of bounds are dropped (how
+inactive rows and non-owners write nothing).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from v41cp.config import LayerRole, ModelConfig
-from v41cp.layers.common import dtype_of
+from v41cp.config import ModelConfig
 from v41cp.quant import FAKE_QUANT
-from v41cp.serving.cache.records import RECORD_FORMATS, decode, encode
+from v41cp.serving.cache.device_cache import pool_spec
+from v41cp.serving.cache.records import decode, encode
 from v41cp.sharding.mesh import CP
 from v41cp.sharding.ownership import is_owned, local_row, owner
 
-__all__ = ["kv_groups", "init_cache", "cache_layout", "cache_specs", "POOLS", "pool_sharding", "write", "read",
-           "stored_values", "store_rows",
-           "entries_per_block", "cache_slots", "take_raw", "put_raw", "gather_pages", "entry_location", "page_rows", "write_entries",
-           "read_pages", "write_owned", "restore_owned"]
-
-
-def kv_groups(cfg: ModelConfig) -> list[LayerRole]:
-    """The KV sources (one global cache group each), in layer order."""
-    return [r for r in cfg.layer_roles if r.is_kv_source]
-
-
-POOLS = ("ckv", "ikey")        # the global pools (page-cyclic over the KVP group); every other leaf is per batch slot
-
-
-def cache_specs(cache: dict, kv_parallel: bool) -> dict:
-    """Every leaf's `PartitionSpec` — the one place the cache's partitioning is chosen: under KVP the global pools'
-    block dimension over ``cp``, everything else replicated."""
-    pool = P(CP) if kv_parallel else P()
-    return {k: jax.tree.map(lambda _: pool if k in POOLS else P(), v) for k, v in cache.items()}
-
-
-def pool_sharding(mesh) -> NamedSharding:
-    """Sharding of a global cache pool under KVP: block dimension over ``cp``."""
-    return NamedSharding(mesh, P(CP))
-
-
-def init_cache(cfg: ModelConfig, num_blocks: int, block_tokens: int, max_batch: int, sharding=None,
-               records: bool | None = None, plan=None) -> dict:
-    """Zeroed cache for ``num_blocks`` logical blocks of ``block_tokens`` tokens and ``max_batch`` slots,
-    committed to ``sharding`` (default: the first device) so that every step sees the same input types.
-
-    ``records`` (default: ``cfg.fake_quant``) stores the release's byte records; otherwise values in the model
-    dtype (fake-quantized when ``cfg.fake_quant``). ``plan`` (KVP, a `v41cp.serving.attention.dcp.DCPPlan`):
-    ``num_blocks`` counts virtual blocks (a multiple of the group size N); the global pools are split over
-    the mesh's ``cp`` axis (each rank allocates ``num_blocks / N`` pages), everything else is replicated."""
-    layout = cache_layout(cfg, num_blocks, block_tokens, max_batch, sharding, records, plan)
-    shardings = jax.tree.map(lambda a: a.sharding, layout)
-    # each device allocates only its own shard (no full-size staging copy on one device)
-    return jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), layout), out_shardings=shardings)()
-
-
-def cache_layout(cfg: ModelConfig, num_blocks: int, block_tokens: int, max_batch: int, sharding=None,
-                 records: bool | None = None, plan=None) -> dict:
-    """The cache `init_cache` allocates, as ``jax.ShapeDtypeStruct`` leaves carrying their shardings (nothing is
-    allocated: for compiling a step ahead of its cache, `v41cp.plan`)."""
-    dt = dtype_of(cfg.dtype)
-    records = cfg.fake_quant if records is None else records
-    if records and not cfg.fake_quant:
-        raise ValueError("byte records are the fake-quant formats: records=True needs cfg.fake_quant")
-    d, di = cfg.head_dim, cfg.index_head_dim
-    layout = jax.ShapeDtypeStruct
-
-    def store(shape, fmt):
-        c = {"fp8": d, "nvfp4": d, "mxfp4": di}[fmt]
-        if not records:
-            return layout((*shape, c), dt)
-        block = RECORD_FORMATS[fmt][0]
-        return {"q": layout((*shape, c if fmt == "fp8" else c // 2), jnp.uint8),
-                "s": layout((*shape, c // block), jnp.uint8)}
-
-    cache = {"swa": store((cfg.num_hidden_layers, max_batch, cfg.sliding_window), "fp8"),
-             "ckv": {}, "ikey": {}, "open_kv": {}, "open_score": {}}
-    for g in kv_groups(cfg):
-        if block_tokens % g.ratio:
-            raise ValueError(f"block_tokens={block_tokens} is not a multiple of layer {g.index}'s ratio {g.ratio}")
-        epb = block_tokens // g.ratio
-        cache["ckv"][str(g.index)] = store((num_blocks, epb), "nvfp4")
-        cache["ikey"][str(g.index)] = store((num_blocks, epb), "mxfp4")
-        if g.ratio > 1:
-            if g.ratio != 2:
-                raise ValueError(f"the decode cache supports compress ratios 1 and 2, layer {g.index} has {g.ratio}")
-            cache["open_kv"][str(g.index)] = layout((max_batch, d), jnp.float32)
-            cache["open_score"][str(g.index)] = layout((max_batch, d), jnp.float32)
-    if plan is None:
-        one = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        shardings = jax.tree.map(lambda _: one, cache)
-    else:
-        if num_blocks % plan.n:
-            raise ValueError(f"num_blocks={num_blocks} must be a multiple of kv_parallel_size={plan.n}")
-        shardings = jax.tree.map(lambda spec: NamedSharding(plan.mesh, spec), cache_specs(cache, True),
-                                 is_leaf=lambda x: isinstance(x, P))
-    return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), cache, shardings)
+__all__ = ["write", "read", "stored_values", "store_rows", "entries_per_block", "cache_slots", "take_raw", "put_raw",
+           "gather_pages", "entry_location", "page_rows", "write_entries", "read_pages", "write_owned", "restore_owned"]
 
 
 # ---------------------------------------------------------------------------------------------- one store
@@ -134,9 +47,9 @@ def entries_per_block(store) -> int:
     return _leaf(store).shape[1]
 
 
-def cache_slots(cache: dict) -> int:
-    """Batch slots of a cache (the window ring's second axis)."""
-    return _leaf(cache["swa"]).shape[1]
+def cache_slots(cache) -> int:
+    """Batch slots of a `PagedCache` (the window ring's second axis)."""
+    return _leaf(cache.swa).shape[1]
 
 
 def stored_values(cfg: ModelConfig, values: jax.Array, fmt: str, dtype) -> jax.Array:
@@ -247,7 +160,7 @@ def write_owned(plan, cfg: ModelConfig, pool, blk: jax.Array, row: jax.Array, va
         old = take_raw(pool, (jnp.minimum(at[0], lb - 1), row))
         return new, jax.tree.map(lambda a: a[None], old)
 
-    spec = jax.tree.map(lambda _: P(CP), pool)
+    spec = jax.tree.map(lambda _: pool_spec(), pool)
     out = (spec, spec) if keep_old else spec
     return plan.shard_map(body, (spec, P(), P(), P(), P()), out)(pool, blk, row, values, emits)
 
@@ -261,5 +174,5 @@ def restore_owned(plan, pool, blk: jax.Array, row: jax.Array, old, undo: jax.Arr
         own = undo & is_owned(blk, n, jax.lax.axis_index(CP))
         return put_raw(pool, (jnp.where(own, local_row(blk, n), lb), row), jax.tree.map(lambda a: a[0], old))
 
-    spec = jax.tree.map(lambda _: P(CP), pool)
+    spec = jax.tree.map(lambda _: pool_spec(), pool)
     return plan.shard_map(body, (spec, P(), P(), spec, P()), spec)(pool, blk, row, old, undo)

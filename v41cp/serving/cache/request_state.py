@@ -17,18 +17,19 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from v41cp.serving.cache.paged import POOLS, entries_per_block, page_rows, store_rows
+from v41cp.serving.cache.device_cache import POOLS, PagedCache
+from v41cp.serving.cache.paged import entries_per_block, page_rows, store_rows
 
 __all__ = ["request_state", "window_rows"]
 
 
-def request_state(cache: dict, blocks, tokens: int, block_tokens: int, kvp: int = 1,
+def request_state(cache: PagedCache, blocks, tokens: int, block_tokens: int, kvp: int = 1,
                   slot_state: dict | None = None) -> dict:
     """See the module docstring (``tokens``: the positions the cache holds; ``slot_state``: already taken)."""
     pages = {}
     for name in POOLS:
         pages[name] = {}
-        for src, store in cache[name].items():
+        for src, store in cache.pool(name).items():
             count = tokens // (block_tokens // entries_per_block(store))          # complete entries
             rows = np.asarray(page_rows(kvp, False, np.asarray(blocks, np.int32), store_rows(store)))
             pages[name][src] = jax.tree.map(lambda a: np.asarray(a)[rows].reshape(-1, *a.shape[2:])[:count], store)

@@ -70,10 +70,10 @@ class DisaggregatedEngine(TwoRoles):
         self.speculative = self.prefix = None
         self._finished: dict = {}                      # rid -> (request, result): ended by its first token
         self.transfers: list[dict] = []
-        leaf = jax.tree.leaves(self.decode.cache["swa"])[0]
+        leaf = jax.tree.leaves(self.decode.cache.swa)[0]
         self._dst_state_sharding = leaf.sharding
         self._dst_devices = len(leaf.sharding.device_set)
-        pool = jax.tree.leaves(self.decode.cache["ckv"])[0] if self.decode.cache["ckv"] else None
+        pool = jax.tree.leaves(self.decode.cache.ckv)[0] if self.decode.cache.ckv else None
         self._dst_replicas = 1 if pool is None else self._dst_devices // self.decode.alloc.n
         self.wire = None
         if transport == "collective":      # the cross-process transfer (`pd_wire`), both sides in this program

@@ -101,7 +101,7 @@ class CrossProcessDisaggregatedEngine(TwoRoles):
         self.wire = Wire(by_process[:n_local], by_process[n_local:], src_ranks, dst_ranks)
         self._ratios = ratios_of(self.engine.cache, capacity.block_tokens)
         self._state_shapes = jax.eval_shape(lambda c: take_slot_state(c, 0), self.engine.cache)
-        leaf = jax.tree.leaves(self.engine.cache["ckv"])
+        leaf = jax.tree.leaves(self.engine.cache.ckv)
         self._dst_replicas = 1 if not leaf else n_local // self.decode_kvp
 
     # ------------------------------------------------------------------ the Engine interface (generate / bench)

@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from v41cp.serving.cache.paged import POOLS, entries_per_block, store_rows
+from v41cp.serving.cache.device_cache import POOLS, PagedCache
+from v41cp.serving.cache.paged import entries_per_block, store_rows
 from v41cp.serving.cache.slot_state import put_slot_state, state_bytes, take_slot_state
 
 __all__ = ["TransferPlan", "check_sizes", "plan_transfer", "execute", "shard_rank"]
@@ -60,11 +61,11 @@ class TransferPlan:
     def rank_pairs(self) -> set:
         return {pair for g in self.copies.values() for pair in g}
 
-    def bytes(self, src_cache: dict, dst_replicas: int, dst_devices: int, slot_bytes: int) -> int:
+    def bytes(self, src_cache: PagedCache, dst_replicas: int, dst_devices: int, slot_bytes: int) -> int:
         """Bytes `execute` moves: every entry's stored record (main KV + index key) once per device holding its
         destination rank's pages (``dst_replicas``), plus the slot state once per decode device."""
         per_entry = {src: sum(a.dtype.itemsize * int(np.prod(a.shape[2:]))
-                              for name in POOLS for a in jax.tree.leaves(src_cache[name][src]))
+                              for name in POOLS for a in jax.tree.leaves(src_cache.pool(name)[src]))
                      for src in self.copies}
         return sum(self.entries(g) * per_entry[g] for g in self.copies) * dst_replicas + slot_bytes * dst_devices
 
@@ -126,19 +127,17 @@ def _move_pool(store: dict | jax.Array, dst: dict | jax.Array, pair_copies: dict
     return (out if isinstance(dst, dict) else out["v"]), moved
 
 
-def execute(plan: TransferPlan, src_cache: dict, dst_cache: dict, src_slot: int, dst_slot: int,
-            dst_sharding) -> tuple[dict, int]:
+def execute(plan: TransferPlan, src_cache: PagedCache, dst_cache: PagedCache, src_slot: int, dst_slot: int,
+            dst_sharding) -> tuple[PagedCache, int]:
     """Move the request's entries and slot state from ``src_cache`` (prefill) into ``dst_cache`` (decode; its
     replicated parts are placed with ``dst_sharding``). Returns ``(dst_cache, bytes moved)``."""
     moved = 0
-    dst_cache = dict(dst_cache)
     for name in POOLS:
-        pools = dict(dst_cache[name])
         for group, pair_copies in plan.copies.items():
-            pools[group], m = _move_pool(src_cache[name][group], pools[group], pair_copies, plan.prefill_kvp,
-                                         plan.decode_kvp)
+            pool, m = _move_pool(src_cache.pool(name)[group], dst_cache.pool(name)[group], pair_copies,
+                                 plan.prefill_kvp, plan.decode_kvp)
+            dst_cache = dst_cache.with_pool(name, group, pool)
             moved += m
-        dst_cache[name] = pools
     state = take_slot_state(src_cache, src_slot)
     state = jax.device_put(state, dst_sharding)
     n_dst = len(dst_sharding.device_set)
@@ -147,6 +146,6 @@ def execute(plan: TransferPlan, src_cache: dict, dst_cache: dict, src_slot: int,
     return dst_cache, moved
 
 
-def ratios_of(cache: dict, block_tokens: int) -> dict:
+def ratios_of(cache: PagedCache, block_tokens: int) -> dict:
     """Compress ratio of every KV source group of a cache (from its pages' entries per block)."""
-    return {g: block_tokens // entries_per_block(s) for g, s in cache["ckv"].items()}
+    return {g: block_tokens // entries_per_block(s) for g, s in cache.ckv.items()}

@@ -27,7 +27,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from v41cp.serving.cache.paged import POOLS, store_rows
+from v41cp.serving.cache.device_cache import POOLS, PagedCache
+from v41cp.serving.cache.paged import store_rows
 from v41cp.serving.cache.slot_state import put_slot_state
 from v41cp.serving.pd.transfer import TransferPlan, shard_rank
 
@@ -43,12 +44,12 @@ def _local_shards(a: jax.Array) -> dict:
     return {sh.device: sh for sh in a.addressable_shards}
 
 
-def device_ranks(cache: dict, devices: list, kvp: int) -> list[int]:
+def device_ranks(cache: PagedCache, devices: list, kvp: int) -> list[int]:
     """The KVP rank whose pages each of ``devices`` holds (all 0 without pools or KVP)."""
-    groups = sorted(cache["ckv"])
+    groups = sorted(cache.ckv)
     if kvp == 1 or not groups:
         return [0] * len(devices)
-    a = _leaves(cache["ckv"][groups[0]])[0][1]
+    a = _leaves(cache.ckv[groups[0]])[0][1]
     shards = _local_shards(a)
     return [shard_rank(shards[d], store_rows(a), kvp) for d in devices]
 
@@ -80,7 +81,7 @@ class _Piece:
 class WireLayout:
     """The pieces each destination rank's byte vector holds, in order (both processes build it alike)."""
 
-    def __init__(self, plan: TransferPlan, cache: dict, state_shapes: dict):
+    def __init__(self, plan: TransferPlan, cache: PagedCache, state_shapes: dict):
         self.plan = plan
         self.state_tree = jax.tree.structure(state_shapes)
         self.state = [_Piece("state", "", str(i), (), tuple(s.shape), s.dtype)
@@ -90,7 +91,7 @@ class WireLayout:
             pieces = []
             for pool in POOLS:
                 for group in sorted(plan.copies):
-                    for key, a in _leaves(cache[pool][group]):
+                    for key, a in _leaves(cache.pool(pool)[group]):
                         for pair, (s_rows, _, _) in sorted(plan.copies[group].items()):
                             if pair[1] == r_dst and len(s_rows):
                                 pieces.append(_Piece(pool, group, key, pair, (len(s_rows), *a.shape[2:]), a.dtype))
@@ -147,7 +148,7 @@ class Wire:
                                                                                 self.sharding, shards)))
         return {d: out[d].data.reshape(-1) for d in self.decode if d in out}
 
-    def send(self, layout: WireLayout, cache: dict, state: dict, received: bool = False):
+    def send(self, layout: WireLayout, cache: PagedCache, state: dict, received: bool = False):
         """The prefill side: pack each prefill device's vector (from ``cache``'s pools and the slot ``state``) and
         send it. Returns the unpadded bytes sent (``received``: also what the decode devices got)."""
         plan, bucket = layout.plan, layout.bucket(self.dst_ranks)
@@ -161,7 +162,7 @@ class Wire:
                     continue
                 if piece.pair[0] != self.src_ranks[i]:
                     raise AssertionError(f"prefill device {i} holds rank {self.src_ranks[i]}, not {piece.pair[0]}")
-                shard = _local_shards(dict(_leaves(cache[piece.pool][piece.group]))[piece.key])[dev]
+                shard = _local_shards(dict(_leaves(cache.pool(piece.pool)[piece.group]))[piece.key])[dev]
                 s_rows, _, in_page = plan.copies[piece.group][piece.pair]
                 parts.append(_to_bytes(shard.data[jnp.asarray(s_rows), jnp.asarray(in_page)]))
             vec = jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.uint8)
@@ -170,16 +171,15 @@ class Wire:
         got = self._exchange(vectors, bucket)
         return (sent, got) if received else sent
 
-    def receive(self, layout: WireLayout, cache: dict, slot: int, got: dict | None = None) -> tuple[dict, int]:
+    def receive(self, layout: WireLayout, cache: PagedCache, slot: int, got: dict | None = None) -> tuple[PagedCache, int]:
         """The decode side: receive each decode device's vector (or take ``got``, what `send` delivered in this
         process) and scatter its pieces into ``cache``'s pools and slot ``slot`` (the slot state replicated over the
         decode devices, as the cache's window rings are). Returns ``(cache, unpadded bytes received)``."""
         plan = layout.plan
         if got is None:
             got = self._exchange({}, layout.bucket(self.dst_ranks))
-        cache = dict(cache)
         new = {pool: {g: {k: {sh.device: sh.data for sh in a.addressable_shards}
-                          for k, a in _leaves(cache[pool][g])} for g in plan.copies} for pool in POOLS}
+                          for k, a in _leaves(cache.pool(pool)[g])} for g in plan.copies} for pool in POOLS}
         state_parts = [dict() for _ in layout.state]
         received = 0
         for i, dev in enumerate(self.decode):
@@ -195,22 +195,21 @@ class Wire:
                 leaf[dev] = leaf[dev].at[jnp.asarray(d_rows), jnp.asarray(in_page)].set(values)
             received += offset
         for pool in POOLS:
-            pools = dict(cache[pool])
             for g in plan.copies:
+                store = cache.pool(pool)[g]
                 out = {k: jax.make_array_from_single_device_arrays(
                     a.shape, a.sharding, [new[pool][g][k][sh.device] for sh in a.addressable_shards])
-                    for k, a in _leaves(cache[pool][g])}
-                pools[g] = out if isinstance(cache[pool][g], dict) else out["v"]
-            cache[pool] = pools
-        ring = jax.tree.leaves(cache["swa"])[0].sharding
+                    for k, a in _leaves(store)}
+                cache = cache.with_pool(pool, g, out if isinstance(store, dict) else out["v"])
+        ring = jax.tree.leaves(cache.swa)[0].sharding
         replicated = NamedSharding(ring.mesh, P())
         leaves = [jax.make_array_from_single_device_arrays(piece.shape, replicated, [parts[d] for d in self.decode])
                   for piece, parts in zip(layout.state, state_parts)]
         cache, _ = put_slot_state(cache, slot, jax.tree.unflatten(layout.state_tree, leaves))
         return cache, received
 
-    def transfer(self, layout: WireLayout, src_cache: dict, state: dict, dst_cache: dict,
-                 slot: int) -> tuple[dict, int]:
+    def transfer(self, layout: WireLayout, src_cache: PagedCache, state: dict, dst_cache: PagedCache,
+                 slot: int) -> tuple[PagedCache, int]:
         """Both sides in one program (every device addressable): ``(dst_cache, bytes moved)``."""
         sent, got = self.send(layout, src_cache, state, received=True)
         dst_cache, received = self.receive(layout, dst_cache, slot, got)

@@ -29,7 +29,7 @@ from v41cp.config import ModelConfig
 from v41cp.engram_hash import engram_hash_ids
 from v41cp.model import embedding_and_head, shard_params
 from v41cp.serving.attention.dcp import DCPPlan
-from v41cp.serving.cache.paged import POOLS
+from v41cp.serving.cache.device_cache import POOLS, init_draft_cache
 from v41cp.serving.cache.request_state import request_state
 from v41cp.serving.cache.slot_state import put_slot_state, take_slot_state
 from v41cp.serving.capacity import Capacity
@@ -42,7 +42,6 @@ from v41cp.serving.runner.speculative import (
     Speculative,
     accept_drafts,
     draft_step,
-    init_draft_cache,
     write_draft_context,
 )
 from v41cp.serving.runner.steps import (
@@ -318,8 +317,8 @@ class ModelRunner:
                 total += sum(sh.data.nbytes for sh in leaf.addressable_shards if sh.device == dev)
             return total
 
-        pages = on_dev({k: self.cache[k] for k in POOLS})
-        replicated = on_dev({k: v for k, v in self.cache.items() if k not in POOLS})
+        pages = on_dev([self.cache.pool(k) for k in POOLS])
+        replicated = on_dev(list(self.cache.per_slot().values()))
         return {"global_pages": pages, "replicated_state": replicated, "total": pages + replicated,
                 "pages_per_device": self.num_blocks // (self.plan.n if self.plan else 1)}
 

@@ -50,7 +50,7 @@ from v41cp.layers.tiled_select import ROW_TILE_BYTES
 from v41cp.model import Transformer, abstract_params
 from v41cp.serving.attention.dcp import DCPPlan
 from v41cp.serving.attention.qcp_rows import QCPRows
-from v41cp.serving.cache.paged import cache_specs
+from v41cp.serving.cache.device_cache import PagedCache, cache_specs
 from v41cp.serving.runner.span_metadata import SpanMetadata
 from v41cp.serving.runner.steps import _forward_rows
 from v41cp.serving.step_batch import CEDRows, StepBatch
@@ -142,12 +142,12 @@ def _run(params, cache, meta: SpanMetadata, cfg: ModelConfig, layout: SpanLayout
 
 
 @partial(jax.jit, static_argnames=("cfg", "layout", "features"), donate_argnames=("cache",))
-def _prefill_qcp(params, cache: dict, meta: SpanMetadata, cfg: ModelConfig, layout: SpanLayout, features: int = 0):
+def _prefill_qcp(params, cache: PagedCache, meta: SpanMetadata, cfg: ModelConfig, layout: SpanLayout, features: int = 0):
     return _run(params, cache, meta, cfg, layout, features)
 
 
 @partial(jax.jit, static_argnames=("cfg", "plan", "operator", "features"), donate_argnames=("cache",))
-def _prefill_rows(params, cache: dict, rows, cfg: ModelConfig, plan, operator, features: int = 0):
+def _prefill_rows(params, cache: PagedCache, rows, cfg: ModelConfig, plan, operator, features: int = 0):
     last = rows.lengths - 1 - (0 if rows.ced is None else rows.ced.encoder_rows)        # in the decoder rows
     logits, cache, _, feats = _forward_rows(params, cache, rows, cfg, plan, logits_at=last, operator=operator,
                                             features=features)
@@ -182,7 +182,7 @@ def _layout_plan(cfg: ModelConfig, layout: SpanLayout):
     return DCPPlan(layout.mesh, heads_sharded=cfg.num_attention_heads % tp == 0)
 
 
-def prefill_span(params, cache: dict, meta: SpanMetadata, cfg: ModelConfig, layout: SpanLayout = SpanLayout(),
+def prefill_span(params, cache: PagedCache, meta: SpanMetadata, cfg: ModelConfig, layout: SpanLayout = SpanLayout(),
                  features: int = 0):
     """Prefill the prompts of ``meta`` (`build_span_metadata`) in one pass: ``(logits [B, vocab] FP32 of each
     prompt's last row — zeros for an empty row or a pass without it —, updated cache)``. See the module
@@ -192,7 +192,7 @@ def prefill_span(params, cache: dict, meta: SpanMetadata, cfg: ModelConfig, layo
     return _dispatch(params, cache, meta, cfg, layout, lower=False, features=features)
 
 
-def lower_prefill_span(params, cache: dict, meta: SpanMetadata, cfg: ModelConfig, layout: SpanLayout = SpanLayout()):
+def lower_prefill_span(params, cache: PagedCache, meta: SpanMetadata, cfg: ModelConfig, layout: SpanLayout = SpanLayout()):
     """The lowered program of one span-prefill pass (for structure measurements)."""
     return _dispatch(params, cache, meta, cfg, layout, lower=True)
 

@@ -4,9 +4,10 @@ One engine step of a request at anchor position ``p`` (the last output token, no
 
 1. **draft** (`draft_step`): the drafter (`v41cp.drafter.Drafter`, replicated) proposes ``n`` tokens from the block
    ``[anchor, noise × (N − 1)]`` at ``p … p + N − 1`` and its context window — each stage's keys of the target
-   features at ``[p − W, p)``, kept in the draft cache (`init_draft_cache`: a ring of ``W`` rows per batch slot and
-   stage, by position mod ``W``); the Markov head makes it sequential: draft ``i`` is the argmax of the block's
-   logits at slot ``i`` plus the Markov logits of draft ``i − 1`` (of the anchor for ``i = 0``);
+   features at ``[p − W, p)``, kept in the draft cache (`v41cp.serving.cache.device_cache.DraftCache`: a ring of
+   ``W`` rows per batch slot and stage, by position mod ``W``); the Markov head makes it sequential: draft ``i`` is
+   the argmax of the block's logits at slot ``i`` plus the Markov logits of draft ``i − 1`` (of the anchor for
+   ``i = 0``);
 2. **verify**: the anchor and its drafts as ``n + 1`` rows of one static-width `verify_step` of the target (under
    KVP / DCP each row gets its distributed top-k and LSE merge), which also returns every row's target features;
 3. **accept** (`accept_drafts`, host): greedy — the longest prefix of drafts equal to the target's argmax, then the
@@ -37,9 +38,9 @@ import numpy as np
 
 from v41cp.config import ModelConfig
 from v41cp.drafter import Drafter, draft_logits
-from v41cp.layers.common import dtype_of
+from v41cp.serving.cache.device_cache import DraftCache
 
-__all__ = ["Speculative", "init_draft_cache", "draft_step", "write_draft_context", "accept_drafts",
+__all__ = ["Speculative", "draft_step", "write_draft_context", "accept_drafts",
            "check_speculative"]
 
 
@@ -72,14 +73,6 @@ def check_speculative(cfg: ModelConfig, spec: Speculative) -> None:
                          f"{cfg.sliding_window}")
 
 
-def init_draft_cache(cfg: ModelConfig, max_batch: int, sharding=None) -> dict:
-    """The drafter's context windows: ``keys [stages, max_batch, W, D]`` (row ``t mod W`` of a slot holds the key
-    of the target feature at position ``t``), zeros; replicated (``sharding``: e.g. a replicated NamedSharding)."""
-    shape = (cfg.num_nextn_predict_layers, max_batch, cfg.sliding_window, cfg.head_dim)
-    keys = jnp.zeros(shape, dtype_of(cfg.dtype))
-    return {"keys": keys if sharding is None else jax.device_put(keys, sharding)}
-
-
 def _call(params, cfg, method, *args):
     # the drafter is loaded dequantized (`v41cp.checkpoint.open_drafter`) whatever the target keeps
     return Drafter(cfg.replace(keep_quantized=False) if cfg.keep_quantized else cfg).apply(
@@ -87,27 +80,27 @@ def _call(params, cfg, method, *args):
 
 
 @partial(jax.jit, static_argnames=("cfg",), donate_argnames=("dcache",))
-def write_draft_context(params: dict, cfg: ModelConfig, dcache: dict, slots: jax.Array, features: jax.Array,
-                        positions: jax.Array, keep: jax.Array) -> dict:
+def write_draft_context(params: dict, cfg: ModelConfig, dcache: DraftCache, slots: jax.Array, features: jax.Array,
+                        positions: jax.Array, keep: jax.Array) -> DraftCache:
     """Write the context keys of target features ``features [B, F, n·H]`` at ``positions [B, F]`` (``keep [B,
     F]``: the rows to write; at most ``W`` consecutive positions per request) into batch slots ``slots [B]``."""
     main_x = _call(params, cfg, Drafter.main_x, features)
     keys = _call(params, cfg, Drafter.context_keys, main_x, jnp.maximum(positions, 0))       # [K, B, F, D]
-    n_slots = dcache["keys"].shape[1]
+    n_slots = dcache.keys.shape[1]
     at = jnp.where(keep, slots[:, None], n_slots)                                            # dropped when not kept
     ring = jnp.maximum(positions, 0) % cfg.sliding_window
-    return {"keys": dcache["keys"].at[:, at, ring].set(keys.astype(dcache["keys"].dtype), mode="drop")}
+    return dcache.replace(keys=dcache.keys.at[:, at, ring].set(keys.astype(dcache.keys.dtype), mode="drop"))
 
 
 @partial(jax.jit, static_argnames=("cfg", "n"))
-def draft_step(params: dict, embed: jax.Array, head: jax.Array, cfg: ModelConfig, dcache: dict, slots: jax.Array,
+def draft_step(params: dict, embed: jax.Array, head: jax.Array, cfg: ModelConfig, dcache: DraftCache, slots: jax.Array,
                anchors: jax.Array, positions: jax.Array, n: int):
     """``n`` greedy drafts ``[B, n]`` int32 for anchors ``anchors [B]`` at ``positions [B]`` (batch slots
     ``slots [B]``), and their confidence logits ``[B, n]`` FP32 (see the module docstring; ``embed`` / ``head``:
     the target's)."""
     w, size = cfg.sliding_window, cfg.dspark_block_size
     b = anchors.shape[0]
-    ctx_keys = dcache["keys"][:, slots]                                                      # [K, B, W, D]
+    ctx_keys = dcache.keys[:, slots]                                                      # [K, B, W, D]
     held = positions[:, None] - w + (jnp.arange(w)[None] - positions[:, None]) % w           # ring row → position
     block_ids = jnp.full((b, size), cfg.dspark_noise_token_id, jnp.int32).at[:, 0].set(anchors)
     block_pos = positions[:, None] + jnp.arange(size, dtype=jnp.int32)[None]

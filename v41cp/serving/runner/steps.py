@@ -18,7 +18,8 @@ runs KVP / DCP: owner-masked writes, the exact distributed top-k and the LSE-mer
 ``DCPPlan.split_selection`` plan (plain attention TP, replicated pages) splits only the selection's scoring over
 the TP ranks, so that no collective of the step grows with the history.
 
-The cache layout is `v41cp.serving.cache.paged` (``init_cache`` re-exported here). Engram hash ids of each row's
+The cache is `v41cp.serving.cache.device_cache.PagedCache` (``init_cache`` re-exported here); a verification
+step's undo record `v41cp.serving.cache.undo.VerifyUndo`. Engram hash ids of each row's
 token are host metadata (`v41cp.serving.step_batch.engram_ids_for_last`).
 """
 
@@ -36,14 +37,15 @@ from v41cp.model import Transformer
 from v41cp.serving.attention.dcp import DCPPlan
 from v41cp.serving.attention.paged_rows import PagedRows
 from v41cp.serving.cache import paged as pc
-from v41cp.serving.cache.paged import POOLS, init_cache
+from v41cp.serving.cache.device_cache import POOLS, PagedCache, init_cache
+from v41cp.serving.cache.undo import VerifyUndo
 from v41cp.serving.step_batch import StepBatch
 
 __all__ = ["StepBatch", "init_cache", "decode_step", "verify_step", "commit_rows", "prefill_chunk",
            "ced_boundary", "ced_rows"]
 
 
-def _forward_rows(params: dict, cache: dict, meta: StepBatch, cfg: ModelConfig, plan: DCPPlan | None,
+def _forward_rows(params: dict, cache: PagedCache, meta: StepBatch, cfg: ModelConfig, plan: DCPPlan | None,
                   encoder_only: bool = False, undo: bool = False, logits_at=None, operator=None, features: int = 0):
     """The model over cached rows: ``(logits [B,R,vocab] FP32 — ``[B,1,vocab]`` at ``logits_at`` —, cache, undo
     record or None, features)``. ``operator``: operator-local QCP settings (`PagedRows`). ``features > 0``: the
@@ -60,13 +62,11 @@ def _forward_rows(params: dict, cache: dict, meta: StepBatch, cfg: ModelConfig, 
             feats = rows.last_rows(target_features(cfg, taps["taps"], narrow), features)
         else:
             logits, _, cache = call()
-        if undo:
-            rows.undo["meta"] = {"starts": meta.starts, "lengths": meta.lengths, "slots": meta.slots}
-        return logits, cache, rows.undo, feats
+        return logits, cache, rows.undo_record() if undo else None, feats
 
 
 @partial(jax.jit, static_argnames=("cfg", "plan"), donate_argnames=("cache",))
-def decode_step(params: dict, cache: dict, meta: StepBatch, cfg: ModelConfig, plan: DCPPlan | None = None):
+def decode_step(params: dict, cache: PagedCache, meta: StepBatch, cfg: ModelConfig, plan: DCPPlan | None = None):
     """One token for every active row: ``(logits [max_batch, vocab] FP32, updated cache)``.
     ``plan``: KVP/DCP layout (`v41cp.serving.attention.dcp.DCPPlan`; the cache from ``init_cache(..., plan=plan)``)."""
     logits, cache, _, _ = _forward_rows(params, cache, meta, cfg, plan)
@@ -74,7 +74,7 @@ def decode_step(params: dict, cache: dict, meta: StepBatch, cfg: ModelConfig, pl
 
 
 @partial(jax.jit, static_argnames=("cfg", "plan", "features"), donate_argnames=("cache",))
-def verify_step(params: dict, cache: dict, rows: StepBatch, cfg: ModelConfig, plan: DCPPlan | None = None,
+def verify_step(params: dict, cache: PagedCache, rows: StepBatch, cfg: ModelConfig, plan: DCPPlan | None = None,
                 features: bool = False):
     """``rows.rows = k`` new rows per request continuing from the cache, in one step: ``(logits [max_batch, k,
     vocab] FP32, cache, undo)``. Row ``i`` of request ``b`` is position ``starts[b] + i``; rows past
@@ -91,54 +91,50 @@ def verify_step(params: dict, cache: dict, rows: StepBatch, cfg: ModelConfig, pl
 
 
 @partial(jax.jit, static_argnames=("cfg", "plan"), donate_argnames=("cache",))
-def commit_rows(cache: dict, undo: dict, accepted: jax.Array, cfg: ModelConfig, plan: DCPPlan | None = None):
+def commit_rows(cache: PagedCache, undo: VerifyUndo, accepted: jax.Array, cfg: ModelConfig, plan: DCPPlan | None = None):
     """Keep the first ``accepted [max_batch]`` rows of each request of a `verify_step` (clipped to its
     ``lengths``): the cache afterwards equals having fed only those tokens — the window-ring rows, the open
     ratio-2 pair, the compressed entries and index keys of the rejected rows are put back as they were."""
-    m = undo["meta"]
     n_slots = pc.cache_slots(cache)
-    accepted = jnp.clip(accepted, 0, m["lengths"])
-    layers = sorted(undo["swa"])
-    some = next(iter(undo["swa"].values())) if layers else None
-    r = jax.tree.leaves(some)[0].shape[1] if layers else 0
+    accepted = jnp.clip(accepted, 0, undo.lengths)
+    layers = sorted(undo.swa)
+    r = undo.rows
     i = jnp.arange(r)[None]
-    reject = (i >= accepted[:, None]) & (i < m["lengths"][:, None])                       # [B,R]
-    pos = m["starts"][:, None] + i
+    reject = (i >= accepted[:, None]) & (i < undo.lengths[:, None])                       # [B,R]
+    pos = undo.starts[:, None] + i
     if layers:
         w = cfg.sliding_window
-        old = jax.tree.map(lambda *a: jnp.stack(a), *(undo["swa"][l] for l in layers))   # [L,B,R,·]
-        at = (jnp.asarray(layers)[:, None, None], jnp.where(reject, m["slots"][:, None], n_slots)[None],
+        old = jax.tree.map(lambda *a: jnp.stack(a), *(undo.swa[l] for l in layers))       # [L,B,R,·]
+        at = (jnp.asarray(layers)[:, None, None], jnp.where(reject, undo.slots[:, None], n_slots)[None],
               (pos % w)[None])
-        cache = {**cache, "swa": pc.put_raw(cache["swa"], at, old)}
+        cache = cache.replace(swa=pc.put_raw(cache.swa, at, old))
     b = accepted.shape[0]
-    for src, o in undo["open"].items():
+    for src, o in undo.open.items():
         # the open pair after the accepted rows: the last accepted even position's row, if it is in the step
-        last = m["starts"] + accepted - 1
+        last = undo.starts + accepted - 1
         even = 2 * (jnp.maximum(last, 0) // 2)
-        in_step = (accepted > 0) & (even >= m["starts"])
-        k = jnp.clip(even - m["starts"], 0, r - 1)
+        in_step = (accepted > 0) & (even >= undo.starts)
+        k = jnp.clip(even - undo.starts, 0, r - 1)
         pick = lambda new, kept: jnp.where(in_step[:, None], new[jnp.arange(b), k], kept)
-        at = jnp.where(m["lengths"] > 0, m["slots"], n_slots)
-        cache = {**cache,
-                 "open_kv": {**cache["open_kv"], src: cache["open_kv"][src].at[at].set(pick(o["c"], o["kv"]),
-                                                                                      mode="drop")},
-                 "open_score": {**cache["open_score"],
-                                src: cache["open_score"][src].at[at].set(pick(o["z"], o["score"]), mode="drop")}}
-    for src, e in undo["entries"].items():
-        back = e["emits"] & reject
+        at = jnp.where(undo.lengths > 0, undo.slots, n_slots)
+        cache = cache.replace(
+            open_kv={**cache.open_kv, src: cache.open_kv[src].at[at].set(pick(o.c, o.kv), mode="drop")},
+            open_score={**cache.open_score, src: cache.open_score[src].at[at].set(pick(o.z, o.score), mode="drop")})
+    for src, e in undo.entries.items():
+        back = e.emits & reject
         for name in POOLS:
-            pool = cache[name][src]
+            pool, old = cache.pool(name)[src], getattr(e, name)
             if plan is not None and not plan.replicated_pages:
                 flat = lambda a: a.reshape(-1)
-                pool = pc.restore_owned(plan, pool, flat(e["blk"]), flat(e["row"]), e[name], flat(back))
+                pool = pc.restore_owned(plan, pool, flat(e.blk), flat(e.row), old, flat(back))
             else:
-                pool = pc.put_raw(pool, (jnp.where(back, e["blk"], pc.store_rows(pool)), e["row"]), e[name])
-            cache = {**cache, name: {**cache[name], src: pool}}
+                pool = pc.put_raw(pool, (jnp.where(back, e.blk, pc.store_rows(pool)), e.row), old)
+            cache = cache.with_pool(name, src, pool)
     return cache
 
 
 @partial(jax.jit, static_argnames=("cfg", "encoder_only", "plan", "features"), donate_argnames=("cache",))
-def prefill_chunk(params: dict, cache: dict, metas: StepBatch, cfg: ModelConfig, encoder_only: bool = False,
+def prefill_chunk(params: dict, cache: PagedCache, metas: StepBatch, cfg: ModelConfig, encoder_only: bool = False,
                   plan: DCPPlan | None = None, features: bool = False):
     """Feed a chunk of tokens through the cached path in order: ``metas`` holds one one-row `StepBatch` per
     token along a leading chunk axis (padding tokens inactive). Returns (logits of every chunk position
