@@ -2,15 +2,17 @@
 
 1. each kernel vs its reference on the GPU at V4.1-Flash head counts (ragged lengths, an all-padding row,
    a single-entry page), fp32 and bf16: max relative error, top-k ids identical;
-2. ``v41cp.kernel_bench`` at the requested contexts and batches (``--sweep``: alternative kernel parameters);
-   The grouped FP4 expert GEMM vs its reference at V4.1-Flash widths (tiles of 1 / 16 / 128 rows, a dead tile);
+   the grouped FP4 expert GEMM vs its reference at V4.1-Flash widths (tiles of 1 / 16 / 128 rows, a dead tile);
+   each kernel's check guarded on its own, so one failure does not hide the others;
 2. ``v41cp.kernel_bench`` at the requested contexts and batches, and the expert GEMM at ``--expert-tokens``
    (``--sweep``: alternative kernel parameters);
-3. the tiny engine (CED off, FP4 experts kept as stored): greedy tokens with every kernel backend "pallas" ==
-   "xla", and the median decode-step time of each.
+3. the tiny engine (CED off, FP4 experts kept as stored): greedy tokens of each ``--engine-backends`` variant
+   (``xla``, ``pallas``, ``pallas-indexer-xla``: every kernel but the indexer's) equal to ``xla``'s, and the
+   median decode-step time of each.
 
 Usage: ``python scripts/gpu_kernel_check.py [--contexts 8192,131072,1048576] [--batches 1,16,64]
-[--expert-tokens 64,4096] [--reps 5] [--sweep] [--skip kernels,bench,engine]``
+[--expert-tokens 64,4096] [--reps 5] [--sweep] [--skip kernels,bench,engine]
+[--engine-backends xla,pallas]``
 """
 
 import argparse
@@ -52,7 +54,8 @@ def check_kernels():
     out = {}
     rng = np.random.default_rng(0)
     r, h, d, nw, nc = 5, 64, 512, 300, 2000
-    for dt in ("float32", "bfloat16"):
+
+    def attention(dt):
         q = jax.random.normal(jax.random.key(0), (r, h, d)).astype(dt)
         win = encode(jax.random.normal(jax.random.key(1), (nw, d)), "fp8")
         ck = encode(jax.random.normal(jax.random.key(2), (nc, d)), "nvfp4")
@@ -66,10 +69,12 @@ def check_kernels():
         t1 = time.perf_counter() - t0
         o2, l2 = sparse_attention(q, stores, (iw, ic), lens, backend="xla")
         fin = jnp.isfinite(l2)
-        out[f"sparse_attention_{dt}"] = {
+        return {
             "max_rel_err": float(jnp.max(jnp.abs(o1 - o2)) / jnp.max(jnp.abs(o2))),
             "max_lse_err": float(jnp.max(jnp.where(fin, jnp.abs(l1 - l2), 0.0))),
             "padding_row_lse_is_neg_inf": bool(jnp.all(l1[4] == -jnp.inf)), "first_call_s": round(t1, 2)}
+
+    def indexer(dt):
         # indexer: 32 heads x 128, top-512, MXFP4 keys, pages of 32 entries, one single-valid-entry row
         hi, di, epb, npg = 32, 128, 32, 96
         keys = encode(jax.random.normal(jax.random.key(3), (r * npg * epb, di)), "mxfp4")
@@ -97,7 +102,9 @@ def check_kernels():
                                "finite_pattern_identical": bool(jnp.all(jnp.isfinite(m1[0]) == fin)),
                                "max_rel_err": float(jnp.max(jnp.where(fin, jnp.abs(m1[0] - m2[0]), 0.0))
                                                     / jnp.max(jnp.where(fin, jnp.abs(m2[0]), 0.0)))}
-        out[f"indexer_{dt}"] = res
+        return res
+
+    def experts(dt):
         # grouped FP4 expert GEMM: V4.1-Flash gate projection [2304, 5120] of 6 experts, tiles of 1 / 16 / 128 rows
         from v41cp.kernels.grouped_matmul import grouped_fp4_matmul
 
@@ -112,11 +119,22 @@ def check_kernels():
             b = grouped_fp4_matmul(x, tiles, packed, scale, backend="xla").astype(jnp.float32).at[2].set(0)
             gm[f"rows_{g}"] = {"max_rel_err": float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))),
                                "dead_tile_zero": bool(jnp.all(a[2] == 0))}
-        out[f"grouped_fp4_matmul_{dt}"] = gm
+        return gm
+
+    for dt in ("float32", "bfloat16"):
+        for name, fn in (("sparse_attention", attention), ("indexer", indexer), ("grouped_fp4_matmul", experts)):
+            try:
+                out[f"{name}_{dt}"] = fn(dt)
+            except Exception as e:                          # one kernel's failure must not hide the others
+                out[f"{name}_{dt}"] = {"error": f"{type(e).__name__}: {e}"[:600]}
     return out
 
 
-def check_engine():
+ENGINE_BACKENDS = {"xla": ("xla", "xla", "xla"), "pallas": ("pallas", "pallas", "pallas"),
+                   "pallas-indexer-xla": ("pallas", "xla", "pallas")}      # attention, indexer, experts
+
+
+def check_engine(variants=("xla", "pallas")):
     """The tiny engine with FP4 experts kept as stored: same greedy tokens with every kernel backend, and the
     median decode-step time of each (a tiny model: dispatch-bound, not a kernel measurement)."""
     import tempfile
@@ -131,9 +149,10 @@ def check_engine():
     rng = np.random.default_rng(3)
     prompts = {f"p{n}": rng.integers(3, 256, n).tolist() for n in (5, 13, 21)}
     outs, times, steps = {}, {}, {}
-    for be in ("xla", "pallas"):
+    for be in variants:
         t0 = time.perf_counter()
-        eng = Engine(params, cfg.replace(attention_backend=be, indexer_backend=be, expert_backend=be), cap)
+        att, idx, exp = ENGINE_BACKENDS[be]
+        eng = Engine(params, cfg.replace(attention_backend=att, indexer_backend=idx, expert_backend=exp), cap)
         for rnd in range(2):                                   # round 0 compiles; round 1 is timed
             for rid, p in prompts.items():
                 eng.submit(f"{rid}-{rnd}", p, SamplingParams(max_new_tokens=12, stop_on_eos=False))
@@ -145,8 +164,10 @@ def check_engine():
             outs[be] = {r: eng.release(f"{r}-{rnd}")["output_ids"] for r in prompts}
         steps[be] = round(1e3 * sorted(durations)[len(durations) // 2], 3)
         times[be] = round(time.perf_counter() - t0, 1)
-    return {"tokens_equal": outs["xla"] == outs["pallas"], "tokens": outs, "wall_s": times,
-            "median_step_ms": steps, "step_ratio_pallas_over_xla": round(steps["pallas"] / steps["xla"], 3)}
+    base = variants[0]
+    return {"tokens_equal": {be: outs[be] == outs[base] for be in variants[1:]}, "tokens": outs, "wall_s": times,
+            "median_step_ms": steps,
+            "step_ratio_over_" + base: {be: round(steps[be] / steps[base], 3) for be in variants[1:]}}
 
 
 def main():
@@ -158,6 +179,8 @@ def main():
     p.add_argument("--expert-tokens", default="64,4096", help="token counts of the expert GEMM benchmark")
     p.add_argument("--sweep", action="store_true", help="also time the alternative kernel parameters")
     p.add_argument("--skip", default="", help="comma list of: kernels,engine,bench")
+    p.add_argument("--engine-backends", default="xla,pallas", help=f"engine variants, the first the baseline: "
+                   f"{','.join(ENGINE_BACKENDS)}")
     a = p.parse_args()
     lines = []
     skip = set(a.skip.split(","))
@@ -188,7 +211,7 @@ def main():
                         emit({"kernel": fn.__name__, "context": c, "batch": b, "error": f"{type(e).__name__}: {e}"[:400]},
                              lines)
     if "engine" not in skip:
-        guarded("engine", check_engine, lines)
+        guarded("engine", lambda: check_engine(tuple(a.engine_backends.split(","))), lines)
 
 
 if __name__ == "__main__":

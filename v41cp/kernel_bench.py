@@ -142,9 +142,11 @@ def bench_indexer(shape: dict, context: int, batch: int, reps: int, with_xla: bo
             t_x, c = _time(ref, q, w, store, tables, reps=reps)
             out["xla"] = {**_stats(t_x, nbytes, flops), "compile_s": round(c, 2)}
             out["speedup_vs_xla"] = round(t_x / t_p, 2)
-            a, b = topk(q, w, store, tables)[0], ref(q, w, store, tables)[0]
+            (a, sa), (b, sb) = topk(q, w, store, tables), ref(q, w, store, tables)
             out["ids_equal_xla"] = bool(jnp.all(a == b))
             out["rows_with_id_mismatch"] = int(jnp.sum(jnp.any(a != b, axis=1)))
+            # the k scores (descending) side by side: equal lists with other ids are ties at the k-th score
+            out["max_abs_topk_score_diff_vs_xla"] = float(jnp.max(jnp.abs(sa - sb)))
         except Exception as e:                              # e.g. the reference's decoded keys exceed memory
             out["xla"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
     return out
@@ -245,6 +247,11 @@ def bench_experts(shape: dict, tokens: int, reps: int, with_xla: bool, seed: int
             a, b = (fn[be](*args).astype(jnp.float32) for be in ("pallas", "xla"))
             b = jnp.where(live[:, None, None] > 0, b, 0.0)
             out["max_rel_err_vs_xla"] = float(jnp.max(jnp.abs(a - b)) / jnp.maximum(jnp.max(jnp.abs(b)), 1e-30))
+            # which experts' tiles disagree (> 1 % of the output's scale): locates e.g. an offset overflow
+            tile_err = np.asarray(jnp.max(jnp.abs(a - b), axis=(1, 2)) / jnp.maximum(jnp.max(jnp.abs(b)), 1e-30))
+            bad = sorted({int(x) for x in np.asarray(tile_expert)[tile_err > 1e-2]})
+            out["experts_wrong"] = {"count": len(bad), "first": bad[:8], "lowest_byte_offset":
+                                    bad[0] * int(packed.shape[1]) * int(packed.shape[2]) if bad else None}
         except Exception as err:                          # the reference gathers every tile's weights
             out["xla"] = {"error": f"{type(err).__name__}: {str(err)[:200]}"}
     return out

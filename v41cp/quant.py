@@ -31,9 +31,16 @@ _E2M1_MIDPOINTS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)
 
 def round_through(x: jax.Array, dtype) -> jax.Array:
     """FP32 ``x`` rounded to ``dtype`` and back (round to nearest even) — a value the reference stores in ``dtype``
-    at that point; the identity when ``dtype`` is FP32."""
+    at that point; the identity when ``dtype`` is FP32. BF16 rounds on the IEEE bits, so that every compiled
+    program rounds (a convert pair is not kept by XLA)."""
     if jnp.dtype(dtype) == jnp.float32:
         return x
+    if jnp.dtype(dtype) == jnp.bfloat16:
+        # on the bits: XLA drops an f32 → bf16 → f32 convert pair where it allows excess precision (the default,
+        # on CPU and GPU alike), so the pair would round in some compiled programs and not in others
+        bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & jnp.int32(-65536)
+        return jnp.where(jnp.isnan(x), x, jax.lax.bitcast_convert_type(bits, jnp.float32))
     return x.astype(dtype).astype(jnp.float32)
 
 

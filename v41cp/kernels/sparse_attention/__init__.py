@@ -15,7 +15,7 @@ one softmax (the FlashMLA sparse-decode contract).
 
 Backends: ``"xla"`` (`sparse_attention_reference`) or ``"pallas"`` (`sparse_attention_pallas`; interpret mode
 off the GPU). Kernel parameters: ``block_h`` heads per program (default: all heads, padded to a power of two
-≥ 16, so every key is read once per row), ``block_k`` slots per tile, ``splits`` parts of the key list per row
+≥ 16, so every key is read once per row; at most 32 with FP32 queries, for shared memory), ``block_k`` slots per tile, ``splits`` parts of the key list per row
 (default `v41cp.kernels.default_splits`: enough programs to fill the GPU; merged exactly by LSE),
 ``num_warps`` (default 8 for 64-head blocks, else 4) and ``num_stages``.
 """
@@ -77,7 +77,9 @@ def sparse_attention(q: jax.Array, stores, indices, lengths=None, sink: jax.Arra
         o, lse = sparse_attention_reference(q, stores, formats, indices, lengths)
     else:
         r, h, _ = q.shape
-        block_h = block_h or pow2_at_least(h)
+        # all heads per program, but at most 32 with FP32 queries: 64 FP32 heads × 512 channels and the key
+        # tiles exceed an H200 program's 227 KiB of shared memory (measured, 2026-12-04)
+        block_h = block_h or min(pow2_at_least(h), 64 if q.dtype != jnp.float32 else 32)
         q_e, q_o = (_pad_to(x, 1, block_h, 0) for x in split_channels(q))
         refs = tuple((s,) if f is None else (s["q"], s["s"]) for s, f in zip(stores, formats))
         idx = tuple(_pad_to(i.astype(jnp.int32), 1, block_k, -1) for i in indices)
