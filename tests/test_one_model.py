@@ -7,11 +7,11 @@ FP4 / FP8 variants included) or a ``layers_{i}`` key is a module re-coding a lay
 parameter tree.
 """
 
-import pytest
 import ast
 from pathlib import Path
 
 import jax
+import pytest
 
 from v41cp import model
 from v41cp.config import preset

@@ -1,11 +1,11 @@
 """``python -m v41cp plan``: the compile-only report is the program the engine runs (abstract weights and cache
 compile to the same per-device program as real ones), with its memory figures and the analytic floor."""
 
-import pytest
 import json
 
 import jax
 import numpy as np
+import pytest
 
 from v41cp import model
 from v41cp.config import preset

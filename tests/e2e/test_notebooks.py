@@ -1,7 +1,6 @@
 """Every notebook runs top to bottom on CPU (a fresh kernel each), and is stored with its outputs."""
 
 import sys
-from pathlib import Path
 
 import nbformat
 import pytest

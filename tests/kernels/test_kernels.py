@@ -117,6 +117,23 @@ def test_indexer_topk_kernel_ids_equal_reference(dtype, values):
         assert rel_err(np.asarray(vals)[fin], np.asarray(vals_ref)[fin]) <= 1e-5
 
 
+@pytest.mark.fast
+def test_bf16_index_scores_round_inside_jitted_programs():
+    """XLA drops an f32 → bf16 → f32 convert pair in a jitted program (excess precision), which left the XLA
+    path's BF16 index scores unrounded under `jax.jit` and its top-k ids unlike the kernel's (every row of an
+    H200 bench at 128K × 64). The rounding survives compilation: jitted scores and ids equal eager ones, and
+    every score is a BF16 value."""
+    q, w, store, pages, page_ids, visible, epb = _indexer_case("bfloat16")
+    topk = lambda q, w: indexer_topk(q, w, store, pages, page_ids, visible, 512, epb=epb, backend="xla")
+    ids, vals = topk(q, w)
+    ids_jit, vals_jit = jax.jit(topk)(q, w)
+    np.testing.assert_array_equal(ids_jit, ids)
+    np.testing.assert_array_equal(vals_jit, vals)
+    fin = np.isfinite(np.asarray(vals_jit))
+    v = np.asarray(vals_jit)[fin]
+    np.testing.assert_array_equal(v, v.astype(jnp.bfloat16).astype(np.float32))
+
+
 def test_indexer_ties_resolve_by_ascending_logical_id_on_a_scattered_page_list():
     """Identical keys tie everywhere: the top-k is the k lowest visible logical ids, whatever the page order;
     page ids as under KVP (every 3rd logical page owned)."""

@@ -61,7 +61,6 @@ def test_per_device_flops_fall_to_one_nth():
     import json
     import subprocess
     import sys
-    from pathlib import Path
 
     script = REPO / "benchmarks" / "operator_qcp_structure.py"
     res = subprocess.run([sys.executable, str(script), "--devices", "8", "--rows", "512"], capture_output=True,
@@ -81,7 +80,6 @@ def test_span_prefill_operator_qcp_moves_only_the_seed_exchanges():
     import json
     import subprocess
     import sys
-    from pathlib import Path
 
     script = REPO / "benchmarks" / "span_operator_qcp_structure.py"
     res = subprocess.run([sys.executable, str(script), "--devices", "4", "--rows", "22"], capture_output=True,

@@ -2,7 +2,6 @@
 reference (`select_scored`, `sink_attention` over gathered keys) exactly: row and key tiles of every size down to
 one row / one key, one request or several, candidate source and users, exact score ties, rows that see nothing."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

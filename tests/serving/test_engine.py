@@ -82,8 +82,10 @@ def test_bad_input_is_rejected_and_others_unharmed(tiny):
     eng.submit("ok", [5, 6, 7], SamplingParams(max_new_tokens=4, stop_on_eos=False))
     with pytest.raises(ValueError, match="token id 256 is outside"):
         eng.submit("a", [5, 256], SamplingParams())
-    with pytest.raises(ValueError, match="= 60 tokens is beyond the capacity of 48"):
+    with pytest.raises(ValueError, match="the prompt has 56 tokens; the capacity is 48 tokens per request"):
         eng.submit("b", list(range(3, 59)), SamplingParams(max_new_tokens=4))
+    with pytest.raises(ValueError, match=r"prompt \(40\) \+ output \(9\) = 49 tokens is beyond the capacity of 48"):
+        eng.submit("b", list(range(3, 43)), SamplingParams(max_new_tokens=9))
     with pytest.raises(ValueError, match="max_new_tokens must be a positive integer, got 0"):
         eng.submit("c", [5], SamplingParams(max_new_tokens=0))
     with pytest.raises(ValueError, match="'ok' is already active"):

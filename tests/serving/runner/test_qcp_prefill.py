@@ -194,7 +194,6 @@ def test_qcp_per_device_flops_fall_to_one_nth():
     import json
     import subprocess
     import sys
-    from pathlib import Path
 
     script = REPO / "benchmarks" / "qcp_prefill_structure.py"
     res = subprocess.run([sys.executable, str(script), "--devices", "8", "--rows", "512"], capture_output=True,

@@ -143,16 +143,11 @@ class OpenAIServing:
             raise ApiError(400, f"{param}: {bad}", param)
         return ids
 
-    def sampling(self, req: RequestBase, n_prompt: int, max_tokens: int | None, prompt_param: str) -> SamplingParams:
-        if n_prompt >= self.capacity:
-            raise ApiError(400, f"{prompt_param}: the prompt has {n_prompt} tokens; the capacity is {self.capacity} "
-                                "tokens per request (prompt + output)", prompt_param)
+    def sampling(self, req: RequestBase, n_prompt: int, max_tokens: int | None) -> SamplingParams:
+        """The request's sampling parameters; ``max_tokens`` defaults to what the capacity leaves after the prompt.
+        Whether the request fits is the scheduler's check (`v41cp.serving.scheduler.request.check_request`)."""
         if max_tokens is None:
-            max_tokens = self.capacity - n_prompt
-        if n_prompt + max_tokens > self.capacity:
-            raise ApiError(400, f"max_tokens: prompt ({n_prompt}) + max_tokens ({max_tokens}) = "
-                                f"{n_prompt + max_tokens} tokens is beyond the capacity of {self.capacity} per request",
-                           "max_tokens")
+            max_tokens = max(self.capacity - n_prompt, 1)
         seed = req.seed if req.seed is not None else random.getrandbits(63)
         return SamplingParams(max_new_tokens=max_tokens,
                               temperature=1.0 if req.temperature is None else req.temperature,
@@ -172,7 +167,7 @@ class OpenAIServing:
             raise ApiError(429, f"the request queue is full, retry later ({e})", None, "rate_limit_error")
         except RequestError as e:
             param = {"max_new_tokens": "max_tokens", "prompt": prompt_param, "request_id": None}.get(e.field, e.field)
-            raise ApiError(400, f"{param}: {e}" if param else str(e), param)
+            raise ApiError(400, f"{param}: {e.detail}" if param else e.detail, param)
         except LoopClosed as e:
             raise ApiError(503, str(e), None, "server_error")
 
@@ -236,7 +231,7 @@ class OpenAIServing:
         self.check_model(req.model)
         self.check_text_fields(req)
         ids = self.prompt_ids(req.prompt, "prompt")
-        sp = self.sampling(req, len(ids), req.max_tokens if req.max_tokens is not None else 16, "prompt")
+        sp = self.sampling(req, len(ids), req.max_tokens if req.max_tokens is not None else 16)
         run = self.run(await self.start(ids, sp, "prompt"), req)
         rid, now = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
@@ -269,7 +264,7 @@ class OpenAIServing:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if not ids:
             raise ApiError(400, "messages: the chat prompt is empty", "messages")
-        sp = self.sampling(req, len(ids), max_tokens, "messages")
+        sp = self.sampling(req, len(ids), max_tokens)
         run = self.run(await self.start(ids, sp, "messages"), req)
         rid, now = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 

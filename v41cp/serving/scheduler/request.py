@@ -23,9 +23,15 @@ class RequestError(ValueError):
     """A request is rejected at submit; ``field`` names the offending input (``prompt``, ``max_new_tokens``,
     ``temperature``, ``top_p``, ``seed``, ``request_id``). Nothing else changes."""
 
-    def __init__(self, message: str, field: str):
+    def __init__(self, message: str, field: str, detail: str | None = None):
         super().__init__(message)
         self.field = field
+        self.detail = message if detail is None else detail      # the message without the request's id
+
+    @classmethod
+    def of(cls, rid, detail: str, field: str) -> RequestError:
+        """``request <rid>: <detail>``, naming ``field``."""
+        return cls(f"request {rid!r}: {detail}", field, detail)
 
 
 class EngineFull(RequestError):
@@ -70,22 +76,25 @@ def check_request(rid, prompt: list[int], sampling: SamplingParams, cfg: ModelCo
     """Every check of a request that depends on the model and the capacity alone; returns the tokens that enter
     the cache (prompt + outputs − 1). Raises `RequestError` naming the offending field."""
     if not prompt:
-        raise RequestError(f"request {rid!r}: the prompt is empty", "prompt")
+        raise RequestError.of(rid, "the prompt is empty", "prompt")
     bad = cfg.out_of_vocabulary(prompt)
     if bad:
-        raise RequestError(f"request {rid!r}: {bad}", "prompt")
+        raise RequestError.of(rid, bad, "prompt")
     if type(sampling.max_new_tokens) is not int or sampling.max_new_tokens <= 0:
-        raise RequestError(f"request {rid!r}: max_new_tokens must be a positive integer, got "
-                           f"{sampling.max_new_tokens!r}", "max_new_tokens")
+        raise RequestError.of(rid, f"max_new_tokens must be a positive integer, got {sampling.max_new_tokens!r}",
+                              "max_new_tokens")
     if not sampling.temperature >= 0:
-        raise RequestError(f"request {rid!r}: temperature must be >= 0, got {sampling.temperature!r}", "temperature")
+        raise RequestError.of(rid, f"temperature must be >= 0, got {sampling.temperature!r}", "temperature")
     if not 0 < sampling.top_p <= 1:
-        raise RequestError(f"request {rid!r}: top_p must be in (0, 1], got {sampling.top_p!r}", "top_p")
+        raise RequestError.of(rid, f"top_p must be in (0, 1], got {sampling.top_p!r}", "top_p")
     if type(sampling.seed) is not int or not 0 <= sampling.seed < 2**63:
-        raise RequestError(f"request {rid!r}: seed must be an integer in [0, 2**63), got {sampling.seed!r}", "seed")
+        raise RequestError.of(rid, f"seed must be an integer in [0, 2**63), got {sampling.seed!r}", "seed")
     total = len(prompt) + sampling.max_new_tokens
     if total > capacity.max_tokens:
         field = "prompt" if len(prompt) >= capacity.max_tokens else "max_new_tokens"
-        raise RequestError(f"request {rid!r}: prompt ({len(prompt)}) + max_new_tokens ({sampling.max_new_tokens}) "
-                           f"= {total} tokens is beyond the capacity of {capacity.max_tokens} per request", field)
+        detail = (f"the prompt has {len(prompt)} tokens; the capacity is {capacity.max_tokens} tokens per request "
+                  "(prompt + output)" if field == "prompt" else
+                  f"prompt ({len(prompt)}) + output ({sampling.max_new_tokens}) = {total} tokens is beyond the "
+                  f"capacity of {capacity.max_tokens} per request")
+        raise RequestError.of(rid, detail, field)
     return max(total - 1, 1)

@@ -51,10 +51,10 @@ class Scheduler:
         prompt = [int(t) for t in prompt_ids]
         need = check_request(rid, prompt, sampling, self.cfg, self.capacity)
         if not self.alloc.fits_when_empty(need):
-            raise RequestError(f"request {rid!r}: {need} cached tokens need {self.alloc.blocks_needed(need)} blocks of "
-                               f"{self.capacity.block_tokens}, more than the engine's {self.num_blocks} blocks"
-                               + (f" ({self.num_blocks // self.alloc.n} per KVP rank)" if self.alloc.n > 1 else ""),
-                               "max_new_tokens")
+            raise RequestError.of(rid, f"{need} cached tokens need {self.alloc.blocks_needed(need)} blocks of "
+                                  f"{self.capacity.block_tokens}, more than the engine's {self.num_blocks} blocks"
+                                  + (f" ({self.num_blocks // self.alloc.n} per KVP rank)" if self.alloc.n > 1 else ""),
+                                  "max_new_tokens")
         waiting = len(self.waiting())
         if waiting >= self.capacity.max_waiting:
             raise EngineFull(f"request {rid!r} rejected: the engine is full ({waiting} requests already queued)",
@@ -143,8 +143,7 @@ class Scheduler:
         need = self.need(req)
         residue = content_residue(req.prompt, self.capacity.block_tokens, self.alloc.n) if residue is None else residue
         if not self.alloc.fits_when_empty(need):
-            raise RequestError(f"request {rid!r}: {need} cached tokens do not fit this engine's capacity",
-                               "max_new_tokens")
+            raise RequestError.of(rid, f"{need} cached tokens do not fit this engine's capacity", "max_new_tokens")
         if not self.alloc.can_admit(need, 0, residue):
             return None
         blocks = self.alloc.admit(rid, need, residue=residue)
