@@ -100,7 +100,7 @@ def run(args) -> int:
         if live and rest:
             print(rest, end="", flush=True)
     texts = {i: streams[i].text for i in streams}
-    results = [eng.result(i) for i in range(len(batch))]
+    results = [eng.release(i) for i in range(len(batch))]          # as a server does: every page back
     st = eng.stats
     timings = {"load_s": round(t_load, 3), "generate_s": round(wall, 3), "prefill_tokens": st["prefill_tokens"],
                "prefill_s": round(st["prefill_s"], 3), "decode_steps": st["decode_steps"],
@@ -112,6 +112,7 @@ def run(args) -> int:
         timings["prefix_cache"] = eng.prefix_stats()
     if hasattr(eng, "transfer_stats"):
         timings["transfers"] = eng.transfer_stats()
+    timings["load"] = eng.load()                                   # after the releases: what is left held
     if args.json:
         out = []
         for i, r in enumerate(results):

@@ -16,7 +16,7 @@ the same order (SPMD host control, as every multi-process command does); each `s
    moved and planned) and its counters.
 
 Every process keeps a view of every request (``requests``: prompt, output so far, status), so rank 0 prints the
-results. Refused: prefix caching, speculative decoding (as in one program), `serve` (rank 0's HTTP requests would
+results, and each role's `load` as of the last step. Refused: prefix caching, speculative decoding (as in one program), `serve` (rank 0's HTTP requests would
 need broadcasting to this protocol, `v41cp.serving.multihost.control_plane`), and more or fewer than two processes.
 """
 
@@ -93,6 +93,9 @@ class CrossProcessDisaggregatedEngine(TwoRoles):
         self._decode_stats: dict = {"decode_steps": 0, "decode_tokens": 0, "decode_s": 0.0}
         self._remote_compiles: dict = {}
         self._step_s: list[float] = []
+        mine_load = self.engine.load()                # each role's load, exchanged once here and then every step
+        self._loads = {"prefill": _bcast(mine_load if self.is_prefill else None, self.is_prefill),
+                       "decode": _bcast(None if self.is_prefill else mine_load, not self.is_prefill)}
         ranks = device_ranks(self.engine.cache, local, mine.kv_parallel_size)
         src_ranks = _bcast(ranks if self.is_prefill else None, self.is_prefill)
         dst_ranks = _bcast(None if self.is_prefill else ranks, not self.is_prefill)
@@ -134,6 +137,25 @@ class CrossProcessDisaggregatedEngine(TwoRoles):
         return {"id": rid, "prompt_ids": r.prompt, "output_ids": r.output, "status": r.status,
                 "finish_reason": r.finish_reason, "cached_tokens": 0}
 
+    def release(self, rid) -> dict:
+        """Forget finished request ``rid`` on this process (its role freed its pages when it ended); its result."""
+        view = self.requests.get(rid)
+        if view is None or view.status in ("waiting", "running"):
+            raise ValueError(f"cannot release unknown or active request {rid!r}")
+        out = self.result(rid)
+        del self.requests[rid]
+        return out
+
+    def load(self) -> dict:
+        """As `DisaggregatedEngine.load`: requests by status (every process's view), the decode role's free blocks
+        and slots, each role's own load as of the last step (each process reports its role's in the step's
+        broadcasts), the transfers."""
+        status = [v.status for v in self.requests.values()]
+        p, d = self._loads["prefill"], self._loads["decode"]
+        return {"waiting": status.count("waiting"), "running": status.count("running"),
+                "free_blocks": d["free_blocks"], "total_blocks": d["total_blocks"], "free_slots": d["free_slots"],
+                "prefill": p, "decode": d, "transfers": self.transfer_stats()}
+
     @property
     def stats(self) -> dict:
         s = self.engine.stats
@@ -163,6 +185,8 @@ class CrossProcessDisaggregatedEngine(TwoRoles):
             view = self.requests[cand["rid"]]
             view.output, view.status = list(cand["output"]), "running"
         report = _bcast(None if self.is_prefill else self._decode(records), not self.is_prefill)
+        self._loads = {"prefill": _bcast(self.engine.load() if self.is_prefill else None, self.is_prefill),
+                       "decode": report["load"]}
         for rid, new, status, reason in report["updates"]:
             view = self.requests[rid]
             view.output.extend(new)
@@ -235,5 +259,6 @@ class CrossProcessDisaggregatedEngine(TwoRoles):
                 del self._sent[rid]
         s = dec.stats
         return {"updates": updates, "transfers": records, "pending": dec.pending, "compiles": Engine.compile_counts(),
+                "load": dec.load(),
                 "stats": {"decode_steps": s["decode_steps"], "decode_tokens": s["decode_tokens"],
                           "decode_s": s["decode_s"]}}
