@@ -43,7 +43,8 @@ def main() -> None:
 
     from v41cp import model
     from v41cp.config import preset
-    from v41cp.serving.cache.paged import entries_per_block, init_cache
+    from v41cp.serving.cache.device_cache import init_cache
+    from v41cp.serving.cache.paged import entries_per_block
     from v41cp.serving.runner.span_metadata import build_span_metadata
     from v41cp.serving.runner.span_prefill import SpanLayout, lower_prefill_span
     from v41cp.sharding.hlo_stats import collectives
@@ -81,7 +82,7 @@ def main() -> None:
                       "indexer": [r.index for r in roles
                                   if r.is_index_source and indexer_query_parallel_applies(layout.operator, r, rows)]}
             src = str(next(r for r in roles if r.is_kv_source and r.ratio > 0).index)
-            entries = blocks * entries_per_block(cache["ikey"][src])
+            entries = blocks * entries_per_block(cache.pool("ikey")[src])
     local = -(-rows // n)
     k = min(cfg.index_topk, entries)
     hq, d, item = cfg.num_attention_heads, cfg.head_dim, np.dtype(cfg.dtype).itemsize

@@ -93,7 +93,8 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
 
     from v41cp.model import embedding_and_head
-    from v41cp.serving.runner.speculative import draft_step, init_draft_cache
+    from v41cp.serving.cache.device_cache import init_draft_cache
+    from v41cp.serving.runner.speculative import draft_step
 
     dcache = init_draft_cache(cfg, args.batch)
     call = lambda: draft_step(drafter, *embedding_and_head(params), cfg, dcache, jnp.arange(args.batch),
