@@ -194,8 +194,8 @@ def test_pd_across_two_processes_equals_one_process(pd_one_process):
     two = json.loads(out0)
     assert two["requests"] == pd_one_process["requests"]
     assert two["timings"]["transfers"] == pd_one_process["timings"]["transfers"]
-    load = two["timings"]["load"]                  # every request released, every page and slot back, both roles
-    assert load == pd_one_process["timings"]["load"]
+    load = two["timings"]["engine_load"]                  # every request released, every page and slot back, both roles
+    assert load == pd_one_process["timings"]["engine_load"]
     assert load["waiting"] == load["running"] == 0
     assert all(load[r]["free_blocks"] == load[r]["total_blocks"] for r in ("prefill", "decode"))
     assert two["timings"]["compiles"] == pd_one_process["timings"]["compiles"]

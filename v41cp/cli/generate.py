@@ -112,7 +112,7 @@ def run(args) -> int:
         timings["prefix_cache"] = eng.prefix_stats()
     if hasattr(eng, "transfer_stats"):
         timings["transfers"] = eng.transfer_stats()
-    timings["load"] = eng.load()                                   # after the releases: what is left held
+    timings["engine_load"] = eng.load()                            # after the releases: what is left held
     if args.json:
         out = []
         for i, r in enumerate(results):
