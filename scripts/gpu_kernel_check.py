@@ -7,7 +7,8 @@
 2. ``v41cp.kernel_bench`` at the requested contexts and batches, and the expert GEMM at ``--expert-tokens``
    (``--sweep``: alternative kernel parameters);
 3. the tiny engine (CED off, FP4 experts kept as stored): greedy tokens of each ``--engine-backends`` variant
-   (``xla``, ``pallas``, ``pallas-indexer-xla``: every kernel but the indexer's) equal to ``xla``'s, and the
+   (``xla``, ``pallas``, ``pallas-indexer-xla``: every kernel but the indexer's) equal to ``xla``'s — where not,
+   the first differing token and both runs' top-1 − top-2 logit gap there (a near-tie or an error) — and the
    median decode-step time of each.
 
 Usage: ``python scripts/gpu_kernel_check.py [--contexts 8192,131072,1048576] [--batches 1,16,64]
@@ -148,7 +149,7 @@ def check_engine(variants=("xla", "pallas")):
     cap = Capacity(max_batch=3, max_tokens=48, block_tokens=4, prefill_chunk=8)
     rng = np.random.default_rng(3)
     prompts = {f"p{n}": rng.integers(3, 256, n).tolist() for n in (5, 13, 21)}
-    outs, times, steps = {}, {}, {}
+    outs, times, steps, margins = {}, {}, {}, {}
     for be in variants:
         t0 = time.perf_counter()
         att, idx, exp = ENGINE_BACKENDS[be]
@@ -156,16 +157,34 @@ def check_engine(variants=("xla", "pallas")):
         for rnd in range(2):                                   # round 0 compiles; round 1 is timed
             for rid, p in prompts.items():
                 eng.submit(f"{rid}-{rnd}", p, SamplingParams(max_new_tokens=12, stop_on_eos=False))
-            durations = []
+            durations, gaps = [], {r: [] for r in prompts}
             while eng.pending:
                 t1 = time.perf_counter()
                 eng.step()
                 durations.append(time.perf_counter() - t1)
+                for r in prompts:                              # untimed: each new token's top-1 − top-2 logit gap
+                    req = eng.requests[f"{r}-{rnd}"]
+                    if req.last_logits is not None and len(req.output) == len(gaps[r]) + 1:
+                        top = np.sort(np.asarray(req.last_logits, np.float32))[-2:]
+                        gaps[r].append(round(float(top[1] - top[0]), 5))
             outs[be] = {r: eng.release(f"{r}-{rnd}")["output_ids"] for r in prompts}
+            margins[be] = gaps
         steps[be] = round(1e3 * sorted(durations)[len(durations) // 2], 3)
         times[be] = round(time.perf_counter() - t0, 1)
     base = variants[0]
-    return {"tokens_equal": {be: outs[be] == outs[base] for be in variants[1:]}, "tokens": outs, "wall_s": times,
+
+    def divergence(be):            # per request: the first token that differs, and both runs' logit gap there
+        out = {}
+        for r in prompts:
+            a, b = outs[base][r], outs[be][r]
+            t = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+            if t is not None:
+                gap = lambda v: margins[v][r][t] if t < len(margins[v][r]) else None
+                out[r] = {"token": t, f"top2_gap_{base}": gap(base), f"top2_gap_{be}": gap(be)}
+        return out
+
+    return {"tokens_equal": {be: outs[be] == outs[base] for be in variants[1:]}, "tokens": outs,
+            "first_divergence": {be: divergence(be) for be in variants[1:]}, "wall_s": times,
             "median_step_ms": steps,
             "step_ratio_over_" + base: {be: round(steps[be] / steps[base], 3) for be in variants[1:]}}
 
