@@ -6,7 +6,7 @@ in the stored formats, one shard per layer), then runs ``python -m v41cp convert
 and reads the child's peak RSS (serially, and with ``--workers`` processes side by side); then restores the
 result onto 8 simulated devices (tp=8) in another child and times it; then loads the released directory
 straight onto the 8 devices (each device reading its own shards; dequantized BF16, and ``keep_quantized``)
-with its throughput and peak RSS. Prints one JSON object. The bound checked (issue 3):
+with its throughput and peak RSS. Prints one JSON object. The bound checked:
 peak RSS < 3 x largest tensor + 1 GiB.
 
     python benchmarks/convert_memory.py [--workdir DIR] [--dtype bf16|fp32] [--workers N] [--keep]

@@ -1,6 +1,6 @@
 """The single-device model against the independent oracle (NeMo AutoModel 0.7.0's V4.1 port), live.
 
-Tolerances (issue 2): ≤ 1e-5 relative with the cache fake-quant off on both sides, ≤ 1e-4 with it
+Tolerances: ≤ 1e-5 relative with the cache fake-quant off on both sides, ≤ 1e-4 with it
 on; relative error = max|Δ| / max|reference| per tensor. Selections are compared as sets
 (this code base orders top-k by score desc, then position asc; torch's order among exact ties
 is unspecified, so only sets are comparable and only where the k-th/(k+1)-th scores differ).
