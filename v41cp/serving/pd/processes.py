@@ -16,8 +16,9 @@ the same order (SPMD host control, as every multi-process command does); each `s
    moved and planned) and its counters.
 
 Every process keeps a view of every request (``requests``: prompt, output so far, status), so rank 0 prints the
-results, and each role's `load` as of the last step. Refused: prefix caching, speculative decoding (as in one program), `serve` (rank 0's HTTP requests would
-need broadcasting to this protocol, `v41cp.serving.multihost.control_plane`), and more or fewer than two processes.
+results, and each role's `load`. Refused: prefix caching, speculative decoding (as in one program), `serve` (rank
+0's HTTP requests would need broadcasting to this protocol, `v41cp.serving.multihost.control_plane`), and more or
+fewer than two processes.
 """
 
 from __future__ import annotations
@@ -93,9 +94,11 @@ class CrossProcessDisaggregatedEngine(TwoRoles):
         self._decode_stats: dict = {"decode_steps": 0, "decode_tokens": 0, "decode_s": 0.0}
         self._remote_compiles: dict = {}
         self._step_s: list[float] = []
-        mine_load = self.engine.load()                # each role's load, exchanged once here and then every step
-        self._loads = {"prefill": _bcast(mine_load if self.is_prefill else None, self.is_prefill),
-                       "decode": _bcast(None if self.is_prefill else mine_load, not self.is_prefill)}
+        # the other role's load as of its last report: here, then each step's offer (prefill) or decode report
+        own = self.engine.load()
+        prefill_load = _bcast(own if self.is_prefill else None, self.is_prefill)
+        decode_load = _bcast(None if self.is_prefill else own, not self.is_prefill)
+        self._remote_load = decode_load if self.is_prefill else prefill_load
         ranks = device_ranks(self.engine.cache, local, mine.kv_parallel_size)
         src_ranks = _bcast(ranks if self.is_prefill else None, self.is_prefill)
         dst_ranks = _bcast(None if self.is_prefill else ranks, not self.is_prefill)
@@ -148,10 +151,11 @@ class CrossProcessDisaggregatedEngine(TwoRoles):
 
     def load(self) -> dict:
         """As `DisaggregatedEngine.load`: requests by status (every process's view), the decode role's free blocks
-        and slots, each role's own load as of the last step (each process reports its role's in the step's
-        broadcasts), the transfers."""
+        and slots, each role's load — this process's own role now, the other's as of its last report (process 1
+        sees the prefill role's before the step's hand-offs) — and the transfers."""
         status = [v.status for v in self.requests.values()]
-        p, d = self._loads["prefill"], self._loads["decode"]
+        own, other = self.engine.load(), self._remote_load
+        p, d = (own, other) if self.is_prefill else (other, own)
         return {"waiting": status.count("waiting"), "running": status.count("running"),
                 "free_blocks": d["free_blocks"], "total_blocks": d["total_blocks"], "free_slots": d["free_slots"],
                 "prefill": p, "decode": d, "transfers": self.transfer_stats()}
@@ -185,8 +189,7 @@ class CrossProcessDisaggregatedEngine(TwoRoles):
             view = self.requests[cand["rid"]]
             view.output, view.status = list(cand["output"]), "running"
         report = _bcast(None if self.is_prefill else self._decode(records), not self.is_prefill)
-        self._loads = {"prefill": _bcast(self.engine.load() if self.is_prefill else None, self.is_prefill),
-                       "decode": report["load"]}
+        self._remote_load = report["load"] if self.is_prefill else offered["load"]
         for rid, new, status, reason in report["updates"]:
             view = self.requests[rid]
             view.output.extend(new)
@@ -211,7 +214,7 @@ class CrossProcessDisaggregatedEngine(TwoRoles):
                 candidates.append({"rid": rid, "prompt": req.prompt, "sampling": asdict(req.sampling),
                                    "output": req.output, "logits": logits, "blocks": pre.alloc.blocks(rid)})
         held = sum(r.status in ("waiting", "running") for r in pre.requests.values())
-        return {"ended": ended, "candidates": candidates, "held": held}
+        return {"ended": ended, "candidates": candidates, "held": held, "load": pre.load()}
 
     def _adopt(self, candidates: list[dict]) -> list[dict]:
         """Process 1: reserve decode slots and blocks for the offered requests, in order, while they fit."""
