@@ -15,8 +15,9 @@ one softmax (the FlashMLA sparse-decode contract).
 
 Backends: ``"xla"`` (`sparse_attention_reference`) or ``"pallas"`` (`sparse_attention_pallas`; interpret mode
 off the GPU). Kernel parameters: ``block_h`` heads per program (default: all heads, padded to a power of two
-≥ 16, so every key is read once per row; at most 32 with FP32 queries, for shared memory), ``block_k`` slots per tile, ``splits`` parts of the key list per row
-(default `v41cp.kernels.default_splits`: enough programs to fill the GPU; merged exactly by LSE),
+≥ 16, so every key is read once per row; at most 32 with FP32 queries, for shared memory), ``block_k`` slots per
+tile, ``splits`` parts of the key list per row (default `v41cp.kernels.default_splits`: enough programs to fill the
+GPU; merged exactly by LSE),
 ``num_warps`` (default 8 for 64-head blocks, else 4) and ``num_stages``.
 """
 

@@ -131,11 +131,15 @@ def declare_draft_cache(cfg: ModelConfig, max_batch: int) -> DraftCache:
     return DraftCache(keys=ArrayDecl(shape, dtype_of(cfg.dtype), DraftCache.axes_of("keys")))
 
 
+def _initial(decl):
+    """A declared cache (`ArrayDecl` leaves) → each leaf at its initial value."""
+    return jax.tree.map(lambda d: d.init(d.shape, d.dtype), decl, is_leaf=lambda x: isinstance(x, ArrayDecl))
+
+
 def init_draft_cache(cfg: ModelConfig, max_batch: int, sharding=None) -> DraftCache:
     """The drafter's cache at its declared initial value (zeros), on ``sharding`` (e.g. a replicated
     NamedSharding; default: uncommitted)."""
-    decl = declare_draft_cache(cfg, max_batch)
-    cache = jax.tree.map(lambda d: d.init(d.shape, d.dtype), decl, is_leaf=lambda x: isinstance(x, ArrayDecl))
+    cache = _initial(declare_draft_cache(cfg, max_batch))
     return cache if sharding is None else jax.device_put(cache, sharding)
 
 
@@ -231,7 +235,4 @@ def init_cache(cfg: ModelConfig, num_blocks: int, block_tokens: int, max_batch: 
     every step sees the same input types; each device allocates only its own shard (no full-size staging copy)."""
     decl = declare_cache(cfg, num_blocks, block_tokens, max_batch, records)
     layout = cache_layout(cfg, num_blocks, block_tokens, max_batch, sharding, records, plan)
-    is_decl = lambda x: isinstance(x, ArrayDecl)
-    shardings = jax.tree.map(lambda a: a.sharding, layout)
-    return jax.jit(lambda: jax.tree.map(lambda d: d.init(d.shape, d.dtype), decl, is_leaf=is_decl),
-                   out_shardings=shardings)()
+    return jax.jit(lambda: _initial(decl), out_shardings=jax.tree.map(lambda a: a.sharding, layout))()

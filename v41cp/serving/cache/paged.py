@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from v41cp.config import ModelConfig
 from v41cp.quant import FAKE_QUANT
-from v41cp.serving.cache.device_cache import pool_spec
+from v41cp.serving.cache.device_cache import PagedCache, pool_spec
 from v41cp.serving.cache.records import decode, encode
 from v41cp.sharding.mesh import CP
 from v41cp.sharding.ownership import is_owned, local_row, owner
@@ -48,8 +48,8 @@ def entries_per_block(store) -> int:
 
 
 def cache_slots(cache) -> int:
-    """Batch slots of a `PagedCache` (the window ring's second axis)."""
-    return _leaf(cache.swa).shape[1]
+    """Batch slots of a `PagedCache` (the window ring's declared ``slots`` axis)."""
+    return _leaf(cache.swa).shape[PagedCache.axes_of("swa").index("slots")]
 
 
 def stored_values(cfg: ModelConfig, values: jax.Array, fmt: str, dtype) -> jax.Array:
