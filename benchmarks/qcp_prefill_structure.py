@@ -50,8 +50,8 @@ def measure(devices: int, rows: int, parts=("reuse", "reindex", "moe"), whole: b
     from v41cp.layers.attention import Attention, CSAState
     from v41cp.layers.moe import MoE
     from v41cp.serving.attention.qcp_rows import QCPRows
-    from v41cp.serving.runner.span_metadata import build_span_metadata
-    from v41cp.serving.runner.span_prefill import SpanLayout, lower_prefill_span
+    from v41cp.serving.runner.span_batch import build_span_batch
+    from v41cp.serving.runner.span_prefill import SpanLayout, lower_prefill_span, qcp_batch_spec
     from v41cp.serving.runner.steps import init_cache
     from v41cp.sharding import make_mesh
     from v41cp.sharding.hlo_stats import collective_bytes, collectives, program_cost
@@ -99,8 +99,8 @@ def measure(devices: int, rows: int, parts=("reuse", "reindex", "moe"), whole: b
         or the same map over one device (unsharded)."""
         ranks = n if qcp else 1
         pmesh, gaxes = (mesh, axes) if qcp else (one, ("tp",))
-        meta = build_span_metadata(cfg, [prompt], ranks, block_tables=table, span=t)
-        c = meta.capacity
+        meta = build_span_batch(cfg, [prompt], ranks, query_parallel=True, block_tables=table, span=t)
+        c = meta.rows
         x = jnp.asarray(rng.normal(size=(ranks, c, cfg.hidden_size)), jnp.float32)
         state = CSAState(ckv=jnp.asarray(rng.normal(size=(1, g, cfg.head_dim)), jnp.float32),
                          ikeys=jnp.asarray(rng.normal(size=(1, g, cfg.index_head_dim)), jnp.float32),
@@ -119,8 +119,7 @@ def measure(devices: int, rows: int, parts=("reuse", "reindex", "moe"), whole: b
 
         lp = params[f"layers_{i}"]
         rank = P(gaxes)
-        mspec = type(meta)(*(rank,) * 5, *(P(),) * 7, meta.n, meta.capacity, meta.dec_capacity, meta.span,
-                           meta.ced, meta.continued)
+        mspec = qcp_batch_spec(meta, rank)
         sspec = CSAState(ckv=P(), ikeys=P(), topk=rank)
         f = jax.shard_map(body, mesh=pmesh, in_specs=(specs(pmesh)[f"layers_{i}"], rank, mspec,
                                                       jax.tree.map(lambda _: P(), cache), sspec), out_specs=rank)
@@ -147,7 +146,7 @@ def measure(devices: int, rows: int, parts=("reuse", "reindex", "moe"), whole: b
     if whole:
         done = {}
         for q in (False, True):          # the QCP program over n ranks, and the same program over one device
-            meta = build_span_metadata(cfg, [prompt], n if q else 1, block_tables=table, span=t)
+            meta = build_span_batch(cfg, [prompt], n if q else 1, query_parallel=True, block_tables=table, span=t)
             m = mesh if q else one
             cache = init_cache(cfg, nb, bt, 1, NamedSharding(m, P()), records=False)
             prm = model.shard_params(params, cfg, m, par.rules())

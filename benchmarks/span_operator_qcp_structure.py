@@ -45,7 +45,7 @@ def main() -> None:
     from v41cp.config import preset
     from v41cp.serving.cache.device_cache import init_cache
     from v41cp.serving.cache.paged import entries_per_block
-    from v41cp.serving.runner.span_metadata import build_span_metadata
+    from v41cp.serving.runner.span_batch import build_span_batch
     from v41cp.serving.runner.span_prefill import SpanLayout, lower_prefill_span
     from v41cp.sharding.hlo_stats import collectives
     from v41cp.sharding.operator_qcp import attention_query_parallel_applies, indexer_query_parallel_applies
@@ -56,7 +56,7 @@ def main() -> None:
     params = model.init_params(cfg, jax.random.key(0))
     blocks = -(-rows // block)
     tables = np.arange(blocks, dtype=np.int32)[None]
-    meta = build_span_metadata(cfg, [[3 + i % 200 for i in range(rows)]], 1, block_tables=tables, span=rows)
+    meta = build_span_batch(cfg, [[3 + i % 200 for i in range(rows)]], 1, block_tables=tables, span=rows)
     out, layers = {}, {}
     for name, op in (("tp", 1), ("operator_qcp", n)):
         par = ParallelConfig(tp_size=n, indexer_query_parallel_size=op, attention_query_parallel_size=op,

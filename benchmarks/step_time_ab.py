@@ -25,7 +25,7 @@ import jax, jax.numpy as jnp, numpy as np
 from v41cp.checkpoint import default_checkpoint, load
 from v41cp.serving.runner.steps import decode_step, init_cache
 from v41cp.serving.step_batch import StepBatch
-from v41cp.serving.runner.span_metadata import build_span_metadata
+from v41cp.serving.runner.span_batch import build_span_batch
 from v41cp.serving.runner.span_prefill import prefill_span
 
 steps, prefills = int(sys.argv[1]), int(sys.argv[2])
@@ -52,7 +52,7 @@ for _ in range(10):                             # 10 batches of steps / 10: the 
     decode_s.append((time.perf_counter() - t0) / max(steps // 10, 1))
 
 prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (37, 12, 29, 5)]
-span_meta = build_span_metadata(cfg, prompts, 1, slots=np.arange(B), block_tables=tables)
+span_meta = build_span_batch(cfg, prompts, 1, slots=np.arange(B), block_tables=tables)
 cache = init_cache(cfg, B * MB, BT, B)
 logits, cache = prefill_span(params, cache, span_meta, cfg)
 logits.block_until_ready()

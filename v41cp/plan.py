@@ -31,7 +31,7 @@ from v41cp.config import ModelConfig
 from v41cp.model import abstract_params
 from v41cp.serving.attention.dcp import DCPPlan
 from v41cp.serving.cache.device_cache import cache_layout
-from v41cp.serving.runner.span_metadata import build_span_metadata
+from v41cp.serving.runner.span_batch import build_span_batch
 from v41cp.serving.runner.span_prefill import SpanLayout, lower_prefill_span
 from v41cp.serving.runner.steps import decode_step
 from v41cp.serving.step_batch import StepBatch
@@ -147,8 +147,9 @@ def _prefill_program(cfg, batch, context, block_tokens, parallel, mesh, params, 
     # (their values are data; the compiled program is the same)
     host = cfg if cfg.engram_token_map is not None or not cfg.engram_layer_ids else cfg.replace(
         engram_token_map=tuple(i % cfg.engram_compressed_vocab_size for i in range(cfg.vocab_size)))
-    meta = build_span_metadata(host, prompts, layout.n, block_tables=tables, ced=ced)
-    return lower_prefill_span(params, cache, meta, cfg, layout), cache
+    batch = build_span_batch(host, prompts, layout.n, query_parallel=layout.query_parallel, block_tables=tables,
+                             ced=ced)
+    return lower_prefill_span(params, cache, batch, cfg, layout), cache
 
 
 def plan_program(cfg: ModelConfig, mode: str, batch: int, context: int, parallel=None, *, block_tokens: int = 16,

@@ -1,5 +1,6 @@
 """`StepBatch`: the one metadata record of every cached step — decode, verification and prefill passes — built on
-the host from the scheduled requests and read by the model's rows backend (`v41cp.serving.attention.paged_rows`).
+the host from the scheduled requests and read by the model's rows backend (`v41cp.serving.attention.paged_rows`;
+model-wide QCP: `v41cp.serving.attention.qcp_rows`).
 
 A registered dataclass: its arrays are the step's data, its bucket sizes static (one compiled program per bucket,
 whatever the batch's contents). Shapes (``B`` = ``max_batch``, ``R`` = ``rows``, ``MB`` = ``max_blocks``):
@@ -14,12 +15,16 @@ whatever the batch's contents). Shapes (``B`` = ``max_batch``, ``R`` = ``rows``,
   computes only its real rows (``R`` ≥ Σ lengths is the bucket);
 * ``ced`` (`CEDRows`) or None — CED narrowing of a prefill pass: the first ``encoder_rows [B]`` rows of each
   request run only the layers before the CED boundary and the boundary's cache writes, the rest (at most
-  ``decoder_rows`` per request, or packed at most ``decoder_rows`` in all) every layer.
+  ``decoder_rows`` per request; packed: at most ``decoder_rows`` in all; model-wide QCP: per rank) every layer;
+* ``qcp`` (`QCPLayout`) or None — model-wide QCP: the pass's rows laid out per rank by the zigzag row plan
+  (`v41cp.sharding.query_shard.QueryShardPlan`). Then ``tokens [N, C]`` / ``engram_ids [N, C, …]`` hold each
+  rank's ``C`` = ``rows`` local rows (rank-major, sharded over attention TP: inside the map a rank sees ``[1, C]``)
+  and the record says where each local row belongs.
 
 Modes (`mode`): ``DECODE`` one row per request (the decode step; the token-serial prefill scans these),
-``VERIFY`` ``R`` rows per request (speculative verification), ``PREFILL`` a packed pass (span prefill on one rank,
-or with operator-local QCP). Model-wide QCP's passes lay their rows out per rank instead
-(`v41cp.serving.runner.span_metadata.SpanMetadata`).
+``VERIFY`` ``R`` rows per request (speculative verification), ``PREFILL`` a pass of a span prefill — packed on one
+rank (also under operator-local QCP) or per rank under model-wide QCP. Prefill passes are built by
+`v41cp.serving.runner.span_batch.build_span_batch`.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import numpy as np
 from v41cp.config import ModelConfig
 from v41cp.engram_hash import engram_hash_ids
 
-__all__ = ["StepBatch", "CEDRows", "ForwardMode", "engram_ids_for_last"]
+__all__ = ["StepBatch", "CEDRows", "QCPLayout", "ForwardMode", "engram_ids_for_last"]
 
 
 def engram_ids_for_last(cfg: ModelConfig, history) -> np.ndarray:
@@ -62,8 +67,39 @@ class CEDRows:
     decoder_rows: int
 
 
+@partial(jax.tree_util.register_dataclass,
+         data_fields=["positions", "requests", "dec_slots", "span_index", "dec_span_index", "sampled"],
+         meta_fields=["n", "span", "continued"])
+@dataclasses.dataclass(frozen=True)
+class QCPLayout:
+    """Model-wide QCP's row layout of a prefill pass (``N`` = `n` ranks, ``C`` local rows per rank, ``Cd`` local
+    CED decoder rows per rank, ``B`` batch rows, ``S`` = `span` padded chunk length):
+
+    * ``positions / requests [N, C]`` int32 — each local row's absolute position and batch row (−1 = padding);
+    * ``dec_slots [N, Cd]`` int32 — CED: each rank's retained local rows, in order (−1 padding; without CED every
+      real local row);
+    * ``span_index [B, S]`` int32 — where row ``(b, p)`` of the chunk lies in the rank-major gathered ``[N·C]``
+      rows (``N·C`` = absent): gathering then indexing restores span order for pooling, pairing, windows and
+      cache writes; ``dec_span_index [B, S]`` the same for the narrowed ``[N·Cd]`` layout (``N·Cd`` = not
+      retained; without CED equal to ``span_index``);
+    * ``sampled [B]`` int32 — each request's last row of the pass in the (narrowed) gathered layout (−1 = none);
+    * ``continued`` (static) — some request starts past 0: the pass reads its cached history.
+
+    ``positions``, ``requests`` and ``dec_slots`` are per rank (sharded over attention TP); the rest replicated."""
+
+    positions: jax.Array
+    requests: jax.Array
+    dec_slots: jax.Array
+    span_index: jax.Array
+    dec_span_index: jax.Array
+    sampled: jax.Array
+    n: int
+    span: int
+    continued: bool
+
+
 @partial(jax.tree_util.register_dataclass, data_fields=["tokens", "starts", "lengths", "slots", "block_tables",
-                                                        "engram_ids", "ced", "offsets"],
+                                                        "engram_ids", "ced", "offsets", "qcp"],
          meta_fields=["max_batch", "max_blocks", "rows"])
 @dataclasses.dataclass(frozen=True)
 class StepBatch:
@@ -80,6 +116,7 @@ class StepBatch:
     rows: int
     ced: CEDRows | None = None
     offsets: jax.Array | None = None
+    qcp: QCPLayout | None = None
 
     # ------------------------------------------------------------------ built on the host
     @classmethod
@@ -126,7 +163,7 @@ class StepBatch:
 
     @property
     def mode(self) -> ForwardMode:
-        if self.packed:
+        if self.packed or self.qcp is not None:
             return ForwardMode.PREFILL
         return ForwardMode.DECODE if self.rows == 1 else ForwardMode.VERIFY
 
@@ -135,9 +172,14 @@ class StepBatch:
         """CED: the decoder rows' bucket (0 = no narrowing)."""
         return self.ced.decoder_rows if self.ced is not None else 0
 
+    def _cached_rows(self) -> None:
+        if self.qcp is not None:
+            raise ValueError("a model-wide QCP pass lays its rows out per rank (StepBatch.qcp), not per request")
+
     def row_requests(self) -> tuple[jax.Array, jax.Array]:
         """``(request, row within the request)`` of every row, flattened ``[max_batch · rows]`` (packed:
         ``[rows]``; a padding row's row index is ≥ its request's length)."""
+        self._cached_rows()
         if not self.packed:
             b, r = self.max_batch, self.rows
             return (jnp.repeat(jnp.arange(b, dtype=jnp.int32), r), jnp.tile(jnp.arange(r, dtype=jnp.int32), b))
@@ -148,6 +190,7 @@ class StepBatch:
     @property
     def positions(self) -> jax.Array:
         """``[max_batch, rows]`` (packed: ``[1, rows]``): each row's position."""
+        self._cached_rows()
         if not self.packed:
             return self.starts[:, None] + jnp.arange(self.rows, dtype=jnp.int32)[None]
         req, local = self.row_requests()
@@ -156,6 +199,7 @@ class StepBatch:
     @property
     def row_valid(self) -> jax.Array:
         """``[max_batch, rows]`` (packed: ``[1, rows]``) bool: rows that are fed (``row < length``)."""
+        self._cached_rows()
         if not self.packed:
             return jnp.arange(self.rows)[None] < self.lengths[:, None]
         req, local = self.row_requests()

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from v41cp import model
 from v41cp.config import preset
 from v41cp.serving.attention.dcp import DCPPlan
-from v41cp.serving.runner.span_metadata import build_span_metadata
+from v41cp.serving.runner.span_batch import build_span_batch
 from v41cp.serving.runner.span_prefill import SpanLayout, prefill_span
 from v41cp.serving.runner.steps import ced_rows, init_cache
 from v41cp.sharding.topology import ParallelConfig
@@ -66,8 +66,8 @@ def _prefill(setup, n=1, kvp=1, ced=False, chunk=None, tile_bytes=None):
     logits = np.zeros((len(prompts), cfg.vocab_size), np.float32)
     for start in range(0, int(totals.max()), chunk):
         starts, ends = np.minimum(start, totals), np.minimum(start + chunk, totals)
-        meta = build_span_metadata(cfg, prompts, n, starts=starts, ends=ends, slots=slots, block_tables=tables,
-                                   span=SPAN, ced=ced)
+        meta = build_span_batch(cfg, prompts, n, query_parallel=n > 1, starts=starts, ends=ends, slots=slots,
+                                block_tables=tables, span=SPAN, ced=ced)
         got, cache = prefill_span(prm, cache, meta, cfg, layout)
         last = (starts < ends) & (ends == totals)
         logits[last] = np.asarray(got)[last]
@@ -77,14 +77,12 @@ def _prefill(setup, n=1, kvp=1, ced=False, chunk=None, tile_bytes=None):
 def test_one_device_span_pass_is_packed(setup):
     """The one-device (cached-rows) span pass computes only its rows: the requests' rows back to back in one
     ``[1, Σ lengths]`` row list (not ``[batch, span]``), each request's tokens at its offset in order; CED packs
-    the retained decoder rows again (at most the metadata's CED row capacity)."""
-    from v41cp.serving.runner.span_prefill import _span_rows
-
+    the retained decoder rows again (at most the batch's CED row capacity)."""
     cfg, _, prompts, tables, slots = setup
     for ced in (False, True):
-        meta = build_span_metadata(cfg, prompts, 1, slots=slots, block_tables=tables, span=SPAN, ced=ced)
-        rows = _span_rows(cfg, meta)
-        assert rows.packed and rows.rows == meta.capacity == sum(LENGTHS) and rows.tokens.shape == (1, sum(LENGTHS))
+        rows = build_span_batch(cfg, prompts, 1, slots=slots, block_tables=tables, span=SPAN, ced=ced)
+        assert rows.qcp is None and rows.mode.value == "prefill"
+        assert rows.packed and rows.rows == sum(LENGTHS) and rows.tokens.shape == (1, sum(LENGTHS))
         off = np.asarray(rows.offsets)
         assert off.tolist() == np.concatenate([[0], np.cumsum(LENGTHS)[:-1]]).tolist()
         for b, p in enumerate(prompts):
@@ -93,7 +91,8 @@ def test_one_device_span_pass_is_packed(setup):
         assert (np.asarray(rows.positions)[0] == local).all() and (np.asarray(rows.row_valid)[0]).all()
         assert req.tolist() == [b for b, n in enumerate(LENGTHS) for _ in range(n)]
         if ced:
-            assert rows.decoder_rows == meta.dec_capacity == sum(min(n, ced_rows(cfg)) for n in LENGTHS)
+            assert rows.decoder_rows == sum(min(n, ced_rows(cfg)) for n in LENGTHS)
+            assert np.asarray(rows.ced.encoder_rows).tolist() == [max(n - ced_rows(cfg), 0) for n in LENGTHS]
 
 
 @pytest.fixture(scope="module")
@@ -102,45 +101,49 @@ def unsharded(setup):
 
 
 @pytest.mark.fast
-def test_span_metadata_rows_and_ced_owners(setup):
+def test_span_batch_rows_and_ced_owners(setup):
     cfg, _, prompts, tables, slots = setup
-    full = build_span_metadata(cfg, prompts, 4, slots=slots, block_tables=tables, span=SPAN)
-    ced = build_span_metadata(cfg, prompts, 4, slots=slots, block_tables=tables, span=SPAN, ced=True)
-    n, c, cd = 4, ced.capacity, ced.dec_capacity
+    full = build_span_batch(cfg, prompts, 4, slots=slots, block_tables=tables, span=SPAN)
+    ced = build_span_batch(cfg, prompts, 4, slots=slots, block_tables=tables, span=SPAN, ced=True)
+    n, c, cd = 4, ced.rows, ced.decoder_rows
+    fq, cq = (jax.tree.map(np.asarray, b.qcp) for b in (full, ced))
     # span_index ∘ gather covers every prompt row exactly once
-    real = full.span_index[full.span_index < n * c]
-    assert sorted(real.tolist()) == sorted((np.nonzero(full.requests.reshape(-1) >= 0)[0]).tolist())
+    real = fq.span_index[fq.span_index < n * c]
+    assert sorted(real.tolist()) == sorted((np.nonzero(fq.requests.reshape(-1) >= 0)[0]).tolist())
     # CED: a retained row stays on its owner rank, in the same order; exactly the last ced_rows rows are kept
     r_keep = ced_rows(cfg)
     for r in range(n):
-        kept = ced.dec_slots[r][ced.dec_slots[r] >= 0]
+        kept = cq.dec_slots[r][cq.dec_slots[r] >= 0]
         assert (np.diff(kept) > 0).all()
         for k in kept:
-            b, p = ced.requests[r, k], ced.positions[r, k]
+            b, p = cq.requests[r, k], cq.positions[r, k]
             assert p >= LENGTHS[b] - r_keep
-            assert ced.dec_span_index[b, p] == r * cd + list(kept).index(k)
-    assert (ced.dec_span_index < n * cd).sum() == sum(min(x, r_keep) for x in LENGTHS)
+            assert cq.dec_span_index[b, p] == r * cd + list(kept).index(k)
+    assert (cq.dec_span_index < n * cd).sum() == sum(min(x, r_keep) for x in LENGTHS)
     for b, x in enumerate(LENGTHS):
-        assert ced.sampled[b] == (ced.dec_span_index[b, x - 1] if x else -1)
+        assert cq.sampled[b] == (cq.dec_span_index[b, x - 1] if x else -1)
     # a pass whose last row is not retained samples nothing; an all-idle batch keeps one padding slot
-    first = build_span_metadata(cfg, [list(range(3, 43))], 2, ends=[8], ced=True)
-    assert first.sampled.tolist() == [-1] and first.starts.tolist() == [0] and not first.continued
-    later = build_span_metadata(cfg, [list(range(3, 43))], 2, starts=[32], ced=True)
-    assert later.continued and later.positions.max() == 39 and later.sampled[0] >= 0
-    assert build_span_metadata(cfg, [[], []], 2).capacity == 1
+    first = build_span_batch(cfg, [list(range(3, 43))], 2, ends=[8], ced=True)
+    assert np.asarray(first.qcp.sampled).tolist() == [-1] and np.asarray(first.starts).tolist() == [0] \
+        and not first.qcp.continued
+    later = build_span_batch(cfg, [list(range(3, 43))], 2, starts=[32], ced=True)
+    assert later.qcp.continued and int(later.qcp.positions.max()) == 39 and int(later.qcp.sampled[0]) >= 0
+    assert build_span_batch(cfg, [[], []], 2).rows == 1
     with pytest.raises(ValueError, match="chunk bounds"):
-        build_span_metadata(cfg, [[5, 6]], 2, starts=[1], ends=[3])
+        build_span_batch(cfg, [[5, 6]], 2, starts=[1], ends=[3])
     with pytest.raises(ValueError, match="exceeds the span bucket 8"):
-        build_span_metadata(cfg, prompts, 2, span=8)
+        build_span_batch(cfg, prompts, 2, span=8)
     with pytest.raises(ValueError, match="token id 999"):
-        build_span_metadata(cfg, [[5, 999]], 2)
+        build_span_batch(cfg, [[5, 999]], 2)
     with pytest.raises(ValueError, match="capacity=2"):
-        build_span_metadata(cfg, prompts, 2, capacity=2)
+        build_span_batch(cfg, prompts, 2, capacity=2)
+    with pytest.raises(ValueError, match="n=2 ranks"):
+        build_span_batch(cfg, prompts, 2, query_parallel=False)
 
 
 def test_ced_narrowed_span_prefill_equals_full(unsharded):
     (want, want_c, _), (got, got_c, meta) = unsharded[False], unsharded[True]
-    assert meta.ced and meta.dec_capacity < meta.capacity
+    assert meta.ced is not None and meta.decoder_rows < meta.rows
     live = np.array(LENGTHS) > 0
     assert rel_err(got[live], want[live]) <= 1e-5
     for k in want_c:
@@ -154,9 +157,9 @@ def test_model_wide_qcp_equals_unsharded(setup, unsharded, n):
     for kvp, ced in ((1, False), (n, False), (n, True)):
         logits, cache, meta = _prefill(setup, n, kvp, ced)
         want, want_c, _ = unsharded[ced]
-        assert meta.n == n
+        assert meta.qcp.n == n
         if n == 8:                   # the 3-row prompt leaves ranks with no row of it
-            assert ((meta.requests == 1).sum(axis=1) == 0).sum() == n - 3
+            assert ((np.asarray(meta.qcp.requests) == 1).sum(axis=1) == 0).sum() == n - 3
         assert rel_err(logits[live], want[live]) <= 1e-5, (kvp, ced)
         np.testing.assert_array_equal(logits[live].argmax(-1), want[live].argmax(-1))
         assert not logits[~live].any()
@@ -179,7 +182,7 @@ def test_chunked_span_prefill_continues_from_cached_history(setup, unsharded, n,
     loops (and the running top-k's carry inside the map) are what is compared."""
     want, want_c, _ = unsharded[False]
     logits, cache, meta = _prefill(setup, n, n, chunk=7, tile_bytes=tile_bytes)
-    assert meta.continued
+    assert np.asarray(meta.starts).max() > 0 and (meta.qcp is None or meta.qcp.continued)    # a later pass
     live = np.array(LENGTHS) > 0
     assert rel_err(logits[live], want[live]) <= 1e-5
     np.testing.assert_array_equal(logits[live].argmax(-1), want[live].argmax(-1))

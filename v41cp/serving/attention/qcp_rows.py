@@ -2,7 +2,7 @@
 are split over attention TP by the per-request zigzag plan (inside the span prefill's ``jax.shard_map``; the
 modules' ``shard`` is the `v41cp.sharding.row_group.RowGroup`).
 
-Each rank holds local rows ``[1, C]`` (`SpanMetadata` ``positions / requests``; −1 = a padding slot) of any
+Each rank holds local rows ``[1, C]`` (`StepBatch.qcp`'s ``positions / requests``; −1 = a padding slot) of any
 requests, in plan order. The layers compute every projection from their own weights on those rows; `QCPRows`
 only moves keys (the same interface as `v41cp.serving.attention.paged_rows.PagedRows`):
 
@@ -34,26 +34,27 @@ from v41cp.layers.rows_backend import RowsBackend
 from v41cp.layers.tiled_select import ROW_TILE_BYTES, attend_rows, select_rows
 from v41cp.serving.cache import paged as pc
 from v41cp.serving.cache.device_cache import PagedCache
-from v41cp.serving.runner.span_metadata import SpanMetadata
+from v41cp.serving.step_batch import StepBatch
 from v41cp.sharding.row_group import RowGroup
 
 __all__ = ["QCPRows"]
 
 
 class QCPRows(RowsBackend):
-    """Trace-time context of one model-wide QCP pass (inside the map; ``meta``'s per-rank fields are the rank's).
+    """Trace-time context of one model-wide QCP pass (inside the map; ``batch``'s per-rank fields are the rank's).
     ``kvp``: the KVP group size when the pages are split over the map's ``cp`` axis, else 1; ``tile_bytes``: the
     temporaries of one tile of the row-tiled selection / attention."""
 
-    def __init__(self, cfg: ModelConfig, grp: RowGroup, meta: SpanMetadata, cache: PagedCache, kvp: int,
+    def __init__(self, cfg: ModelConfig, grp: RowGroup, batch: StepBatch, cache: PagedCache, kvp: int,
                  tile_bytes: int = ROW_TILE_BYTES):
-        self.cfg, self.grp, self.kvp, self.meta, self.tile_bytes = cfg, grp, kvp, meta, tile_bytes
+        self.cfg, self.grp, self.kvp, self.batch, self.tile_bytes = cfg, grp, kvp, batch, tile_bytes
         self.dtype = dtype_of(cfg.dtype)
         self.n_slots = pc.cache_slots(cache)
-        self.slot_r = jnp.clip(meta.slots, 0, self.n_slots - 1)
-        self.narrows = meta.ced
-        self._bind(meta.positions[0], meta.requests[0], meta.span_index, grp.n * meta.capacity, meta.starts,
-                   meta.lengths, meta.continued)
+        self.slot_r = jnp.clip(batch.slots, 0, self.n_slots - 1)
+        self.narrows = batch.ced is not None
+        q = batch.qcp
+        self._bind(q.positions[0], q.requests[0], q.span_index, grp.n * batch.rows, batch.starts, batch.lengths,
+                   q.continued)
 
     def _bind(self, pos, req, index, gathered_rows: int, starts, lengths, continued: bool):
         """This context's local rows (``pos / req [C]``), span order (``index [B,S]`` into the ``gathered_rows``
@@ -76,15 +77,15 @@ class QCPRows(RowsBackend):
         before its retained decoder rows (the boundary's cache-only writes), the decoder context = the retained
         rows on their owner ranks (a pass continuing at ``starts + encoder rows``), ``take`` = local rows
         ``[1, C, …]`` → the decoder's ``[1, Cd, …]``."""
-        m, n = self.meta, self.grp.n
-        b, s = m.span_index.shape
-        gathered_d = n * m.dec_capacity
-        enc = m.encoder_rows()                                                                  # [B]
-        encoder = self._context(self.pos_c, self.req, self.index, n * m.capacity, self.starts, enc, self.continued)
-        dec = m.dec_slots[0]
+        m, q, n = self.batch, self.batch.qcp, self.grp.n
+        b, s = q.span_index.shape
+        gathered_d = n * m.ced.decoder_rows
+        enc = m.ced.encoder_rows                                                                # [B]
+        encoder = self._context(self.pos_c, self.req, self.index, n * m.rows, self.starts, enc, self.continued)
+        dec = q.dec_slots[0]
         d = jnp.maximum(dec, 0)
         p = jnp.arange(s)[None] + enc[:, None]
-        index_d = jnp.where(p < s, jnp.take_along_axis(m.dec_span_index, jnp.minimum(p, s - 1), axis=1), gathered_d)
+        index_d = jnp.where(p < s, jnp.take_along_axis(q.dec_span_index, jnp.minimum(p, s - 1), axis=1), gathered_d)
         decoder = self._context(self.pos_c[d], jnp.where(dec >= 0, self.req[d], -1), index_d, gathered_d,
                                 self.starts + enc, m.lengths - enc, True)
         return encoder, decoder, lambda a: a[:, d]
@@ -137,7 +138,7 @@ class QCPRows(RowsBackend):
         ext = jnp.concatenate([hist, new], axis=1)            # [B, W+S, D]: column c = position start − W + c
         present = jnp.concatenate([hist_pos >= 0, self.present], axis=1)
         last = start[:, None] + self.lengths[:, None] - w + jnp.arange(w)[None]        # the pass's last W
-        at = jnp.where((last >= start[:, None]) & (last >= 0), self.meta.slots[:, None], self.n_slots)
+        at = jnp.where((last >= start[:, None]) & (last >= 0), self.batch.slots[:, None], self.n_slots)
         cache = cache.replace(swa=pc.write(cfg, cache.swa, (layer, at, jnp.maximum(last, 0) % w),
                                            self._row(raw, last - start[:, None]), "fp8"))
         cols = jnp.clip((self.pos_c - start[self.rq])[:, None] + 1 + jnp.arange(w)[None], 0, w + s - 1)
@@ -161,7 +162,7 @@ class QCPRows(RowsBackend):
         c0, z0 = partner(cs, open_kv), partner(zs, open_z)
         end = start + self.lengths
         first = 2 * ((end - 1) // 2)
-        at = jnp.where((self.lengths > 0) & (first >= start), self.meta.slots, self.n_slots)
+        at = jnp.where((self.lengths > 0) & (first >= start), self.batch.slots, self.n_slots)
         pick = lambda a: self._row(a, (first - start)[:, None])[:, 0]
         cache = cache.replace(open_kv={**cache.open_kv, src: open_kv.at[at].set(pick(cs), mode="drop")},
                               open_score={**cache.open_score, src: open_z.at[at].set(pick(zs), mode="drop")})
@@ -173,7 +174,7 @@ class QCPRows(RowsBackend):
         ``emits``) → every rank's, written to the pages of KV source ``role``."""
         src, g = str(role.kv_source), self.grp.gather
         req = g(self.req)
-        tables = self.meta.block_tables[jnp.maximum(req, 0)]                            # [N·C, MB]
+        tables = self.batch.block_tables[jnp.maximum(req, 0)]                            # [N·C, MB]
         ok = (g(emits[0]) & (req >= 0))[:, None]
         jj = g(j[0])[:, None]
         out = {}
@@ -186,7 +187,7 @@ class QCPRows(RowsBackend):
     def history(self, cache: PagedCache, role: LayerRole) -> CSAState:
         """A KV source's entries of every request ``[B, MB·epb, ·]`` from its pages (after this pass's writes)."""
         src = str(role.kv_source)
-        read = lambda name, fmt: pc.read_pages(self.kvp, True, cache.pool(name)[src], self.meta.block_tables, fmt,
+        read = lambda name, fmt: pc.read_pages(self.kvp, True, cache.pool(name)[src], self.batch.block_tables, fmt,
                                                self.dtype)
         return CSAState(ckv=read("ckv", "nvfp4"), ikeys=read("ikey", "mxfp4"))
 

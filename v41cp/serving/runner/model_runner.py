@@ -35,7 +35,7 @@ from v41cp.serving.cache.slot_state import put_slot_state, take_slot_state
 from v41cp.serving.capacity import Capacity
 from v41cp.serving.multihost.fetch import fetch
 from v41cp.serving.runner.sampling import sample_token, token_distribution
-from v41cp.serving.runner.span_metadata import build_span_metadata, round_up, row_capacities
+from v41cp.serving.runner.span_batch import build_span_batch, round_up, row_capacities
 from v41cp.serving.runner.span_prefill import SpanLayout, prefill_span
 from v41cp.serving.runner.span_prefill import compile_count as span_compile_count
 from v41cp.serving.runner.speculative import (
@@ -196,16 +196,16 @@ class ModelRunner:
         for start in range(0, int(totals.max()), chunk):
             starts = np.minimum(start, totals)
             ends = np.minimum(start + chunk, totals)
-            meta = build_span_metadata(cfg, prompts, self.span_layout.n, starts=starts, ends=ends, slots=slots,
-                                       block_tables=full, ced=self.capacity.ced,
-                                       **self.span_buckets(ends - starts, starts, totals))
+            batch = build_span_batch(cfg, prompts, self.span_layout.n, query_parallel=self.span_layout.query_parallel,
+                                     starts=starts, ends=ends, slots=slots, block_tables=full, ced=self.capacity.ced,
+                                     **self.span_buckets(ends - starts, starts, totals))
             if self.dcache is not None:
                 w = cfg.sliding_window
-                logits, self.cache, (feats, pos, ok) = prefill_span(self.params, self.cache, meta, cfg,
+                logits, self.cache, (feats, pos, ok) = prefill_span(self.params, self.cache, batch, cfg,
                                                                     self.span_layout, features=w)
                 self._write_context(np.asarray(slots), feats, pos, ok)
             else:
-                logits, self.cache = prefill_span(self.params, self.cache, meta, cfg, self.span_layout)
+                logits, self.cache = prefill_span(self.params, self.cache, batch, cfg, self.span_layout)
             logits = fetch(logits)
             for i, req in enumerate(reqs):
                 if starts[i] < ends[i] == totals[i]:                 # this pass holds the prompt's last row

@@ -1,90 +1,34 @@
-"""Host-built metadata of one span prefill (`v41cp.serving.runner.span_prefill`): a batch of fresh prompts, their
-rows laid out per rank by the model-wide QCP row plan (`v41cp.sharding.query_shard.QueryShardPlan`).
+"""The host-built `StepBatch` of one span-prefill pass (`v41cp.serving.runner.span_prefill`): a batch of prompt
+chunks, their rows packed back to back on one rank or laid out per rank by model-wide QCP's zigzag row plan
+(`v41cp.sharding.query_shard.QueryShardPlan`, the batch's nested `QCPLayout` record).
 
-Layouts (``N`` ranks, ``C`` = `capacity` local rows per rank, ``B`` batch rows, ``S`` = `span` padded prompt
-length; rank-major: the all-gather of the local rows is ``[N·C, ·]``):
+Both layouts come from the same row plan: on one rank (``n = 1``) the plan keeps each request's rows in order,
+back to back, so the packed pass's rows are the plan's one rank's rows and ``offsets`` say where each request's
+rows start. CED narrowing (``ced=True``) retains the last `ced_rows` rows of each whole prompt for the decoder
+layers: ``CEDRows.encoder_rows [B]`` counts each request's rows before them and ``CEDRows.decoder_rows`` is the
+decoder rows' bucket (packed: in all; model-wide QCP: per rank, the retained rows staying on the rank that owned
+them — `QCPLayout.dec_slots`).
 
-* ``tokens / positions / requests [N, C]`` — each local row's token, position in its prompt and batch row
-  (−1 = padding slot); ``engram_ids [N, C, n_engram, hash_heads]`` (hashed on the host per prompt);
-* ``span_index [B, S]`` — where row ``(b, p)`` lies in the gathered ``[N·C]`` rows; ``N·C`` (one zero row
-  appended after the gather) for ``p ≥ length_b``: gathering then indexing restores span order, which is
-  what pooling, compressor pairing, SWA windows and cache writes read;
-* CED narrowing (``ced=True``): after the CED boundary only the last `ced_rows` rows of each prompt run
-  the decoder. They stay on the rank that owned them: ``dec_slots [N, Cd]`` lists each rank's retained
-  local slots in order (−1 padding) and ``dec_span_index [B, S]`` is ``span_index`` for the narrowed
-  ``[N·Cd]`` layout (``N·Cd`` = not retained). Without CED these equal the full layout;
-* ``sampled [B]`` — position of each row's last row of this pass in the (narrowed) gathered layout (−1 = an
-  empty row, or, under CED, a pass whose last row is not retained);
-* ``lengths / slots [B]``, ``block_tables [B, max_blocks]`` — where the caches are written (an empty row,
-  length 0, writes nothing);
-* ``starts [B]`` — tokens of each prompt already in the caches (a later chunk); ``positions`` are absolute
-  (``starts + row``), ``span_index`` is chunk-relative. ``continued`` (static) = some start > 0: the
-  prefill then reads the cached history (SWA rings, open ratio-2 pairs, pages).
-
-Every host builds the same metadata from the prompts alone; `n`, `capacity`, `dec_capacity`, `span` and
-`ced` are static (the compile bucket).
+Every host builds the same batch from the prompts alone; the row, CED-row and span buckets are static (one
+compiled program per bucket).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from functools import partial
-
-import jax
+import jax.numpy as jnp
 import numpy as np
 
 from v41cp.ced import ced_boundary, ced_rows
 from v41cp.config import ModelConfig
 from v41cp.engram_hash import engram_hash_ids
+from v41cp.serving.step_batch import CEDRows, QCPLayout, StepBatch
 from v41cp.sharding.query_shard import QueryShardPlan
 
-__all__ = ["SpanMetadata", "build_span_metadata", "row_capacities", "round_up"]
+__all__ = ["build_span_batch", "row_capacities", "round_up"]
 
 
 def round_up(x: int, m: int) -> int:
     return -(-max(int(x), 1) // m) * m
-
-
-@partial(jax.tree_util.register_dataclass,
-         data_fields=["tokens", "positions", "requests", "engram_ids", "dec_slots", "span_index", "dec_span_index",
-                      "sampled", "lengths", "starts", "slots", "block_tables"],
-         meta_fields=["n", "capacity", "dec_capacity", "span", "ced", "continued"])
-@dataclasses.dataclass(frozen=True)
-class SpanMetadata:
-    """See the module docstring. The first five fields are per rank (leading axis ``N``, sharded over
-    attention TP under QCP); the next seven are replicated."""
-
-    tokens: np.ndarray
-    positions: np.ndarray
-    requests: np.ndarray
-    engram_ids: np.ndarray
-    dec_slots: np.ndarray
-    span_index: np.ndarray
-    dec_span_index: np.ndarray
-    sampled: np.ndarray
-    lengths: np.ndarray
-    starts: np.ndarray
-    slots: np.ndarray
-    block_tables: np.ndarray
-    n: int
-    capacity: int
-    dec_capacity: int
-    span: int
-    ced: bool
-    continued: bool
-
-    @property
-    def batch(self) -> int:
-        return int(self.lengths.shape[0])
-
-    def encoder_rows(self):
-        """CED: each request's rows before its retained decoder rows ``[B]`` int32 (NumPy on the host, traced
-        inside a program; zeros without CED)."""
-        import jax.numpy as jnp
-
-        fed = jnp.arange(self.span)[None] < jnp.asarray(self.lengths)[:, None]
-        kept = jnp.asarray(self.dec_span_index) < self.n * self.dec_capacity
-        return (fed & ~kept).sum(axis=1).astype(jnp.int32)
 
 
 def _retained(cfg: ModelConfig, plan: QueryShardPlan, starts: np.ndarray, totals: np.ndarray, ced: bool):
@@ -109,16 +53,20 @@ def row_capacities(cfg: ModelConfig, lengths, n: int, ced: bool = False, starts=
     return plan.capacity, plan.capacity if keep is None else max(int(keep.sum(axis=1).max()), 1)
 
 
-def build_span_metadata(cfg: ModelConfig, prompts, n: int = 1, *, starts=None, ends=None, slots=None,
-                        block_tables=None, span=None, capacity=None, dec_capacity=None,
-                        ced: bool = False) -> SpanMetadata:
-    """Metadata of prefilling ``prompts`` (token-id lists; an empty list is an idle batch row) over ``n``
-    ranks: rows ``[starts[b], ends[b])`` of prompt ``b`` (default: all of it). ``starts > 0`` continues a
-    prefill whose first ``starts[b]`` tokens are already in the caches (a later chunk; ``continued``).
-    ``slots [B]`` / ``block_tables [B, MB]`` locate the caches (default: slot ``b``, no pages);
-    ``span`` / ``capacity`` / ``dec_capacity`` are the static buckets (default: the smallest that fit,
-    ``span`` a multiple of 8). CED retains the last `ced_rows` rows of each whole prompt. Errors name the
-    offending value."""
+def build_span_batch(cfg: ModelConfig, prompts, n: int = 1, *, query_parallel: bool | None = None, starts=None,
+                     ends=None, slots=None, block_tables=None, span=None, capacity=None, dec_capacity=None,
+                     ced: bool = False) -> StepBatch:
+    """The `StepBatch` of prefilling ``prompts`` (token-id lists; an empty list is an idle batch row): rows
+    ``[starts[b], ends[b])`` of prompt ``b`` (default: all of it). ``starts > 0`` continues a prefill whose first
+    ``starts[b]`` tokens are already in the caches (a later chunk; `QCPLayout.continued`). ``query_parallel``
+    (default ``n > 1``): the model-wide QCP layout over ``n`` ranks (`StepBatch.qcp`), else the packed rows of one
+    rank (``n`` must be 1). ``slots [B]`` / ``block_tables [B, MB]`` locate the caches (default: slot ``b``, no
+    pages); ``span`` (the chunk length bucket of the QCP layout's span order), ``capacity`` (rows per rank) and
+    ``dec_capacity`` (CED decoder rows per rank) are the static buckets (default: the smallest that fit, ``span``
+    a multiple of 8). CED retains the last `ced_rows` rows of each whole prompt. Errors name the offending value."""
+    query_parallel = n > 1 if query_parallel is None else bool(query_parallel)
+    if not query_parallel and n != 1:
+        raise ValueError(f"span prefill: packed rows are one rank's, but n={n} ranks were asked for")
     prompts = [list(map(int, p)) for p in prompts]
     b = len(prompts)
     if b == 0:
@@ -197,6 +145,17 @@ def build_span_metadata(cfg: ModelConfig, prompts, n: int = 1, *, starts=None, e
     if slots.shape != (b,) or block_tables.ndim != 2 or block_tables.shape[0] != b:
         raise ValueError(f"span prefill: slots {slots.shape} / block_tables {block_tables.shape} do not match "
                          f"the batch of {b} prompts")
-    return SpanMetadata(tokens, pos.astype(np.int32), req.astype(np.int32), eng, dec_slots, span_index,
-                        dec_span_index.astype(np.int32), sampled.astype(np.int32), lengths, starts, slots,
-                        block_tables, n, c, cd, s, keep is not None, bool((starts > 0).any()))
+    i32 = lambda a: jnp.asarray(a, jnp.int32)
+    ced_rec = None
+    if keep is not None:
+        # each request's rows before its retained decoder rows (they run the encoder layers only)
+        fed = np.arange(s)[None] < lengths[:, None]
+        enc = (fed & ~(dec_span_index < n * cd)).sum(axis=1)
+        ced_rec = CEDRows(i32(enc), cd)
+    common = dict(starts=i32(starts), lengths=i32(lengths), slots=i32(slots), block_tables=i32(block_tables),
+                  max_batch=b, max_blocks=int(block_tables.shape[1]), rows=c, ced=ced_rec)
+    if not query_parallel:              # one rank: the plan's rows are the requests' rows back to back
+        return StepBatch(tokens=i32(tokens), engram_ids=i32(eng), offsets=i32(offsets[:-1]), **common)
+    layout = QCPLayout(i32(pos), i32(req), i32(dec_slots), i32(span_index), i32(dec_span_index), i32(sampled), n, s,
+                       bool((starts > 0).any()))
+    return StepBatch(tokens=i32(tokens), engram_ids=i32(eng), qcp=layout, **common)
