@@ -1,4 +1,5 @@
-"""Starts ``python -m v41cp serve`` on 127.0.0.1 as a subprocess for the server tests, and stops it."""
+"""Starts ``python -m v41cp serve`` on 127.0.0.1 as a subprocess for the server tests, and stops it; runs a command
+as two processes of one `jax.distributed` program (`two_processes`)."""
 
 from __future__ import annotations
 
@@ -111,3 +112,31 @@ class ServerProcess:
             if p is not self.proc and p.returncode != 0:
                 ok = False
         return self.proc.returncode if ok else -1
+
+
+def two_processes(*args: str, timeout: float = 480, program: str | None = None) -> list[tuple[int, str, str]]:
+    """``python -m v41cp ARGS --nnodes 2 --node-rank r --dist-init-addr 127.0.0.1:PORT`` for r = 0, 1 at once
+    (``--devices`` in ARGS: each one's local devices; ``program``: a script run instead of ``-m v41cp``, taking the
+    same flags); each one's (exit status, stdout, stderr). Both are killed at ``timeout`` seconds."""
+    port = free_port()
+    env = subprocess_env()                         # each process sets its own device count (--devices)
+    files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(2)]
+    run = ["-m", "v41cp"] if program is None else [program]
+    procs = [subprocess.Popen([sys.executable, *run, *args, "--nnodes", "2", "--node-rank", str(r),
+                               "--dist-init-addr", f"127.0.0.1:{port}"], env=env, stdout=out, stderr=err, text=True)
+             for r, (out, err) in enumerate(files)]
+    try:
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.wait(max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    result = []
+    for p, (out, err) in zip(procs, files):
+        out.seek(0)
+        err.seek(0)
+        result.append((p.returncode, out.read(), err.read()))
+    return result

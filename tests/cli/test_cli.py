@@ -3,13 +3,11 @@
 import json
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from server_harness import free_port, subprocess_env
+from server_harness import two_processes
 
 from v41cp import model
 from v41cp.checkpoint import default_checkpoint, load
@@ -18,32 +16,6 @@ from v41cp.serving.api.text import TextCodec
 
 def _cli(*args):
     return subprocess.run([sys.executable, "-m", "v41cp", *args], capture_output=True, text=True, timeout=600)
-
-
-def two_processes(*args: str, timeout: float = 480) -> list[tuple[int, str, str]]:
-    """``python -m v41cp ARGS --nnodes 2 --node-rank r --dist-init-addr 127.0.0.1:PORT`` for r = 0, 1 at once
-    (``--devices`` in ARGS: each one's local devices); each one's (exit status, stdout, stderr)."""
-    port = free_port()
-    env = subprocess_env()                         # each process sets its own device count (--devices)
-    files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(2)]
-    procs = [subprocess.Popen([sys.executable, "-m", "v41cp", *args, "--nnodes", "2", "--node-rank", str(r),
-                               "--dist-init-addr", f"127.0.0.1:{port}"], env=env, stdout=out, stderr=err, text=True)
-             for r, (out, err) in enumerate(files)]
-    try:
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            p.wait(max(1.0, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
-    result = []
-    for p, (out, err) in zip(procs, files):
-        out.seek(0)
-        err.seek(0)
-        result.append((p.returncode, out.read(), err.read()))
-    return result
 
 
 @pytest.mark.fast

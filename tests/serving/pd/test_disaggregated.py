@@ -140,3 +140,50 @@ def test_disaggregation_refuses_bad_topologies(tiny_tp8):
                                                               decode_context_parallel_size=4), DECODE)
     with pytest.raises(ValueError, match="8 prefill \\+ 4 decode devices, but only 8 are given"):
         DisaggregatedEngine(params, cfg, CAP, ParallelConfig(tp_size=8), DECODE)
+
+
+def test_cancel_in_every_role_across_processes_equals_one_process():
+    """`cancel` under PD, the one-process engine and across two processes (`cancel_program.py`): a request cancelled
+    while it decodes, while it waits prefilled for a decode slot and while it waits for admission keeps the tokens
+    it had; cancelling it again or an unknown id is refused naming it; the other requests run to their ends with the
+    tokens they have without the cancels; every page and slot of both roles comes back. Both processes' results, loads
+    and refusals equal the one-process engine's."""
+    import json
+    from pathlib import Path
+
+    import cancel_program as prog
+    from server_harness import two_processes
+
+    from v41cp.checkpoint import default_checkpoint, load
+    from v41cp.serving.pd.engines import DisaggregatedEngine
+
+    cfg, params = load(default_checkpoint())
+    one = json.loads(json.dumps(prog.drive(DisaggregatedEngine(params, cfg, prog.CAP, prog.PREFILL, prog.DECODE))))
+    # where the cancels found them: a decoding (first token + 2 decode rounds), c prefilled (its first token only)
+    assert one["before"] == {"a": ["running", 3], "b": ["running", 3], "c": ["running", 1], "d": ["running", 1]}
+    res = one["results"]
+    assert [res[r]["status"] for r in "abcde"] == ["cancelled", "done", "cancelled", "done", "cancelled"]
+    assert len(res["a"]["output_ids"]) == 3 and len(res["c"]["output_ids"]) == 1 and res["e"]["output_ids"] == []
+    assert len(res["b"]["output_ids"]) == len(res["d"]["output_ids"]) == prog.NEW_TOKENS
+    assert one["refused"] == ["cannot cancel unknown or finished request 'a'",
+                              "cannot cancel unknown or finished request 'zz'"]
+    assert one["engine_like"]
+    load_ = one["load"]
+    assert load_["waiting"] == load_["running"] == 0
+    assert all(load_[r]["free_blocks"] == load_[r]["total_blocks"] for r in ("prefill", "decode"))
+    # the requests not cancelled have the tokens of the same requests alone
+    alone = Engine(params, cfg, prog.CAP)
+    for rid in "bd":
+        alone.submit(rid, prog.PROMPTS[rid], SamplingParams(max_new_tokens=prog.NEW_TOKENS, stop_on_eos=False))
+    while alone.pending:
+        alone.step()
+    assert [alone.result(r)["output_ids"] for r in "bd"] == [res["b"]["output_ids"], res["d"]["output_ids"]]
+
+    (rc0, out0, err0), (rc1, out1, err1) = two_processes("--devices", "4",
+                                                         program=str(Path(prog.__file__).resolve()))
+    assert rc0 == 0 and rc1 == 0, (err0[-3000:], err1[-3000:])
+    assert out1 == ""
+    two = json.loads(out0)
+    for rid in "abcde":
+        assert two["results"][rid] == res[rid], rid
+    assert two == one

@@ -16,7 +16,7 @@ the same order (SPMD host control, as every multi-process command does); each `s
    moved and planned) and its counters.
 
 Every process keeps a view of every request (``requests``: prompt, output so far, status), so rank 0 prints the
-results, and each role's `load`. Refused: prefix caching, speculative decoding (as in one program), `serve` (rank
+results, and each role's `load`; `cancel` frees the request where its role holds it. Refused: prefix caching, speculative decoding (as in one program), `serve` (rank
 0's HTTP requests would need broadcasting to this protocol, `v41cp.serving.multihost.control_plane`), and more or
 fewer than two processes.
 """
@@ -140,6 +140,20 @@ class CrossProcessDisaggregatedEngine(TwoRoles):
         return {"id": rid, "prompt_ids": r.prompt, "output_ids": r.output, "status": r.status,
                 "finish_reason": r.finish_reason, "cached_tokens": 0}
 
+    def cancel(self, rid) -> None:
+        """Cancel active request ``rid``. Both processes call it between steps, in the same order (as every method):
+        the process whose role holds the request — process 0 while it waits for admission or, prefilled, for a decode slot;
+        process 1 once adopted — frees its pages and slot and forgets it; both mark their view cancelled (its tokens
+        so far kept). No collective: every process already knows which role holds it."""
+        view = self.requests.get(rid)
+        if view is None or view.status not in ("waiting", "running"):
+            raise ValueError(f"cannot cancel unknown or finished request {rid!r}")
+        if rid in self.engine.requests:
+            self.engine.cancel(rid)
+            self.engine.release(rid)
+            self._sent.pop(rid, None)
+        view.status, view.finish_reason = "cancelled", "cancelled"
+
     def release(self, rid) -> dict:
         """Forget finished request ``rid`` on this process (its role freed its pages when it ended); its result."""
         view = self.requests.get(rid)
@@ -180,14 +194,12 @@ class CrossProcessDisaggregatedEngine(TwoRoles):
         for res in offered["ended"]:
             view = self.requests[res["id"]]
             view.output, view.status, view.finish_reason = res["output_ids"], res["status"], res["finish_reason"]
-        accepted = _bcast(None if self.is_prefill else self._adopt(offered["candidates"]), not self.is_prefill)
-        by_id = {c["rid"]: c for c in offered["candidates"]}
-        records = []
-        for acc in accepted:
-            cand = by_id[acc["rid"]]
-            records.append(self._transfer(cand, acc["blocks"]))
+        for cand in offered["candidates"]:                # prefilled: running with its first token, adopted or not
             view = self.requests[cand["rid"]]
             view.output, view.status = list(cand["output"]), "running"
+        accepted = _bcast(None if self.is_prefill else self._adopt(offered["candidates"]), not self.is_prefill)
+        by_id = {c["rid"]: c for c in offered["candidates"]}
+        records = [self._transfer(by_id[acc["rid"]], acc["blocks"]) for acc in accepted]
         report = _bcast(None if self.is_prefill else self._decode(records), not self.is_prefill)
         self._remote_load = report["load"] if self.is_prefill else offered["load"]
         for rid, new, status, reason in report["updates"]:
