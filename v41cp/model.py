@@ -33,6 +33,7 @@ from v41cp.engram_hash import engram_hash_ids
 from v41cp.layers.attention import Attention, CSAState
 from v41cp.layers.common import RMSNorm, declare, dtype_of
 from v41cp.layers.engram import Engram
+from v41cp.layers.full_sequence import FullSequence
 from v41cp.layers.mhc import HyperConnection, collapse, mhc_layer
 from v41cp.layers.moe import MoE
 from v41cp.sharding.rules import TP_RULES, AxisRules, ShardingContext, constrain, param_shardings
@@ -86,7 +87,8 @@ class Transformer(nn.Module):
     Call with ``tokens [B,S]`` int32 and ``engram_ids [B,S,n_engram_layers,hash_heads]`` int32
     (`engram_inputs`); returns ``(logits [B,S,vocab] FP32, block inputs, cache)``.
 
-    * full sequence (``rows`` None): rows are positions ``0 … S−1`` of each sequence; no cache (None returned);
+    * full sequence (``rows`` None: the `v41cp.layers.full_sequence.FullSequence` backend): rows are positions
+      ``0 … S−1`` of each sequence; the returned cache is that backend's (each KV source's entries of the sequence);
     * cached rows (``rows`` a `v41cp.layers.rows_backend.RowsBackend`, ``cache`` its cache): row ``i`` of
       request ``b`` is at position ``starts[b] + i`` and attends the request's cached history; the updated
       cache is returned. CED narrowing: with ``encoder_only``, the layers before the CED boundary and the
@@ -119,7 +121,8 @@ class Transformer(nn.Module):
         hidden = []
         last = cfg.num_hidden_layers
         boundary = None
-        if encoder_only or (rows is not None and rows.narrows):
+        rows = FullSequence(cfg, self.shard, b, s) if rows is None else rows
+        if encoder_only or rows.narrows:
             boundary = ced_boundary(cfg)
             last = boundary if encoder_only else last
         for i in range(last):

@@ -1,5 +1,5 @@
-"""CSA2 attention of one V4.1 layer: one module for every mode — the full sequence, and cached rows through a rows
-backend (`v41cp.serving.attention`: paged rows, DCP, model-wide QCP).
+"""CSA2 attention of one V4.1 layer: one module for every mode, its rows through a rows backend
+(`v41cp.layers.rows_backend`: the full sequence, or cached rows — paged rows, DCP, model-wide QCP).
 
 Keys of query ``t`` = its sliding window ``{kv_s : t−W < s ≤ t}`` (FP8 window KV, K = V) ∪ the
 selected compressed entries ``{ckv_j : j ∈ topk(t)}``; one softmax over their union plus the
@@ -25,8 +25,7 @@ from v41cp.layers.common import RMSNorm, declare, dtype_of, weight_for, zeros_in
 from v41cp.layers.compressor import Compressor, pool_group
 from v41cp.layers.indexer import Indexer
 from v41cp.layers.rope import apply_rope, rope_angles
-from v41cp.quant import fp8_block32, nvfp4_block16
-from v41cp.sharding.operator_qcp import attention_query_parallel_applies, rows_island
+from v41cp.sharding.operator_qcp import rows_island
 from v41cp.sharding.rules import ShardingContext, constrain
 
 __all__ = ["CSAState", "Attention", "attention_weights", "query_projection", "window_kv", "output_projection"]
@@ -152,121 +151,54 @@ class Attention(nn.Module):
     ``wq_b [q_lora, heads, D]``, ``wkv [H, D]``, ``kv_norm``, ``wo_a [o_groups, heads/o_groups·D, o_lora]``,
     ``wo_b [o_groups, o_lora, H]``, ``attn_sink [heads]`` (FP32), plus ``compressor`` / ``indexer``.
 
-    Modes differ only in where keys are read from: *full* (``rows`` None) — the rows are a whole sequence
-    ``x [B,S,H]`` from position 0 and every key comes from them; *cached* (``rows`` a
-    `v41cp.serving.attention.paged_rows.PagedRows`, ``x [B,R,H]`` rows continuing each request's history) — window
-    keys, compressed entries and index keys come from the paged ``cache`` through that backend, which the layer
-    updates and returns. The projections, the compressor, the index keys and queries and the output are this
-    module's, in both modes."""
+    The rows ``x [B,R,H]`` come with their rows backend (`v41cp.layers.rows_backend.RowsBackend`): a whole sequence
+    (`v41cp.layers.full_sequence.FullSequence`) or rows continuing cached histories (paged rows, model-wide QCP).
+    The projections, the compressor's groups pooled into entries, the index keys and queries and the output are
+    this module's in every mode; the backend says where each row's window keys, compression partners, entries and
+    selection come from, and attends."""
 
     cfg: ModelConfig
     role: LayerRole
     shard: ShardingContext | None = None
 
     @nn.compact
-    def __call__(self, x: jax.Array, state: CSAState, rows=None, cache=None,
-                 cache_only: bool = False):
-        """``x [B,S,H]`` (attention-normed) → ``([B,S,H], new state, cache)``. ``cache_only`` (cached mode, the
-        CED prepass): write this layer's caches and return ``(None, state, cache)``."""
+    def __call__(self, x: jax.Array, state: CSAState, rows, cache=None, cache_only: bool = False):
+        """``x [B,R,H]`` (attention-normed) → ``([B,R,H], new state, cache)``. ``cache_only`` (the CED prepass):
+        write this layer's caches and return ``(None, state, cache)``."""
         cfg, role = self.cfg, self.role
         dt = dtype_of(cfg.dtype)
-        b, s, _ = x.shape
         w = attention_weights(self, cfg)
         q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dt, name="q_norm")
         kv_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dt, name="kv_norm")
-        sink = w["attn_sink"]
 
         compressed = role.ratio > 0
-        positions = jnp.broadcast_to(jnp.arange(s), (b, s)) if rows is None else rows.pos
-        angles = rope_angles(cfg, positions, compressed)
+        angles = rope_angles(cfg, rows.pos, compressed)
         qr, q = query_projection(w, q_norm, x, angles)
         q = constrain(q, ("batch", None, "heads", None), self.shard)
         kv = window_kv(w["wkv"], kv_norm, x, angles)
         compressor = Compressor(cfg, role.ratio, name="compressor") if role.is_kv_source else None
-        indexer = Indexer(cfg, role, self.shard, name="indexer") if role.is_index_source else None
+        indexer = Indexer(cfg, role, name="indexer") if role.is_index_source else None
 
-        if rows is None:
-            o, state = self._full(q, kv, x, qr, angles, state, compressor, indexer, sink)
-        else:
-            cache, keys, valid = rows.window(cache, role.index, kv)
-            if compressed:
-                cache, state = self._cached_update(x, qr, angles, rows, cache, state, compressor, indexer,
-                                                   cache_only)
-            if cache_only:
-                return None, state, cache
-            o = rows.attend(cache, role, q, keys, valid, state, sink)
+        cache, keys, valid = rows.window(cache, role.index, kv)
+        if compressed:
+            cache, state = self._compressed(x, qr, angles, rows, cache, state, compressor, indexer, cache_only)
+        if cache_only:
+            return None, state, cache
+        o = rows.attend(cache, role, q, keys, valid, state, w["attn_sink"])
         return output_projection(cfg, w, o, angles).astype(dt), state, cache
 
-    # ---------------------------------------------------------------------------------------- full mode
-    def _full(self, q, kv, x, qr, angles, state, compressor, indexer, sink):
-        cfg, role = self.cfg, self.role
-        b, s, _ = x.shape
-        compressed = role.ratio > 0
-        if cfg.fake_quant:
-            kv = fp8_block32(kv)
-        widx, wvalid = window_indices(s, cfg.sliding_window)
-        if compressed:
-            state = self._update_state(x, qr, angles, state, compressor, indexer)
-        sel = state.topk if compressed and state.ckv.shape[1] else None
-        if cfg.attention_backend == "pallas":
-            o = kernel_sink_attention(q, kv, widx, wvalid, state if compressed else None, sink)
-        elif attention_query_parallel_applies(self.shard, cfg, role, b * s):
-            o = query_parallel_attention(self.shard, q, kv, widx, wvalid, state.ckv if sel is not None else None,
-                                         sel, sink)
-        else:
-            o = rows_sink_attention(q, kv, widx, wvalid, state.ckv if sel is not None else None, sel, sink)
-        return o, state
-
-    def _update_state(self, x, qr, angles, state: CSAState, compressor, indexer) -> CSAState:
-        cfg, role = self.cfg, self.role
-        b, s, _ = x.shape
-        latent = compressed_angles = None
-        if role.is_kv_source:
-            latent = compressor(x)                                            # [B,G,D]
-            g = latent.shape[1]
-            compressed_angles = rope_angles(cfg, jnp.broadcast_to(jnp.arange(g) * role.ratio, (b, g)), True)
-            ckv = apply_rope(latent, compressed_angles)
-            state = CSAState(ckv=nvfp4_block16(ckv) if cfg.fake_quant else ckv)
-        if state.ckv is None:
-            raise ValueError(f"layer {role.index}: a {role.kind} layer needs compressed KV from a KV source before it")
-        g = state.ckv.shape[1]
-        if role.is_index_source:
-            if g == 0:
-                # no complete compression group yet: nothing to score or select
-                keys = state.ikeys if state.ikeys is not None else jnp.zeros((b, 0, cfg.index_head_dim), x.dtype)
-                cand = jnp.zeros((b, s, 0), bool) if role.candidate_source else state.candidates
-                state = state._replace(ikeys=keys, topk=jnp.zeros((b, s, 0), jnp.int32), candidates=cand)
-                self.sow("intermediates", "topk", state.topk)
-                return state
-            keys, topk, cand, scores = indexer(x, qr, angles, latent, compressed_angles, state.ikeys,
-                                               state.candidates)
-            if scores is not None:                      # the kernel path never materializes scores
-                self.sow("intermediates", "index_scores", scores)
-            if role.candidate_source:
-                self.sow("intermediates", "candidates", cand)
-            state = state._replace(ikeys=keys, topk=topk, candidates=cand)
-        if state.topk is None:
-            raise ValueError(f"layer {role.index}: a reuse layer needs a selection from an index source before it")
-        self.sow("intermediates", "topk", state.topk)
-        return state
-
-    # -------------------------------------------------------------------------------------- cached mode
-    def _cached_update(self, x, qr, angles, rows, cache, state: CSAState, compressor, indexer, cache_only):
-        """KV sources: this step's compressed entries and index keys (each row's group pooled with its partner
-        from the cache or the step) written to the pages, then the source's history; index sources: every
-        row's selection."""
+    def _compressed(self, x, qr, angles, rows, cache, state: CSAState, compressor, indexer, cache_only):
+        """KV sources: the rows' compression groups pooled into entries (`RowsBackend.groups`; ratio 1: each row),
+        rotated at their entries' positions, written with their index keys, then the source's entries read back;
+        index sources: every row's selection."""
         cfg, role = self.cfg, self.role
         if role.is_kv_source:
             r = role.ratio
             if r == 1:
-                latent = compressor.unpooled(x)
-                emits = rows.valid
+                latent, j, emits = compressor.unpooled(x), rows.pos // r, rows.valid
             else:
-                c, z = compressor.project(x)
-                cache, c0, z0 = rows.group_first(cache, str(role.kv_source), c, z)
-                latent = compressor.finish(pool_group(jnp.stack([c0, c], -2), jnp.stack([z0, z], -2)), x.dtype)
-                emits = rows.valid & (rows.pos % r == r - 1)
-            j = rows.pos // r                                                   # each row's entry
+                cache, c, z, j, emits = rows.groups(cache, role, *compressor.project(x))
+                latent = compressor.finish(pool_group(c, z), x.dtype)
             cang = rope_angles(cfg, j * r, True)
             ckv = apply_rope(latent, cang)
             ik = indexer.index_keys(latent, cang, quantize=False)
@@ -275,7 +207,13 @@ class Attention(nn.Module):
                 return cache, state
             state = rows.history(cache, role)
         if role.is_index_source:
-            qi, wi = indexer.query(x, qr, angles)
-            topk, cand = rows.select(cache, role, qi, wi, state)
+            topk, cand, scores = rows.select(cache, role, indexer.query(x, qr, angles), state)
+            if scores is not None:                      # the kernel, QCP and cached paths never materialize them
+                self.sow("intermediates", "index_scores", scores)
+            if role.candidate_source and topk.shape[-1]:
+                self.sow("intermediates", "candidates", cand)
             state = state._replace(topk=topk, candidates=cand)
+        if state.topk is None:
+            raise ValueError(f"layer {role.index}: a reuse layer needs a selection from an index source before it")
+        self.sow("intermediates", "topk", state.topk)
         return cache, state

@@ -9,6 +9,8 @@ unspecified (it depends on the row width); the selected *set* is identical whene
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -20,9 +22,9 @@ from v41cp.layers.common import RMSNorm, declare, dtype_of, weight_for
 from v41cp.layers.rope import apply_rope
 from v41cp.layers.tiled_select import select_rows
 from v41cp.quant import mxfp4_block32
-from v41cp.sharding.operator_qcp import indexer_query_parallel_applies, interleaved_island
+from v41cp.sharding.operator_qcp import interleaved_island
 
-__all__ = ["Indexer", "index_query", "kept_candidate_entries",
+__all__ = ["Indexer", "IndexQuery", "index_query", "kept_candidate_entries",
            "kernel_select_rows", "select_candidate_blocks", "select_positions", "select_scored", "topk_select",
            "query_parallel_select", "query_parallel_select_rows"]
 
@@ -71,6 +73,24 @@ def index_query(cfg: ModelConfig, wq_b, w_proj, x, qr, angles) -> tuple[jax.Arra
     weights = jnp.einsum("bsh,hn->bsn", x, weight_for(w_proj, x)) * (
         cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
     return q, weights
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexQuery:
+    """The index query of a layer's rows, not yet projected: the layer's ``wq_b [q_lora, index_heads, Di]`` and
+    ``w_proj [H, index_heads]`` with the rows' ``x [B,R,H]``, ``qr [B,R,q_lora]`` and ``angles [B,R,P]`` (trace time
+    only). Calling it projects every row (`index_query`); a rows backend that splits the rows over ranks
+    (operator-local indexer QCP of a full sequence, `query_parallel_select`) projects each rank's own rows instead."""
+
+    cfg: ModelConfig
+    wq_b: jax.Array
+    w_proj: jax.Array
+    x: jax.Array
+    qr: jax.Array
+    angles: jax.Array
+
+    def __call__(self) -> tuple[jax.Array, jax.Array]:
+        return index_query(self.cfg, self.wq_b, self.w_proj, self.x, self.qr, self.angles)
 
 
 def select_positions(cfg: ModelConfig, role: LayerRole, wq_b, w_proj, x, qr, angles, keys, positions, candidates):
@@ -179,7 +199,6 @@ class Indexer(nn.Module):
 
     cfg: ModelConfig
     role: LayerRole
-    shard: object = None            # ShardingContext (operator-local indexer QCP)
 
     def setup(self):
         cfg = self.cfg
@@ -200,31 +219,7 @@ class Indexer(nn.Module):
         k = apply_rope(k, compressed_angles)
         return mxfp4_block32(k) if self.cfg.fake_quant and quantize else k
 
-    def query(self, x: jax.Array, qr: jax.Array, angles: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """`index_query` of rows ``x [B,S,H]``, ``qr [B,S,q_lora]`` at ``angles [B,S,P]``."""
-        return index_query(self.cfg, self.wq_b, self.weights_proj, x, qr, angles)
-
-    def __call__(self, x, qr, angles, latent, compressed_angles, keys, candidates):
-        """Select compressed positions for every query row of a full sequence.
-
-        Args:
-          x: attention input ``[B,S,H]``; qr: normalised q-LoRA latent ``[B,S,q_lora]``.
-          angles: this layer's RoPE angles at the query positions ``[B,S,P]``.
-          latent / compressed_angles: the compressor latent ``[B,G,head_dim]`` and its angles
-            (KV sources only; else None).
-          keys: published index keys ``[B,G,index_head_dim]`` (ignored by KV sources).
-          candidates: candidate mask ``[B,S,G]`` from the candidate source, or None.
-        Returns:
-          ``(keys, topk [B,S,K] int32, candidates, scores [B,S,G])``.
-        """
-        cfg, role = self.cfg, self.role
-        if role.is_kv_source:
-            keys = self.index_keys(latent, compressed_angles)
-        positions = jnp.arange(x.shape[1])[None]
-        if indexer_query_parallel_applies(self.shard, role, x.shape[0] * x.shape[1]):
-            topk = query_parallel_select(self.shard, cfg, role, self.wq_b, self.weights_proj, x, qr, angles, keys,
-                                         positions)
-            return keys, topk, candidates, None
-        q, weights = self.query(x, qr, angles)
-        topk, candidates, scores = select_scored(cfg, role, q, weights, keys, positions, candidates)
-        return keys, topk, candidates, scores
+    def query(self, x: jax.Array, qr: jax.Array, angles: jax.Array) -> IndexQuery:
+        """The index query of rows ``x [B,R,H]``, ``qr [B,R,q_lora]`` at ``angles [B,R,P]`` (`IndexQuery`: projected
+        where the rows backend selects)."""
+        return IndexQuery(self.cfg, self.wq_b, self.weights_proj, x, qr, angles)

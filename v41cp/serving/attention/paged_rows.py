@@ -8,17 +8,18 @@ rows]`` (decode, verification: every request the same number of rows) and packed
 pass: the requests' rows back to back, ``offsets``, so ragged prompts compute no padding rows).
 
 `PagedRows` is the step's trace-time context, handed to the model's layers (`v41cp.layers.attention`). The
-layers compute every projection from their own weights; PagedRows only moves keys — it reads no weight:
+layers compute every projection from their own weights; PagedRows only moves keys (the `CachedRows` side of
+`v41cp.layers.rows_backend.RowsBackend`):
 
 * `window` — each row's window keys in ring order: positions before the step from the SWA ring (read before
   the ring is written), positions inside the step from the step's own rows (as the ring will store them);
   then the ring rows of the step's last ``W`` positions are written;
-* `group_first` — a ratio-2 row's pair partner: the open pair (cache) or the step's previous row; the open
-  pair of each request's last even position is written;
+* `group_first` — a ratio-2 row's pair partner (`CachedRows.groups`): the open pair (cache) or the step's previous
+  row; the open pair of each request's last even position is written;
 * `write_entries` — complete compressed entries and index keys to their pages (owner-masked under KVP);
-* `history` / `select` / `attend` — index selection and sparse attention of every row through the step's selection
-  and attention paths, chosen once from the backend settings (`v41cp.serving.attention.paged_paths.choose`): the
-  XLA path over the gathered history, the kernels reading the pools in place, or DCP islands over owned pages with
+* `history` / `select_queries` / `attend` — index selection and sparse attention of every row through the step's
+  selection and attention paths, chosen once from the backend settings
+  (`v41cp.serving.attention.paged_paths.choose`): the XLA path over the gathered history, the kernels reading the pools in place, or DCP islands over owned pages with
   the exact distributed top-k and the LSE merge. Each of the step's rows (``B·R``, or packed ``R``) is one row of
   these operations (its own position, table and selection).
 
@@ -37,7 +38,7 @@ import jax.numpy as jnp
 from v41cp.config import LayerRole, ModelConfig
 from v41cp.layers.attention import CSAState
 from v41cp.layers.common import dtype_of
-from v41cp.layers.rows_backend import RowsBackend
+from v41cp.layers.rows_backend import CachedRows
 from v41cp.serving.attention import paged_paths
 from v41cp.serving.cache import paged as pc
 from v41cp.serving.cache.device_cache import PagedCache, kv_groups
@@ -47,7 +48,7 @@ from v41cp.serving.step_batch import StepBatch
 __all__ = ["PagedRows"]
 
 
-class PagedRows(RowsBackend):
+class PagedRows(CachedRows):
     """Trace-time context of one cached step (see the module docstring). Not a pytree: built inside the jitted
     step from the cache and `StepBatch`; ``plan`` is the static KVP / DCP layout (None = one device or GSPMD), or
     with replicated pages (`DCPPlan.split_selection`, plain attention TP) the split of the XLA selection's scoring
@@ -256,7 +257,8 @@ class PagedRows(RowsBackend):
         return CSAState(ckv=pc.read(cache.ckv[src], "nvfp4", self.dtype, gather),
                         ikeys=pc.read(cache.ikey[src], "mxfp4", self.dtype, gather))
 
-    def select(self, cache: PagedCache, role: LayerRole, q: jax.Array, weights: jax.Array, state: CSAState):
+    def select_queries(self, cache: PagedCache, role: LayerRole, q: jax.Array, weights: jax.Array,
+                       state: CSAState):
         """Index selection of every row: ``q [B,R,Hi,Di]`` / ``weights [B,R,Hi]`` → ``(topk [B,R,K], candidates)``;
         candidates are the candidate source's kept mask in this path's form (entry mask ``[B,R,G]``, or
         kept blocks ``[B·R, kb]`` under DCP), passed back in for the layers that use them."""

@@ -4,18 +4,20 @@ modules' ``shard`` is the `v41cp.sharding.row_group.RowGroup`).
 
 Each rank holds local rows ``[1, C]`` (`StepBatch.qcp`'s ``positions / requests``; −1 = a padding slot) of any
 requests, in plan order. The layers compute every projection from their own weights on those rows; `QCPRows`
-only moves keys (the same interface as `v41cp.serving.attention.paged_rows.PagedRows`):
+only moves keys (the `CachedRows` interface, as `v41cp.serving.attention.paged_rows.PagedRows`):
 
 * `window` — the rows' window KV all-gathered and restored to span order (``span_index``), after the pass's
   history from the SWA ring (read before it is written); each local row's window keys; the ring rows of the
   pass's last ``W`` positions (every rank writes the same rows);
-* `group_first` — a ratio-2 row's pair partner (the previous position): from the gathered span, or the cached
-  open pair at a pass's first position; the open pair of each request's last even position is written;
+* `group_first` — a ratio-2 row's pair partner (the previous position; `CachedRows.groups`): from the gathered
+  span, or the cached open pair at a pass's first position; the open pair of each request's last even position is
+  written;
 * `write_entries` — the local rows' complete entries all-gathered, so every rank writes the same entries (under
   KVP = QCP each page by its owner only);
 * `history` — a KV source's entries from the request's pages (under KVP from the owners, one all-reduce);
-* `select` / `attend` — each local row scores / attends its own request's history (no partial result merged), in
-  row tiles × key tiles with a running top-k (`v41cp.layers.tiled_select`): no ``[rows, history]`` intermediate;
+* `select_queries` / `attend` — each local row scores / attends its own request's history (no partial result
+  merged), in row tiles × key tiles with a running top-k (`v41cp.layers.tiled_select`): no ``[rows, history]``
+  intermediate;
 * `ced_split` — CED narrowing at the boundary: the retained decoder rows stay on the rank that owned them
   (``dec_slots``), restored to span order by ``dec_span_index``; no row is redistributed;
 * `sampled` — each request's sampled row (on one rank) to every rank by one all-reduce of ``B`` rows;
@@ -30,7 +32,7 @@ import jax.numpy as jnp
 from v41cp.config import LayerRole, ModelConfig
 from v41cp.layers.attention import CSAState
 from v41cp.layers.common import dtype_of
-from v41cp.layers.rows_backend import RowsBackend
+from v41cp.layers.rows_backend import CachedRows
 from v41cp.layers.tiled_select import ROW_TILE_BYTES, attend_rows, select_rows
 from v41cp.serving.cache import paged as pc
 from v41cp.serving.cache.device_cache import PagedCache
@@ -40,7 +42,7 @@ from v41cp.sharding.row_group import RowGroup
 __all__ = ["QCPRows"]
 
 
-class QCPRows(RowsBackend):
+class QCPRows(CachedRows):
     """Trace-time context of one model-wide QCP pass (inside the map; ``batch``'s per-rank fields are the rank's).
     ``kvp``: the KVP group size when the pages are split over the map's ``cp`` axis, else 1; ``tile_bytes``: the
     temporaries of one tile of the row-tiled selection / attention."""
@@ -191,7 +193,8 @@ class QCPRows(RowsBackend):
                                                self.dtype)
         return CSAState(ckv=read("ckv", "nvfp4"), ikeys=read("ikey", "mxfp4"))
 
-    def select(self, cache: PagedCache, role: LayerRole, q: jax.Array, weights: jax.Array, state: CSAState):
+    def select_queries(self, cache: PagedCache, role: LayerRole, q: jax.Array, weights: jax.Array,
+                       state: CSAState):
         """Each local row scores its request's index keys in tiles (`v41cp.layers.tiled_select.select_rows`):
         ``q [1,C,Hi,Di]`` → ``(topk [1,C,K], candidates as kept block ids [C, kb])``."""
         topk, cand = select_rows(self.cfg, role, q[0], weights[0], state.ikeys, self.rq, self.pos_c,

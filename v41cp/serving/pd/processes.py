@@ -16,9 +16,9 @@ the same order (SPMD host control, as every multi-process command does); each `s
    moved and planned) and its counters.
 
 Every process keeps a view of every request (``requests``: prompt, output so far, status), so rank 0 prints the
-results, and each role's `load`; `cancel` frees the request where its role holds it. Refused: prefix caching, speculative decoding (as in one program), `serve` (rank
-0's HTTP requests would need broadcasting to this protocol, `v41cp.serving.multihost.control_plane`), and more or
-fewer than two processes.
+results, and each role's `load`; `cancel` frees the request where its role holds it. Refused: prefix caching,
+speculative decoding (as in one program), `serve` (rank 0's HTTP requests would need broadcasting to this protocol,
+`v41cp.serving.multihost.control_plane`), and more or fewer than two processes.
 """
 
 from __future__ import annotations
@@ -142,9 +142,9 @@ class CrossProcessDisaggregatedEngine(TwoRoles):
 
     def cancel(self, rid) -> None:
         """Cancel active request ``rid``. Both processes call it between steps, in the same order (as every method):
-        the process whose role holds the request — process 0 while it waits for admission or, prefilled, for a decode slot;
-        process 1 once adopted — frees its pages and slot and forgets it; both mark their view cancelled (its tokens
-        so far kept). No collective: every process already knows which role holds it."""
+        the process whose role holds the request — process 0 while it waits for admission or, prefilled, for a
+        decode slot; process 1 once adopted — frees its pages and slot and forgets it; both mark their view
+        cancelled (its tokens so far kept). No collective: every process already knows which role holds it."""
         view = self.requests.get(rid)
         if view is None or view.status not in ("waiting", "running"):
             raise ValueError(f"cannot cancel unknown or finished request {rid!r}")

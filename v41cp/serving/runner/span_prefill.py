@@ -27,9 +27,9 @@ again, at most ``ced.decoder_rows`` in all; QCP: each retained row on the rank t
 Caches after the call equal those of the token-serial prefill of the same prompts (`v41cp.serving.runner.steps`):
 SWA ring rows of the last ``W`` positions, every complete compressed entry and index key of each KV source in
 the prompt's pages, and the open ratio-2 pair's projections. A prompt may be prefilled in passes
-(``batch.starts``): a later pass (``batch.qcp.continued``; packed: any start > 0) reads the cached history — window rows from the SWA ring
-(before writing it), the open ratio-2 pair, and the request's compressed entries / index keys from its pages
-(under KVP from their owners). One compiled program per bucket.
+(``batch.starts``): a later pass (``batch.qcp.continued``; packed: any start > 0) reads the cached history —
+window rows from the SWA ring (before writing it), the open ratio-2 pair, and the request's compressed entries /
+index keys from its pages (under KVP from their owners). One compiled program per bucket.
 """
 
 from __future__ import annotations
