@@ -5,6 +5,7 @@ layouts (per request and packed)."""
 import jax
 import numpy as np
 import pytest
+from helpers import TOKEN_MAP
 
 from v41cp.config import preset
 from v41cp.serving.step_batch import CEDRows, ForwardMode, StepBatch
@@ -36,3 +37,24 @@ def test_idle_verify_and_packed_rows():
     assert packed.mode == ForwardMode.PREFILL and packed.decoder_rows == 4
     assert np.asarray(packed.positions).tolist() == [[10, 11, 12, 5, 6, 7, 8, 9]]
     assert np.asarray(packed.row_valid).tolist() == [[True] * 7 + [False]]
+
+
+def test_verify_rows_are_the_last_token_then_the_drafts():
+    """`StepBatch.verify`: each request's last token then its drafts from its last position, as many rows as asked
+    (the rest padding), idle batch rows past the requests; each row's Engram ids those of the decode step that would
+    feed that token after the same history."""
+    cfg = preset("tiny", engram_token_map=TOKEN_MAP)
+    hist, drafts = [[5, 6, 7, 8], [9, 10]], np.array([[11, 12, 13], [14, 15, 16]])
+    v = StepBatch.verify(cfg, hist, drafts, [4, 2], [3, 1], [[4, 5], [6]], 3, 2, 4)
+    assert (v.max_batch, v.max_blocks, v.rows, v.mode) == (3, 2, 4, ForwardMode.VERIFY)
+    assert np.asarray(v.tokens).tolist() == [[8, 11, 12, 13], [10, 14, 0, 0], [0, 0, 0, 0]]
+    assert np.asarray(v.starts).tolist() == [3, 1, 0] and np.asarray(v.lengths).tolist() == [4, 2, 0]
+    assert np.asarray(v.slots).tolist() == [3, 1, 0] and np.asarray(v.block_tables).tolist() == [[4, 5], [6, -1],
+                                                                                                 [-1, -1]]
+    for i, k in enumerate([4, 2]):
+        for j in range(k):
+            fed = hist[i] + drafts[i, :j].tolist()
+            one = StepBatch.for_histories(cfg, [fed], [0], [[0]], 1, 1)
+            np.testing.assert_array_equal(np.asarray(v.engram_ids)[i, j], np.asarray(one.engram_ids)[0, 0])
+    eng = np.asarray(v.engram_ids)
+    assert eng.shape == (3, 4, 2, cfg.engram_hash_heads) and len({eng[0, j].tobytes() for j in range(4)}) == 4

@@ -147,6 +147,27 @@ class StepBatch:
         return cls.decode(tok, pos, slot_ids, full, active, eng)
 
     @classmethod
+    def verify(cls, cfg: ModelConfig, histories, drafts, lengths, slots, tables, max_batch: int, max_blocks: int,
+               rows: int) -> "StepBatch":
+        """The verification step of requests with token ``histories``: request ``i`` feeds ``lengths[i]`` ≤ ``rows``
+        rows — its last token, then its first ``lengths[i] − 1`` ``drafts[i]`` — from position ``len(history) −
+        1``, in batch slot ``slots[i]`` with block table ``tables[i]`` (a ``[max_blocks]`` row, −1 padding); padded to
+        the bucket ``max_batch × max_blocks × rows`` with idle rows. Engram ids are hashed on the host for each
+        row's token after its history and the drafts before it."""
+        n_eng = len(cfg.engram_layer_ids)
+        tok, pos, n, slot_ids = (np.zeros((max_batch, rows), np.int32), *(np.zeros(max_batch, np.int32)
+                                                                          for _ in range(3)))
+        full = np.full((max_batch, max_blocks), -1, np.int32)
+        eng = np.zeros((max_batch, rows, n_eng, cfg.engram_hash_heads if n_eng else 0), np.int32)
+        for i, (hist, draft, k, slot, table) in enumerate(zip(histories, drafts, lengths, slots, tables)):
+            draft = [int(t) for t in draft[:k - 1]]
+            tok[i, :k], pos[i], n[i], slot_ids[i] = [hist[-1], *draft], len(hist) - 1, k, slot
+            full[i, :len(table)] = table
+            for j in range(k):
+                eng[i, j] = engram_ids_for_last(cfg, list(hist) + draft[:j])
+        return cls(*(jnp.asarray(a) for a in (tok, pos, n, slot_ids, full, eng)), max_batch, max_blocks, rows)
+
+    @classmethod
     def idle(cls, cfg: ModelConfig, max_batch: int, max_blocks: int, rows: int = 1) -> "StepBatch":
         """A bucket with no active row (for lowering / compiling a step ahead of traffic)."""
         n_eng = len(cfg.engram_layer_ids)

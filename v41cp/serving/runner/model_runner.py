@@ -54,7 +54,7 @@ from v41cp.serving.runner.steps import (
     verify_step,
 )
 from v41cp.serving.scheduler.request import Request
-from v41cp.serving.step_batch import StepBatch, engram_ids_for_last
+from v41cp.serving.step_batch import StepBatch
 from v41cp.sharding.topology import ParallelConfig
 
 __all__ = ["ModelRunner", "checked_proposals"]
@@ -251,7 +251,6 @@ class ModelRunner:
         t0 = time.perf_counter()
         cfg, b, mb, spec = self.cfg, self.capacity.max_batch, self.capacity.max_blocks, self.speculative
         n, r = spec.num_draft_tokens, spec.num_draft_tokens + 1
-        n_eng = len(cfg.engram_layer_ids)
         anchors, pos, slot_ids = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
         for i, req in enumerate(rows):
             hist = req.history
@@ -264,17 +263,9 @@ class ModelRunner:
             drafts = np.zeros((b, n), np.int32)
             for i, req in enumerate(rows):
                 drafts[i] = checked_proposals(spec.proposer(req.rid, list(req.history), n), n, cfg.vocab_size)
-        tok, lengths = np.zeros((b, r), np.int32), np.zeros(b, np.int32)
-        full = np.full((b, mb), -1, np.int32)
-        eng = np.zeros((b, r, n_eng, cfg.engram_hash_heads if n_eng else 0), np.int32)
-        for i, req in enumerate(rows):
-            hist = req.history
-            lengths[i] = min(r, req.sampling.max_new_tokens - len(req.output))    # rows within the reserved pages
-            tok[i, :lengths[i]] = [hist[-1], *drafts[i, :lengths[i] - 1]]
-            full[i] = tables[i]
-            for j in range(lengths[i]):
-                eng[i, j] = engram_ids_for_last(cfg, hist + list(drafts[i, :j]))
-        meta = StepBatch(*(jnp.asarray(a) for a in (tok, pos, lengths, slot_ids, full, eng)), b, mb, r)
+        # rows within the reserved pages
+        lengths = [min(r, req.sampling.max_new_tokens - len(req.output)) for req in rows]
+        meta = StepBatch.verify(cfg, [req.history for req in rows], drafts, lengths, slots, tables, b, mb, r)
         logits, self.cache, undo, (feats, fpos, fok) = verify_step(self.params, self.cache, meta, cfg,
                                                                    self.step_plan, features=True)
         logits = fetch(logits)
