@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from server_harness import two_processes
+from server_harness import subprocess_env, two_processes
 
 from v41cp import model
 from v41cp.checkpoint import default_checkpoint, load
@@ -276,3 +276,31 @@ def test_bench_kernels_json(capsys):
     experts = out["cases"][2]
     assert experts["max_rel_err_vs_xla"] <= 1e-5 and experts["tile_rows"] >= 16
     assert 0 < experts["live_tiles"] <= experts["tiles"] and experts["experts_used"] <= 16
+
+
+def test_the_compilation_cache_is_on_by_default_and_a_second_run_compiles_nothing_new(tmp_path):
+    """The commands keep every program they compile in the user's cache folder by default ($XDG_CACHE_HOME/v41cp/jax);
+    a second identical run loads them all (the folder gains no entry) and prints the same result;
+    `--no-compilation-cache` reads and writes nothing; `--compilation-cache-dir` moves the folder."""
+    env = subprocess_env()
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)              # the suite's shared cache: not what a user has
+    env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
+    run = lambda *extra: subprocess.run([sys.executable, "-m", "v41cp", "forward", "--json", "--tokens", "5 17 42",
+                                         *extra], capture_output=True, text=True, timeout=600, env=env)
+    folder = tmp_path / "xdg" / "v41cp" / "jax"
+    first = run()
+    assert first.returncode == 0, first.stderr
+    entries = sorted(p.name for p in folder.iterdir())
+    assert entries                                          # every program compiled was kept
+    second = run()
+    assert second.returncode == 0, second.stderr
+    result = lambda res: {k: v for k, v in json.loads(res.stdout).items() if k != "seconds"}
+    assert sorted(p.name for p in folder.iterdir()) == entries and result(second) == result(first)
+    env["XDG_CACHE_HOME"] = str(tmp_path / "other")
+    off = run("--no-compilation-cache")
+    assert off.returncode == 0, off.stderr
+    assert result(off) == result(first) and not (tmp_path / "other").exists()
+    moved = run("--compilation-cache-dir", str(tmp_path / "moved"))
+    assert moved.returncode == 0, moved.stderr
+    assert result(moved) == result(first) and any((tmp_path / "moved").iterdir())
+    assert not (tmp_path / "other").exists()

@@ -24,10 +24,12 @@ def add_arguments(parser) -> None:
     flags.add(parser, flags.ModelFlags, "no_fake_quant")
     flags.add(parser, flags.OutputFlags)
     kernels.add_arguments(parser)
+    flags.add(parser, flags.CompileCacheFlags)
 
 
 def run(args) -> int:
     flags.DistributedFlags.from_args(args).start()
+    flags.CompileCacheFlags.from_args(args).start()
     if args.kind == "kernels":
         return kernels.run(args)
     lengths = [int(x) for x in args.lengths.split(",")]

@@ -13,7 +13,9 @@ did not add keep their defaults); the group's methods build the library object i
 * `BackendFlags` the attention / indexer / expert / MoE backends → the checkpoint's config overrides;
 * `SpeculativeFlags` DSpark speculative decoding → `Speculative`;
 * `DisaggregationFlags` prefill / decode on disjoint devices → the two roles' `ParallelConfig`;
-* `DistributedFlags` ``--nnodes`` / ``--node-rank`` / ``--dist-init-addr`` → ``jax.distributed`` (`start`).
+* `DistributedFlags` ``--nnodes`` / ``--node-rank`` / ``--dist-init-addr`` → ``jax.distributed`` (`start`);
+* `CompileCacheFlags` ``--compilation-cache-dir`` / ``--no-compilation-cache`` → jax's persistent compilation cache
+  (`start`; on by default in the user's cache folder).
 """
 
 from __future__ import annotations
@@ -141,6 +143,47 @@ class DistributedFlags(_Group):
         sys.stdout = os.fdopen(results, "w") if rank == 0 else open(os.devnull, "w")
         jax.config.update("jax_cpu_collectives_implementation", "gloo")     # CPU processes; GPUs use NCCL
         jax.distributed.initialize(coordinator_address=addr, num_processes=n, process_id=rank)
+
+
+@dataclass(frozen=True)
+class CompileCacheFlags(_Group):
+    """The persistent compilation cache (jax's own): every program compiled is kept on disk and a later run with the
+    same program loads it instead of compiling. On by default, in the user's cache folder."""
+    TITLE: ClassVar[str] = "compilation cache"
+
+    compilation_cache_dir: str | None = flag(
+        "--compilation-cache-dir", help="where compiled programs are kept (default: $JAX_COMPILATION_CACHE_DIR, else "
+        "$XDG_CACHE_HOME/v41cp/jax, else ~/.cache/v41cp/jax)")
+    no_compilation_cache: bool = flag("--no-compilation-cache", default=False, action="store_true",
+                                      help="compile every program afresh; nothing is read from or written to disk")
+
+    def directory(self) -> str | None:
+        """The cache folder these flags ask for (None: no cache)."""
+        if self.no_compilation_cache:
+            return None
+        if self.compilation_cache_dir:
+            return self.compilation_cache_dir
+        if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+            return os.environ["JAX_COMPILATION_CACHE_DIR"]
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return os.path.join(base, "v41cp", "jax")
+
+    def start(self) -> str | None:
+        """Point jax at the cache before anything compiles: every program is kept, however quick its compile (unless
+        $JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS says otherwise). Returns the folder, or None when off."""
+        folder = self.directory()
+        if folder is None:
+            jax.config.update("jax_enable_compilation_cache", False)
+            return None
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--compilation-cache-dir {folder!r} cannot be created: {e}") from None
+        jax.config.update("jax_enable_compilation_cache", True)
+        jax.config.update("jax_compilation_cache_dir", folder)
+        if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        return folder
 
 
 @dataclass(frozen=True)

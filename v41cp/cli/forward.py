@@ -23,6 +23,7 @@ def add_arguments(parser) -> None:
     flags.add(parser, flags.BackendFlags)
     flags.add(parser, flags.TopologyFlags)
     flags.add(parser, flags.QueryParallelFlags)
+    flags.add(parser, flags.CompileCacheFlags)
 
 
 def check(args) -> str | None:
@@ -46,6 +47,7 @@ def parse_tokens(text: str, cfg) -> np.ndarray:
 
 
 def run(args) -> int:
+    flags.CompileCacheFlags.from_args(args).start()
     t0 = time.perf_counter()
     parallel = flags.parallel_config(args)
     if parallel is not None and (parallel.kv_parallel_size > 1 or parallel.query_context_parallel_size > 1):

@@ -31,6 +31,7 @@ def add_arguments(parser) -> None:
         flags.add(parser, group)
     flags.add(parser, flags.ModelFlags, "no_fake_quant")
     flags.add(parser, flags.OutputFlags)
+    flags.add(parser, flags.CompileCacheFlags)
 
 
 def check(args) -> str | None:
@@ -66,6 +67,7 @@ def prompts(args, codec) -> list[list[int]]:
 
 def run(args) -> int:
     flags.DistributedFlags.from_args(args).start()
+    flags.CompileCacheFlags.from_args(args).start()
     if (args.chat or args.system) and not args.prompt:
         raise ValueError("--chat / --system need --prompt TEXT (the user message)")
     codec = text_codec(flags.ModelFlags.from_args(args).path, required=bool(args.prompt))

@@ -26,9 +26,11 @@ def add_arguments(parser) -> None:
     flags.add(parser, flags.TopologyFlags)
     flags.add(parser, flags.QueryParallelFlags)
     flags.add(parser, flags.BackendFlags)
+    flags.add(parser, flags.CompileCacheFlags)
 
 
 def run(args) -> int:
+    flags.CompileCacheFlags.from_args(args).start()
     if args.preset and args.checkpoint:
         raise ValueError("plan: give --preset or --checkpoint, not both")
     cfg = flags.ModelFlags.from_args(args).config()

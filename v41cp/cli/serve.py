@@ -23,6 +23,7 @@ def add_arguments(parser) -> None:
                   flags.BackendFlags, flags.PrefillFlags, flags.SpeculativeFlags):
         flags.add(parser, group)
     flags.add(parser, flags.ModelFlags, "no_fake_quant")
+    flags.add(parser, flags.CompileCacheFlags)
 
 
 def check(args) -> str | None:
@@ -34,6 +35,7 @@ def check(args) -> str | None:
 
 def run(args) -> int:
     flags.DistributedFlags.from_args(args).start()
+    flags.CompileCacheFlags.from_args(args).start()
     model = flags.ModelFlags.from_args(args)
     codec = text_codec(model.path, required=False)
     cap = flags.CapacityFlags.from_args(args).capacity(flags.PrefillFlags.from_args(args), args.max_context)

@@ -264,7 +264,7 @@ class ModelRunner:
             for i, req in enumerate(rows):
                 drafts[i] = checked_proposals(spec.proposer(req.rid, list(req.history), n), n, cfg.vocab_size)
         # rows within the reserved pages
-        lengths = [min(r, req.sampling.max_new_tokens - len(req.output)) for req in rows]
+        lengths = np.array([min(r, req.sampling.max_new_tokens - len(req.output)) for req in rows], np.int32)
         meta = StepBatch.verify(cfg, [req.history for req in rows], drafts, lengths, slots, tables, b, mb, r)
         logits, self.cache, undo, (feats, fpos, fok) = verify_step(self.params, self.cache, meta, cfg,
                                                                    self.step_plan, features=True)
