@@ -196,7 +196,8 @@ def plan_program(cfg: ModelConfig, mode: str, batch: int, context: int, parallel
     floor_dev = floor["total"] / devices
     return {
         "mode": mode, "batch": batch, "context": context, "devices": devices, "block_tokens": block_tokens,
-        "ced": ced, "parallel": dataclasses.asdict(parallel) if parallel is not None else None, **per,
+        "ced": ced, "parallel": ({**dataclasses.asdict(parallel), "dcp_merge": parallel.dcp_merge_for(cfg)}
+                                 if parallel is not None else None), **per,
         "collectives": {op: sum(c["bytes"] for c in coll if c["op"] == op) for op in sorted({c["op"] for c in coll})},
         "dot_flops_per_device": sum(dots.values()),
         "dot_flops_per_device_by_op": dict(list(dots.items())[:top_ops]),

@@ -61,6 +61,13 @@ def test_topology_model_and_device_errors():
                                              "tp_size=8"):
             par.validate_model(preset("tiny"))
         par.validate_model(preset("tiny-tp8"))
+    # the default merge, auto, resolves per model: heads where the query heads split over attention TP, else ag_rs
+    auto = ParallelConfig(tp_size=8, kv_parallel_size=8, decode_context_parallel_size=8)
+    assert auto.dcp_merge == "auto"
+    auto.validate_model(preset("tiny"))
+    assert (auto.dcp_merge_for(preset("tiny")), auto.dcp_merge_for(preset("tiny-tp8"))) == ("ag_rs", "heads")
+    assert ParallelConfig(tp_size=8, kv_parallel_size=8, decode_context_parallel_size=8,
+                          dcp_merge="a2a").dcp_merge_for(preset("tiny-tp8")) == "a2a"
     with pytest.raises(ValueError, match="16 devices, but 8"):
         ParallelConfig(tp_size=16).make_mesh()
     mesh = ParallelConfig(tp_size=8, kv_parallel_size=4, decode_context_parallel_size=4).make_mesh()

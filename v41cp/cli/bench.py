@@ -37,7 +37,8 @@ def run(args) -> int:
     cfg, eng = open_engine(args, cap)
     devices = flags.global_devices(args)
     topology = {"devices": devices, "tp_size": args.tp_size or devices, "kv_parallel_size": args.kv_parallel_size,
-                "dcp_merge": args.dcp_merge, "dcp_q": args.dcp_q}
+                "dcp_merge": flags.parallel_config(args).dcp_merge_for(cfg) if args.kv_parallel_size > 1 else None,
+                "dcp_q": args.dcp_q}
     kvp1 = None
     if args.kind == "decode" and args.kv_parallel_size > 1:     # KVP 1 on the same mesh, side by side
         kvp1 = flags.parallel_config(args, kv_parallel_size=1)

@@ -224,9 +224,10 @@ class TopologyFlags(_Group):
     decode_context_parallel_size: int | None = flag(
         "--decode-context-parallel-size", type=int,
         help="DCP group size (must equal --kv-parallel-size; default: equal to it)")
-    dcp_merge: str = flag("--dcp-merge", default="ag_rs", choices=DCP_MERGES,
+    dcp_merge: str = flag("--dcp-merge", default="auto", choices=DCP_MERGES,
                           help="DCP decode attention: ag_rs / a2a merge partials over owned entries; heads gathers the "
-                               "selected records and splits the query heads (attention work / N)")
+                               "selected records and splits the query heads (attention work / N); auto: heads when "
+                               "the query heads divide by the attention TP size, else ag_rs")
     dcp_q: str = flag("--dcp-q", default="gather", choices=DCP_Q_MODES,
                       help="DCP queries: all-gather heads per layer, or replicated query projections")
 

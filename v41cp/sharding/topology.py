@@ -26,7 +26,7 @@ from v41cp.sharding.rules import INDEXER_QCP_RULES, QCP_RULES, REPLICATED_Q_RULE
 
 __all__ = ["ParallelConfig", "DCP_MERGES", "DCP_Q_MODES"]
 
-DCP_MERGES = ("ag_rs", "a2a", "heads")
+DCP_MERGES = ("auto", "ag_rs", "a2a", "heads")
 DCP_Q_MODES = ("gather", "replicate")
 
 
@@ -44,7 +44,10 @@ class ParallelConfig:
     ``attention_query_swa_min_tokens`` (SWA-only layers) rows.
     dcp_merge: ``ag_rs`` (all-gather LSE + reduce-scatter outputs) or ``a2a`` (one packed all-to-all) merge
     partial attention over owned entries; ``heads`` gathers the selected entries' records from their owners
-    instead (one all-reduce of ``B·K`` records) and each rank attends only its own query heads (no merge).
+    instead (one all-reduce of ``B·K`` records) and each rank attends only its own query heads (no merge);
+    ``auto`` (the default, `dcp_merge_for`): ``heads`` where the query heads split evenly over attention TP —
+    the compiled decode programs show it best (fewest FLOPs, temporaries and collective bytes, tiny and released
+    sizes) — else ``ag_rs``.
     dcp_q: ``gather`` (all-gather query heads per layer) or ``replicate`` (query projections replicated
     over the group, queries computed locally).
     """
@@ -54,7 +57,7 @@ class ParallelConfig:
     kv_parallel_size: int = 1
     decode_context_parallel_size: int = 1
     query_context_parallel_size: int = 1
-    dcp_merge: str = "ag_rs"
+    dcp_merge: str = "auto"
     dcp_q: str = "gather"
     indexer_query_parallel_size: int = 1
     attention_query_parallel_size: int = 1
@@ -104,6 +107,13 @@ class ParallelConfig:
     @property
     def num_devices(self) -> int:
         return self.tp_size * self.dp_size
+
+    def dcp_merge_for(self, cfg) -> str:
+        """The DCP merge this topology runs for model ``cfg``: ``dcp_merge``, with ``auto`` resolved (``heads``
+        when ``cfg.num_attention_heads`` divides by ``tp_size``, else ``ag_rs``)."""
+        if self.dcp_merge != "auto":
+            return self.dcp_merge
+        return "heads" if cfg.num_attention_heads % self.tp_size == 0 else "ag_rs"
 
     def validate_model(self, cfg) -> None:
         """Model-dependent restrictions (raise ValueError naming the value)."""

@@ -86,7 +86,8 @@ def _reference(sparse: bool):
 
 
 # every group size, every merge mode and both query modes (compiles are the suite's cost)
-# (ag_rs with gathered queries, the default, is also the engine / verification / server tests' DCP decode)
+# (the default merge, auto, is heads where the query heads split over TP — the engine / verification / server tests'
+# DCP decode on tiny-tp8 — and ag_rs otherwise, as on the tiny checkpoint at TP 8)
 @pytest.mark.parametrize("n,merge,q_mode", [(2, "heads", "gather"), (4, "a2a", "gather"), (8, "ag_rs", "replicate"),
                                             (8, "heads", "replicate")])
 def test_dcp_decode_equals_single_device(n, merge, q_mode):

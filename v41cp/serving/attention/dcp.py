@@ -100,7 +100,7 @@ class DCPPlan:
                              f"kv_parallel_size={parallel.kv_parallel_size}")
         tp = mesh.shape["tp"] * mesh.shape[CP]
         sharded = cfg.num_attention_heads % tp == 0
-        return cls(mesh, parallel.dcp_merge, parallel.dcp_q, sharded)
+        return cls(mesh, parallel.dcp_merge_for(cfg), parallel.dcp_q, sharded)
 
     @classmethod
     def split_selection(cls, mesh: Mesh) -> "DCPPlan":
