@@ -46,7 +46,7 @@ def main():
                               tokenizer=Path(tmp) / "tokenizer.json", max_shard_bytes=512 * 1024)
     (released / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=1) + "\n")
     print(f"wrote {released}: {info}")
-    summary = convert(released, converted, dtype="fp32", progress=False, overwrite=True)
+    summary = convert(released, converted, dtype="fp32", progress=False, overwrite=True, keep_quantized=False)
     print(f"wrote {converted}: {summary['tensors']} tensors, {summary['bytes_written']} bytes")
 
 

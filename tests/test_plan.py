@@ -30,8 +30,9 @@ def test_plan_equals_the_compiled_engine_program(capsys):
                  str(CONTEXT), "--block-tokens", str(BLOCK), "--devices", "8", "--kv-parallel-size", "8",
                  "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    # the same step from real weights and a real cache, as the engine builds it
-    cfg = preset("tiny-tp8")
+    # the same step from real weights and a real cache, as the engine builds it (weights as the release stores
+    # them — FP4 experts, FP8 Engram rows — plan's default for a preset)
+    cfg = preset("tiny-tp8", keep_quantized=True)
     par = ParallelConfig(tp_size=8, kv_parallel_size=8, decode_context_parallel_size=8)
     mesh = par.make_mesh()
     plan = DCPPlan.build(cfg, par, mesh)

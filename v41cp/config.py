@@ -206,7 +206,8 @@ class ModelConfig:
     fake_quant: bool = True
     # Storage of the two largest weight groups: False = dequantized to `dtype`; True = as released
     # (routed experts packed FP4 + e8m0 scales, Engram tables FP8 rows + e8m0 scales), decoded inside
-    # the jitted forward. At the released size only the latter fits one 8xH200 node.
+    # the jitted forward. At the released size only the latter fits one 8xH200 node. Loaders keep what a
+    # checkpoint stores unless asked otherwise (`v41cp.checkpoint.open_checkpoint`).
     keep_quantized: bool = False
     # Kernel backends (runtime options, not checkpoint fields: `to_dict` leaves them out): "xla" (the jnp
     # reference paths) or "pallas" (`v41cp.kernels`; Pallas Triton on a GPU, interpret mode elsewhere) for
@@ -364,8 +365,7 @@ class ModelConfig:
         for name in ("fake_quant", "keep_quantized"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a boolean, got {getattr(self, name)!r}")
-        if self.keep_quantized and (self.hidden_size % 32 or self.moe_intermediate_size % 32
-                                    or self.engram_head_dim % 32):
+        if self.keep_quantized and not self.storable_quantized:
             raise ConfigError("keep_quantized needs hidden_size, moe_intermediate_size and engram_head_dim to be "
                               "multiples of 32 (whole FP4 / FP8 scale blocks)")
         rs = dict(self.rope_scaling)
@@ -492,6 +492,12 @@ class ModelConfig:
                               f"{self.dspark_confidence_input!r}")
 
     # ------------------------------------------------------------------ derived
+    @property
+    def storable_quantized(self) -> bool:
+        """The shapes hold whole FP4 / FP8 scale blocks (``hidden_size``, ``moe_intermediate_size`` and
+        ``engram_head_dim`` multiples of 32), so ``keep_quantized`` may keep the release's bytes."""
+        return not (self.hidden_size % 32 or self.moe_intermediate_size % 32 or self.engram_head_dim % 32)
+
     @property
     def has_dspark(self) -> bool:
         """The config describes DSpark stages (``num_nextn_predict_layers > 0`` with target layers)."""

@@ -39,7 +39,7 @@ RELEASED = Path(default_released_checkpoint())
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     dst = tmp_path_factory.mktemp("conv") / "tiny"
-    summary = convert(RELEASED, dst, progress=False)
+    summary = convert(RELEASED, dst, progress=False, keep_quantized=False)        # dequantized (FP32 tree)
     return dst, summary
 
 
@@ -84,7 +84,7 @@ def test_round_trip_equals_oracle_on_one_and_eight_devices(oracle, converted):
     for key, want in dequantized.items():                     # the reader decodes exactly as the oracle
         np.testing.assert_array_equal(np.asarray(ckpt.read(key), np.float32), want, err_msg=key)
     tokens = ref["input_ids"]
-    direct_cfg, direct = load_released_dir(RELEASED, fake_quant=False)
+    direct_cfg, direct = load_released_dir(RELEASED, fake_quant=False, keep_quantized=False)
     want_direct = np.asarray(model.forward(direct, direct_cfg, tokens))
     dst, summary = converted
     cfg1, p1 = load(dst, fake_quant=False)
@@ -206,10 +206,10 @@ def test_cli_convert_in_parallel_workers_equals_serial(tmp_path, converted):
     """``convert --workers 2`` (subtrees in two processes) writes the same checkpoint as the serial conversion."""
     dst = tmp_path / "cli"
     res = subprocess.run([sys.executable, "-m", "v41cp", "convert", str(RELEASED), str(dst), "--workers", "2",
-                          "--json"], capture_output=True, text=True, timeout=600)
+                          "--dequantize", "--json"], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr
     summary = json.loads(res.stdout)
-    assert summary["tensors"] == converted[1]["tensors"] and summary["workers"] == 2
+    assert summary["tensors"] == converted[1]["tensors"] and summary["workers"] == 2 and not summary["keep_quantized"]
     assert summary["parts"] == converted[1]["parts"] and summary["peak_worker_rss_bytes"] > 0
     _, serial = load(converted[0])
     _, parallel = load(dst)
@@ -227,7 +227,7 @@ def test_unquantized_export_and_dspark_vision_tensors(tmp_path):
     from v41cp.checkpoint import write_released
     from v41cp.checkpoint.safetensors_io import ReleasedFiles
 
-    quantized = ReleasedCheckpoint(RELEASED)
+    quantized = ReleasedCheckpoint(RELEASED, keep_quantized=False)
     names = [k for k in quantized.files if not k.endswith(".scale")]
     extra = {"vision.blocks.0.w": np.zeros(3, np.float32)}
     tensors = [(k, np.asarray(quantized.read(k), np.float32)) for k in names] + list(extra.items())
@@ -235,9 +235,11 @@ def test_unquantized_export_and_dspark_vision_tensors(tmp_path):
                    tokenizer=RELEASED / "tokenizer.json", quantize=False)
     assert not any(k.endswith(".scale") for k in ReleasedFiles(tmp_path / "fp32"))
     plain = ReleasedCheckpoint(tmp_path / "fp32")
+    assert not plain.cfg.keep_quantized                   # as stored: an unquantized export loads dequantized
     for a, b in zip(jax.tree.leaves(quantized.params()), jax.tree.leaves(plain.params())):
         np.testing.assert_array_equal(a, b)
     summary = convert(tmp_path / "fp32", tmp_path / "conv", progress=False)
+    assert not summary["keep_quantized"]
     mtp = [k for k in names if k.startswith("mtp.")]
     assert summary["dspark_tensors"] == len(mtp) > 0 and (tmp_path / "conv" / "params" / "dspark").exists()
     from v41cp.checkpoint import open_drafter
@@ -277,7 +279,7 @@ def test_keep_quantized_checkpoint_runs_the_same_model(tmp_path):
     assert cfg.keep_quantized and params["layers_1"]["ffn"]["experts_w1_fp4"].dtype == np.uint8
     assert params["layers_1"]["engram"]["embed_fp8"].dtype == np.uint8
     tokens = np.random.default_rng(2).integers(3, cfg.vocab_size, (1, 24))
-    dense_cfg, dense = load_released_dir(RELEASED)
+    dense_cfg, dense = load_released_dir(RELEASED, keep_quantized=False)
     want = np.asarray(model.forward(dense, dense_cfg, tokens))
     got = np.asarray(model.forward(params, cfg, tokens))
     assert rel_err(got, want) <= 1e-6
@@ -289,6 +291,42 @@ def test_keep_quantized_checkpoint_runs_the_same_model(tmp_path):
     kq = sum(x.nbytes for x in jax.tree.leaves(params["layers_1"]["ffn"]) if x.dtype == np.uint8)
     dq = sum(dense["layers_1"]["ffn"][k].nbytes for k in ("experts_w1", "experts_w2", "experts_w3"))
     assert kq * 7 < dq
+
+
+def test_weights_are_kept_as_stored_by_default(tmp_path):
+    """A release storing FP4 experts / FP8 Engram rows loads and converts as stored unless asked to dequantize; a
+    converted checkpoint restores as converted (a contradicting request names both); every command that opens or
+    plans a model takes the same default and the same two flags."""
+    import importlib
+
+    from v41cp.checkpoint import default_checkpoint, open_checkpoint, stores_quantized_at
+    from v41cp.cli import COMMANDS, flags, parser
+
+    cfg, params = open_checkpoint(RELEASED)
+    assert cfg.keep_quantized and params["layers_1"]["ffn"]["experts_w1_fp4"].dtype == np.uint8
+    assert params["layers_1"]["engram"]["embed_fp8"].dtype == np.uint8 and stores_quantized_at(RELEASED)
+    dense_cfg, dense = open_checkpoint(RELEASED, keep_quantized=False)
+    assert not dense_cfg.keep_quantized and dense["layers_1"]["ffn"]["experts_w1"].dtype == np.float32
+    summary = convert(RELEASED, tmp_path / "kq", progress=False)
+    assert summary["keep_quantized"] and stores_quantized_at(tmp_path / "kq")
+    assert open_checkpoint(tmp_path / "kq")[0].keep_quantized
+    with pytest.raises(CheckpointError, match="stores routed experts and Engram tables quantized .* "
+                                              "keep_quantized=False was asked"):
+        open_checkpoint(tmp_path / "kq", keep_quantized=False)
+    assert not stores_quantized_at(default_checkpoint())            # the embedded FP32 conversion
+    # the command line: one default (ModelFlags), --dequantize / --keep-quantized to override, on every command
+    released = lambda **kw: flags.ModelFlags(checkpoint=str(RELEASED), **kw)
+    assert released().config().keep_quantized and released().storage() == {}
+    assert not released(dequantize=True).config().keep_quantized
+    assert flags.ModelFlags(preset="v41-flash").config().keep_quantized          # planned as the release stores it
+    assert not flags.ModelFlags(preset="v41-flash", dequantize=True).config().keep_quantized
+    assert not flags.ModelFlags().config().keep_quantized
+    with pytest.raises(ValueError, match="--keep-quantized and --dequantize contradict"):
+        released(keep_quantized=True, dequantize=True).storage()
+    for name in ("plan", "generate", "serve", "bench", "forward", "convert"):
+        args = {"convert": ["src", "dst"], "bench": ["decode"]}.get(name, [])
+        ns = parser(importlib.import_module(COMMANDS[name][0])).parse_args([name, *args, "--dequantize"])
+        assert flags.ModelFlags.from_args(ns).storage() == {"keep_quantized": False}, name
 
 
 def test_keep_quantized_needs_a_quantized_release(tmp_path):

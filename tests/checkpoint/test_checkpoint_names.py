@@ -11,7 +11,7 @@ pytestmark = pytest.mark.fast           # the developer tier (`pytest -m fast`)
 @pytest.fixture(scope="module")
 def embedded():
     """(config, every tensor of the embedded released checkpoint decoded to unquantized arrays)."""
-    ckpt = ReleasedCheckpoint(default_released_checkpoint())
+    ckpt = ReleasedCheckpoint(default_released_checkpoint(), keep_quantized=False)
     names = [k for k in ckpt.files if not k.endswith(".scale")]
     return ckpt.cfg, {k: np.asarray(ckpt.read(k), np.float32) for k in names}
 

@@ -6,6 +6,7 @@ the name mapping to the model's tree, conversion to orbax, and sharded restore.
 * `load_released_dir` / `place_released` — straight onto a mesh, each device reading only its own shard;
 * `params_from_released` — a mapping of released names to unquantized arrays → parameter tree;
 * `convert` / `load` — orbax checkpoint in the model's own tree, restored onto a mesh;
+* `open_checkpoint` — either layout, weights as stored; `stores_quantized_at` — whether they are FP4 / FP8;
 * `open_drafter` — the DSpark drafter's parameters (``mtp.*``) of either layout;
 * `write_released` — write a parameter-name mapping in the release's quantized layout.
 """
@@ -24,7 +25,7 @@ from v41cp.sharding.rules import TP_RULES
 __all__ = ["CheckpointError", "IGNORED_PREFIXES", "params_from_released", "released_to_tree", "convert", "load",
            "ReleasedCheckpoint", "load_config_dir", "load_released_dir", "place_released", "LoadReport", "ReleasedFiles",
            "SafetensorsFile", "write_safetensors", "write_released", "default_checkpoint", "default_released_checkpoint",
-           "open_checkpoint", "open_drafter", "load_drafter"]
+           "open_checkpoint", "open_drafter", "load_drafter", "stores_quantized_at"]
 
 _CHECKPOINTS = Path(__file__).resolve().parents[2] / "checkpoints"
 
@@ -40,10 +41,20 @@ def default_released_checkpoint() -> str:
 
 
 def open_checkpoint(path, mesh=None, rules=None, progress: bool = False, **overrides):
-    """(config, params) of a converted checkpoint (has ``manifest.json``) or a released-layout directory."""
+    """(config, params) of a converted checkpoint (has ``manifest.json``) or a released-layout directory, with
+    routed experts and Engram tables as stored (FP4 / FP8 when the release stores them so) unless ``overrides``
+    set ``keep_quantized``: False dequantizes a released layout; a converted one restores as converted."""
     if (Path(path) / "manifest.json").exists():
         return load(path, mesh=mesh, rules=rules or TP_RULES, progress=progress, **overrides)
     return load_released_dir(path, mesh=mesh, rules=rules, progress=progress, **overrides)
+
+
+def stores_quantized_at(path) -> bool:
+    """Whether the checkpoint at ``path`` holds routed experts FP4 and Engram tables FP8 (its ``keep_quantized``
+    as stored): a converted checkpoint's config says; a released layout's headers do (no weight is read)."""
+    if (Path(path) / "manifest.json").exists():
+        return load_config_dir(path).keep_quantized
+    return ReleasedCheckpoint(path).cfg.keep_quantized
 
 
 def open_drafter(path, cfg):

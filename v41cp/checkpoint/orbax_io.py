@@ -125,14 +125,14 @@ def _peak_rss() -> dict[str, int]:
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | None = None, progress: bool = True,
-            overwrite: bool = False, keep_quantized: bool = False, workers: int = 1) -> dict[str, Any]:
+            overwrite: bool = False, keep_quantized: bool | None = None, workers: int = 1) -> dict[str, Any]:
     """Convert a released-layout checkpoint ``src`` into an orbax checkpoint ``dst``.
 
     ``dtype`` (``"bfloat16"`` / ``"float32"``, default: the source config's) is the storage dtype of
-    the backbone; FP32 islands (mHC, sink, router biases, compressor, head) stay FP32. Quantized
-    weights (FP8 blocks, FP4 experts, FP8 Engram rows) are dequantized, except with ``keep_quantized``:
-    then routed experts stay packed FP4 and Engram tables FP8 (with their e8m0 scales), and the model
-    decodes them inside the jitted forward. ``workers > 1`` converts that many subtrees at once, each in a
+    the backbone; FP32 islands (mHC, sink, router biases, compressor, head) stay FP32. FP8 dense blocks are
+    dequantized; routed experts and Engram tables are kept as the source stores them (``keep_quantized=None``):
+    packed FP4 experts and FP8 Engram rows (with their e8m0 scales) stay so, and the model decodes them inside
+    the jitted forward. ``keep_quantized=False`` dequantizes them too; ``True`` requires a quantized source. ``workers > 1`` converts that many subtrees at once, each in a
     process of its own (host memory: about ``workers`` times one worker's). Returns a summary: tensors, bytes
     read and written, seconds, peak resident memory of this process and of the largest worker.
     """
@@ -144,6 +144,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | None
     if dtype:
         overrides["dtype"] = {"bf16": "bfloat16", "fp32": "float32"}.get(dtype, dtype)
     ckpt = ReleasedCheckpoint(src, **overrides)            # validates everything before reading a weight
+    overrides["keep_quantized"] = keep_quantized = ckpt.cfg.keep_quantized      # as stored, resolved
     tmp = dst.parent / f"{dst.name}.partial-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -243,7 +244,8 @@ def load(path: str | os.PathLike, cfg: ModelConfig | None = None, mesh: Mesh | N
     With ``mesh`` every parameter is restored with the ``NamedSharding`` of ``rules`` (each device
     reads only its shard); without, onto the first device. ``cfg`` defaults to the checkpoint's
     ``config.json`` (``overrides`` such as ``fake_quant=False`` apply to it); a given ``cfg`` must
-    have the checkpoint's shapes and dtype. ``progress``: a progress bar over the subtrees on stderr.
+    have the checkpoint's shapes and dtype. ``progress``: a progress bar over the subtrees on stderr. The weights
+    are restored as converted: an override ``keep_quantized`` other than the stored one is an error.
     """
     path = Path(path)
     manifest = path / "manifest.json"
@@ -255,8 +257,14 @@ def load(path: str | os.PathLike, cfg: ModelConfig | None = None, mesh: Mesh | N
     if info.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{str(path)!r} has format_version {info.get('format_version')!r}, "
                               f"this v41cp reads {FORMAT_VERSION}")
+    keep = overrides.pop("keep_quantized", None)
     if cfg is None:
         cfg = load_config_dir(path, **overrides)
+    if keep is not None and keep != cfg.keep_quantized:
+        raise CheckpointError(f"{str(path)!r} stores routed experts and Engram tables "
+                              f"{'quantized (FP4 / FP8)' if cfg.keep_quantized else 'dequantized'}, but "
+                              f"keep_quantized={keep} was asked: convert the release again "
+                              f"{'with --dequantize' if cfg.keep_quantized else 'without --dequantize'}")
     abstract = _abstract_subtrees(cfg, mesh, rules)
     if sorted(abstract) != sorted(info["subtrees"]):
         raise CheckpointError(f"{str(path)!r} holds subtrees {info['subtrees'][:3]}…, which do not match the config "

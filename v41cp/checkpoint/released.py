@@ -50,7 +50,7 @@ from v41cp.config import ConfigError, ModelConfig
 from v41cp.engram_hash import compressed_token_map
 from v41cp.model import abstract_params
 
-__all__ = ["ReleasedCheckpoint", "load_config_dir"]
+__all__ = ["ReleasedCheckpoint", "load_config_dir", "stores_quantized"]
 
 log = logging.getLogger(__name__)
 
@@ -96,16 +96,41 @@ def decode_stored(key: str, raw: np.ndarray, scale: np.ndarray | None) -> np.nda
     return dequant_fp8_blocks(raw, scale)
 
 
+def stores_quantized(files: ReleasedFiles, cfg: ModelConfig) -> bool:
+    """Whether ``files`` store every routed expert as packed FP4 and every Engram table as FP8 rows, each with
+    its e8m0 scale, in shapes that hold whole scale blocks: then ``keep_quantized`` keeps them as stored."""
+    if not cfg.storable_quantized:
+        return False
+    for keys, _, raw in released_to_tree(cfg.replace(keep_quantized=True)).values():
+        for key in keys if raw else ():
+            if key.endswith(".scale"):
+                continue
+            info, scale = files.tensors.get(key), files.tensors.get(key[: -len(".weight")] + ".scale")
+            want = "I8" if ".ffn.experts." in key else "F8_E4M3"
+            if info is None or info.dtype != want or scale is None or scale.dtype != "F8_E8M0":
+                return False
+    return True
+
+
 class ReleasedCheckpoint:
-    """A validated released-layout checkpoint. ``overrides`` replace config fields (``dtype``, ``fake_quant``)."""
+    """A validated released-layout checkpoint. ``overrides`` replace config fields (``dtype``, ``fake_quant``,
+    ``keep_quantized``). Without a ``cfg`` or a ``keep_quantized``, the weights are kept as stored: FP4 experts
+    and FP8 Engram rows stay quantized when the checkpoint stores them so (`stores_quantized`), the
+    dequantized tree otherwise (an unquantized export)."""
 
     def __init__(self, path: str | os.PathLike, cfg: ModelConfig | None = None, **overrides: Any):
         self.path = Path(path)
+        keep = overrides.pop("keep_quantized", None)
+        as_stored = cfg is None and keep is None
+        if keep is not None:
+            overrides["keep_quantized"] = keep
         self.cfg = cfg if cfg is not None else load_config_dir(self.path, **overrides)
         try:
             self.files = ReleasedFiles(self.path)
         except SafetensorsError as e:
             raise CheckpointError(str(e)) from e
+        if as_stored:
+            self.cfg = self.cfg.replace(keep_quantized=stores_quantized(self.files, self.cfg))
         self.abstract = nn.unbox(abstract_params(self.cfg))
         self.mapping = released_to_tree(self.cfg)
         self._validate()

@@ -21,7 +21,7 @@ def add_arguments(parser) -> None:
         flags.add(parser, group)
     parser.add_argument("--cache-budget-mib", type=int, default=64,
                         help="per-device global-page budget for max_resident_tokens (decode)")
-    flags.add(parser, flags.ModelFlags, "no_fake_quant")
+    flags.add(parser, flags.ModelFlags, "no_fake_quant", "keep_quantized", "dequantize")
     flags.add(parser, flags.OutputFlags)
     kernels.add_arguments(parser)
     flags.add(parser, flags.CompileCacheFlags)

@@ -13,7 +13,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("dst", help="output directory (must not exist unless --overwrite)")
     parser.add_argument("--dtype", choices=("bf16", "fp32"),
                         help="storage dtype of the backbone (default: the config's)")
-    flags.add(parser, flags.ModelFlags, "keep_quantized")
+    flags.add(parser, flags.ModelFlags, "keep_quantized", "dequantize")
     parser.add_argument("--workers", type=int, default=1, help="subtrees converted at once, each in its own process "
                         "(host memory grows about linearly with it)")
     parser.add_argument("--overwrite", action="store_true")
@@ -22,7 +22,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     summary = convert(args.src, args.dst, dtype=args.dtype, progress=not args.json, overwrite=args.overwrite,
-                      keep_quantized=args.keep_quantized, workers=args.workers)
+                      workers=args.workers, **flags.ModelFlags.from_args(args).storage())
     if args.json:
         print(json.dumps(summary))
     else:

@@ -24,7 +24,7 @@ def open_engine(args, capacity: Capacity):
     mesh = parallel.make_mesh() if parallel is not None else None
     cfg, params = open_checkpoint(model.path, mesh=mesh, rules=parallel.rules() if parallel is not None else None,
                                   fake_quant=model.fake_quant, progress=flags.OutputFlags.from_args(args).progress(),
-                                  **flags.BackendFlags.from_args(args).overrides())
+                                  **model.storage(), **flags.BackendFlags.from_args(args).overrides())
     speculative = flags.SpeculativeFlags.from_args(args).speculative(cfg, model.path)
     return cfg, Engine(params, cfg, capacity, mesh=mesh, parallel=parallel, speculative=speculative)
 
@@ -38,7 +38,7 @@ def _disaggregated_engine(args, capacity: Capacity):
         flags.SpeculativeFlags.from_args(args), nnodes)
     model = flags.ModelFlags.from_args(args)
     cfg, params = open_checkpoint(model.path, fake_quant=model.fake_quant,
-                                  progress=flags.OutputFlags.from_args(args).progress(),
+                                  progress=flags.OutputFlags.from_args(args).progress(), **model.storage(),
                                   **flags.BackendFlags.from_args(args).overrides())
     if nnodes > 1:                                # prefill in process 0, decode in process 1
         return cfg, CrossProcessDisaggregatedEngine(params, cfg, capacity, prefill, decode)

@@ -5,7 +5,8 @@ in the field's metadata, the field's name is the flag's ``dest``). `add` puts a 
 argparse parser; ``Group.from_args(args)`` reads the group's value back from the parsed namespace (fields a command
 did not add keep their defaults); the group's methods build the library object it stands for.
 
-* `ModelFlags` ``--checkpoint`` / ``--preset`` / ``--no-fake-quant`` / ``--keep-quantized``: the model (`config`);
+* `ModelFlags` ``--checkpoint`` / ``--preset`` / ``--no-fake-quant`` / ``--keep-quantized`` / ``--dequantize``: the
+  model (`config`) and its weights' storage (`storage`: as stored unless a flag asks);
 * `OutputFlags` ``--json``: machine-readable output (and no progress bars);
 * `TopologyFlags` ``--devices`` / ``--tp-size`` / ``--kv-parallel-size`` / DCP: the mesh, with
   `QueryParallelFlags` (model-wide and operator-local QCP) → `ParallelConfig` (`parallel_config`);
@@ -29,7 +30,7 @@ from typing import ClassVar
 
 import jax
 
-from v41cp.checkpoint import default_checkpoint, open_drafter
+from v41cp.checkpoint import default_checkpoint, open_drafter, stores_quantized_at
 from v41cp.config import ModelConfig, preset
 from v41cp.serving.engine import Capacity
 from v41cp.serving.runner.speculative import Speculative, check_speculative
@@ -82,7 +83,12 @@ class ModelFlags(_Group):
     preset: str | None = flag("--preset", help="a named preset (v41-flash, tiny, ...)")
     no_fake_quant: bool = flag("--no-fake-quant", default=False, action="store_true")
     keep_quantized: bool = flag("--keep-quantized", default=False, action="store_true",
-                                help="keep routed experts FP4 and Engram tables FP8 (decoded inside the forward)")
+                                help="require routed experts FP4 and Engram tables FP8 as stored, decoded inside the "
+                                     "forward (the default wherever the checkpoint stores them so; an error where "
+                                     "it does not)")
+    dequantize: bool = flag("--dequantize", default=False, action="store_true",
+                            help="dequantize routed experts and Engram tables to the model dtype (default: keep "
+                                 "them as the checkpoint stores them)")
 
     @property
     def path(self) -> str:
@@ -92,11 +98,27 @@ class ModelFlags(_Group):
     def fake_quant(self) -> bool:
         return not self.no_fake_quant
 
+    def storage(self) -> dict:
+        """The loaders' ``keep_quantized`` override: empty (weights as stored), or what a flag asks."""
+        if self.keep_quantized and self.dequantize:
+            raise ValueError("--keep-quantized and --dequantize contradict each other: give one")
+        return {"keep_quantized": True} if self.keep_quantized else {"keep_quantized": False} if self.dequantize \
+            else {}
+
     def config(self) -> ModelConfig:
-        """The preset's config, or the checkpoint's ``config.json``."""
+        """The preset's config (weights as the release stores them: FP4 experts and FP8 Engram rows wherever the
+        shapes allow), or the checkpoint's ``config.json`` (weights as it stores them, read from its headers);
+        ``--keep-quantized`` / ``--dequantize`` override."""
+        storage = self.storage()
         if self.preset:
-            return preset(self.preset, fake_quant=self.fake_quant)
-        return ModelConfig.from_json(Path(self.path) / "config.json", fake_quant=self.fake_quant)
+            cfg = preset(self.preset, fake_quant=self.fake_quant)
+            return cfg.replace(keep_quantized=storage.get("keep_quantized", cfg.storable_quantized))
+        path = Path(self.path)
+        cfg = ModelConfig.from_json(path / "config.json", fake_quant=self.fake_quant)
+        if "keep_quantized" not in storage:
+            headers = (path / "manifest.json").exists() or any(path.glob("*.safetensors"))
+            storage["keep_quantized"] = stores_quantized_at(path) if headers else cfg.storable_quantized
+        return cfg.replace(**storage)
 
 
 @dataclass(frozen=True)
@@ -333,7 +355,7 @@ class BackendFlags(_Group):
     indexer_backend: str = flag("--indexer-backend", default="xla", choices=("xla", "pallas"),
                                 help=_backend_help("indexer scan + top-k"))
     expert_backend: str = flag("--expert-backend", default="xla", choices=("xla", "pallas"), help=_backend_help(
-        "FP4 expert GEMMs of the sparse MoE (checkpoints converted with --keep-quantized)"))
+        "FP4 expert GEMMs of the sparse MoE (experts kept FP4 as stored)"))
     moe_backend: str = flag("--moe-backend", default="sparse", choices=("sparse", "dense"),
                             help="routed experts: each token runs only its top-k experts (dropless, static shapes), or "
                                  "every expert on every token (the reference)")

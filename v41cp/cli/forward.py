@@ -14,7 +14,8 @@ from v41cp.cli import flags
 
 
 def add_arguments(parser) -> None:
-    flags.add(parser, flags.ModelFlags, "checkpoint", "no_fake_quant", help=flags.ModelFlags.DESCRIBED)
+    flags.add(parser, flags.ModelFlags, "checkpoint", "no_fake_quant", "keep_quantized", "dequantize",
+              help=flags.ModelFlags.DESCRIBED)
     flags.add(parser, flags.OutputFlags, help=flags.OutputFlags.DESCRIBED)
     parser.add_argument("--tokens", help='prompt token ids, e.g. "5 17 42" (default: a seeded random prompt)')
     parser.add_argument("--length", type=int, default=40, help="length of the random prompt")
@@ -56,7 +57,8 @@ def run(args) -> int:
     mesh = parallel.make_mesh() if parallel is not None else None
     spec = flags.ModelFlags.from_args(args)
     cfg, params = open_checkpoint(spec.path, mesh=mesh, rules=parallel.rules() if parallel is not None else None,
-                                  fake_quant=spec.fake_quant, **flags.BackendFlags.from_args(args).overrides())
+                                  fake_quant=spec.fake_quant, **spec.storage(),
+                                  **flags.BackendFlags.from_args(args).overrides())
     shard = parallel.sharding_context(mesh) if parallel is not None else None
     t_load = time.perf_counter() - t0
     if args.tokens is None:

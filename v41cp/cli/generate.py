@@ -29,7 +29,7 @@ def add_arguments(parser) -> None:
     for group in (flags.CapacityFlags, flags.TopologyFlags, flags.QueryParallelFlags, flags.DisaggregationFlags,
                   flags.DistributedFlags, flags.BackendFlags, flags.PrefillFlags, flags.SpeculativeFlags):
         flags.add(parser, group)
-    flags.add(parser, flags.ModelFlags, "no_fake_quant")
+    flags.add(parser, flags.ModelFlags, "no_fake_quant", "keep_quantized", "dequantize")
     flags.add(parser, flags.OutputFlags)
     flags.add(parser, flags.CompileCacheFlags)
 

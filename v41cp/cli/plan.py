@@ -17,7 +17,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--context", type=int, default=4096,
                         help="decode: history capacity per request (tokens); prefill: prompt length")
     flags.add(parser, flags.CapacityFlags, "block_tokens", titled=False)
-    flags.add(parser, flags.ModelFlags, "keep_quantized", help={"keep_quantized": "FP4 experts / FP8 Engram as stored"})
+    flags.add(parser, flags.ModelFlags, "keep_quantized", "dequantize")
     flags.add(parser, flags.PrefillFlags, "ced", help={"ced": "prefill with CED narrowing"})
     parser.add_argument("--device-memory-gb", type=float, default=141.0,
                         help="device memory for 'fits' (GB, 10^9 B)")
@@ -33,9 +33,7 @@ def run(args) -> int:
     flags.CompileCacheFlags.from_args(args).start()
     if args.preset and args.checkpoint:
         raise ValueError("plan: give --preset or --checkpoint, not both")
-    cfg = flags.ModelFlags.from_args(args).config()
-    if args.keep_quantized:
-        cfg = cfg.replace(keep_quantized=True)
+    cfg = flags.ModelFlags.from_args(args).config()          # weights as stored (a preset: as the release)
     cfg = cfg.replace(**flags.BackendFlags.from_args(args).overrides())
     out = plan_program(cfg, args.mode, args.batch, args.context, flags.parallel_config(args),
                        block_tokens=args.block_tokens, ced=args.ced, device_memory_gb=args.device_memory_gb)
