@@ -153,7 +153,8 @@ def check_engine(variants=("xla", "pallas")):
     for be in variants:
         t0 = time.perf_counter()
         att, idx, exp = ENGINE_BACKENDS[be]
-        eng = Engine(params, cfg.replace(attention_backend=att, indexer_backend=idx, expert_backend=exp), cap)
+        eng = Engine(params, cfg.replace(attention_backend=att, indexer_backend=idx, expert_backend=exp), cap,
+                     record_logits=True)
         for rnd in range(2):                                   # round 0 compiles; round 1 is timed
             for rid, p in prompts.items():
                 eng.submit(f"{rid}-{rnd}", p, SamplingParams(max_new_tokens=12, stop_on_eos=False))

@@ -63,6 +63,36 @@ def test_chunked_prefill_equals_one_shot_caches_and_logits(tiny):
     assert outputs[0] == outputs[1]
 
 
+def test_only_token_ids_come_to_the_host(tiny, monkeypatch):
+    """Sampling runs inside the steps: a decode round fetches ``max_batch`` int32 ids (never the ``[batch, vocab]``
+    logits), a prefill one id per prompt; ``record_logits`` adds the logits rows, for tests only. Seeded sampling
+    with top-k / top-p / min-p gives the same tokens whatever the batch's other rows."""
+    from v41cp.serving.runner import model_runner
+
+    cfg, params = tiny
+    fetched = []
+    real = model_runner.fetch
+    monkeypatch.setattr(model_runner, "fetch", lambda x: fetched.append(real(x)) or fetched[-1])
+    sp = SamplingParams(max_new_tokens=4, temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, seed=5, stop_on_eos=False)
+    eng = Engine(params, cfg, CAP)
+    eng.submit("a", [5, 6, 7, 8, 9], sp)
+    eng.step()                                           # the prefill's first token, then one decode round
+    assert [(a.dtype, a.shape) for a in fetched] == [(np.int32, (1,)), (np.int32, (CAP.max_batch,))]
+    fetched.clear()
+    eng.step()
+    assert sum(a.nbytes for a in fetched) == 4 * CAP.max_batch
+    alone = eng.run()[0]["output_ids"]
+    crowd = Engine(params, cfg, CAP)
+    crowd.submit("x", [9, 9, 9], SamplingParams(max_new_tokens=6, temperature=1.0, seed=1, stop_on_eos=False))
+    crowd.submit("a", [5, 6, 7, 8, 9], sp)
+    assert {r["id"]: r["output_ids"] for r in crowd.run()}["a"] == alone
+    fetched.clear()
+    recorded = Engine(params, cfg, CAP, record_logits=True)
+    recorded.submit("a", [5, 6, 7, 8, 9], sp)
+    recorded.step()
+    assert [a.shape for a in fetched if a.dtype == np.float32] == [(1, cfg.vocab_size), (CAP.max_batch, cfg.vocab_size)]
+
+
 def test_seeded_sampling_is_deterministic(tiny):
     cfg, params = tiny
     prompt = [5, 6, 7, 8, 9]
@@ -124,8 +154,8 @@ def test_ced_narrowed_prefill_equals_full_prefill(tiny):
     assert ced_boundary(cfg) == 4 and ced_rows(cfg) == 15
     rng = np.random.default_rng(9)
     prompts = {n: rng.integers(3, 256, n).tolist() for n in (16, 30, 41)}
-    eng = Engine(params, cfg, dataclasses.replace(CAP, ced=True))
-    full = Engine(params, cfg, CAP)
+    eng = Engine(params, cfg, dataclasses.replace(CAP, ced=True), record_logits=True)
+    full = Engine(params, cfg, CAP, record_logits=True)
     for e in (eng, full):
         for n, p in prompts.items():
             e.submit(n, p, SamplingParams(max_new_tokens=5, stop_on_eos=False))
@@ -150,8 +180,8 @@ def test_engine_on_tp_mesh_equals_single_device(tiny):
 
     cfg, params = tiny
     prompts = {"a": [5, 6, 7], "b": list(range(20, 37)), "c": list(range(40, 70))}
-    engines = [Engine(params, cfg, CAP)] + [Engine(params, cfg, CAP, mesh=make_mesh(tp=n, devices=jax.devices()[:n]))
-                                            for n in (4,)]
+    engines = [Engine(params, cfg, CAP, record_logits=True)] + [
+        Engine(params, cfg, CAP, mesh=make_mesh(tp=n, devices=jax.devices()[:n]), record_logits=True) for n in (4,)]
     assert engines[1].params["layers_1"]["attn"]["wq_b"].sharding.spec[1] == "tp"
     assert [e.step_plan.n for e in engines[1:]] == [4] and engines[1].step_plan.replicated_pages
     for e in engines:
@@ -192,7 +222,9 @@ def test_submit_names_the_field_and_rejects_what_can_never_run(tiny):
     eng = Engine(params, cfg, dataclasses.replace(CAP, num_blocks=2, max_waiting=1))
     cases = [([5, 256], SamplingParams(), "prompt"), ([5], SamplingParams(max_new_tokens=0), "max_new_tokens"),
              ([5], SamplingParams(temperature=-1.0), "temperature"), ([5], SamplingParams(top_p=0.0), "top_p"),
-             ([5], SamplingParams(seed=-1, temperature=1.0), "seed"),
+             ([5], SamplingParams(seed=-1, temperature=1.0), "seed"), ([5], SamplingParams(top_k=-1), "top_k"),
+             ([5], SamplingParams(top_k=2.5), "top_k"), ([5], SamplingParams(min_p=1.0), "min_p"),
+             ([5], SamplingParams(min_p=float("nan")), "min_p"),
              (list(range(3, 13)), SamplingParams(max_new_tokens=30), "max_new_tokens")]
     for prompt, sp, field in cases:
         with pytest.raises(RequestError) as err:

@@ -1,6 +1,7 @@
 """`Engine`: continuous batching over the compiled steps — the thin orchestrator of a scheduler and a model runner.
 
-`Engine(params, cfg, capacity, mesh=None, parallel=None, speculative=None, devices=None, role="both")`:
+`Engine(params, cfg, capacity, mesh=None, parallel=None, speculative=None, devices=None, role="both",
+record_logits=False)`:
 
 * `submit` validates a request (errors name the offending value and change nothing) and queues it, or rejects it
   when ``max_waiting`` requests already wait (`v41cp.serving.scheduler`);
@@ -8,8 +9,10 @@
   blocks of its whole prompt + output budget, so no running request is ever preempted) and the runner prefills
   them (token-serial chunks, or span-prefill passes) — then a decode round of every running request
   (`v41cp.serving.runner.model_runner`);
-* sampling is greedy, or temperature / top-p with a per-request seed (`v41cp.serving.runner.sampling`); a
-  request stops on EOS (unless disabled) or after ``max_new_tokens``; `cancel` frees it at once;
+* sampling is greedy, or temperature with top-k / top-p / min-p and a per-request seed, on the device inside the
+  steps (`v41cp.serving.runner.sampling`): only token ids come to the host (``record_logits=True`` also keeps the
+  FP32 logits of each request's latest token in ``Request.last_logits``, for tests); a request stops on EOS
+  (unless disabled) or after ``max_new_tokens``; `cancel` frees it at once;
 * with ``speculative`` (`v41cp.serving.runner.speculative`: the DSpark drafter, or injected proposals) a decode
   round drafts ``n`` tokens per request, verifies them in one ``n + 1``-row step and keeps the accepted ones
   (greedy tokens as without it; sampling lossless);
@@ -28,14 +31,12 @@ from typing import Protocol, runtime_checkable
 from v41cp.config import ModelConfig
 from v41cp.serving.capacity import Capacity
 from v41cp.serving.runner.model_runner import ModelRunner
-from v41cp.serving.runner.sampling import sample_token, token_distribution
 from v41cp.serving.runner.speculative import Speculative, check_speculative
 from v41cp.serving.scheduler.request import EngineFull, Request, RequestError, SamplingParams
 from v41cp.serving.scheduler.scheduler import ROLES, Scheduler
 from v41cp.sharding.topology import ParallelConfig
 
-__all__ = ["Capacity", "SamplingParams", "Engine", "EngineLike", "EngineFull", "RequestError", "sample_token",
-           "token_distribution"]
+__all__ = ["Capacity", "SamplingParams", "Engine", "EngineLike", "EngineFull", "RequestError"]
 
 
 @runtime_checkable
@@ -80,7 +81,7 @@ class Engine:
 
     def __init__(self, params, cfg: ModelConfig, capacity: Capacity = Capacity(), mesh=None,
                  parallel: ParallelConfig | None = None, speculative: Speculative | None = None,
-                 devices=None, role: str = "both"):
+                 devices=None, role: str = "both", record_logits: bool = False):
         if role not in ROLES:
             raise ValueError(f"engine role must be 'both', 'prefill' or 'decode', got {role!r}")
         if speculative is not None:
@@ -89,7 +90,7 @@ class Engine:
                 raise ValueError("speculative decoding needs the drafter's parameters (v41cp.checkpoint.open_drafter) "
                                  "or a proposer")
         self.cfg, self.capacity, self.role, self.parallel, self.speculative = cfg, capacity, role, parallel, speculative
-        self.runner = ModelRunner(params, cfg, capacity, mesh, parallel, speculative, devices)
+        self.runner = ModelRunner(params, cfg, capacity, mesh, parallel, speculative, devices, record_logits)
         if capacity.prefix_caching:
             lay = self.runner.span_layout
             if self.runner.span:

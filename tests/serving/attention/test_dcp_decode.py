@@ -192,7 +192,7 @@ def test_kvp_engine_with_ced_and_chunked_prefill_equals_single_device():
     # one device (XLA path); KVP 4 with the Pallas kernels inside the DCP islands, merging partials and in the heads
     # mode (the kernel over the gathered selected records, one query head per rank)
     for c, par in ((cfg, None), (kernels, kvp4), (kernels, heads4)):
-        eng = Engine(params, c, cap, parallel=par)
+        eng = Engine(params, c, cap, parallel=par, record_logits=True)
         eng.submit("long", prompts["long"], SamplingParams(max_new_tokens=6, stop_on_eos=False))
         eng.submit("short", prompts["short"], SamplingParams(max_new_tokens=2, stop_on_eos=False))
         eng.step()

@@ -168,8 +168,8 @@ def _lockstep(params, cfg, cap, parallel=None):
     from v41cp.serving.engine import Engine, SamplingParams
 
     prompts = _prompts(cfg)
-    cold = Engine(params, cfg, cap, parallel=parallel)
-    warm = Engine(params, cfg, dataclasses.replace(cap, prefix_caching=True), parallel=parallel)
+    cold = Engine(params, cfg, cap, parallel=parallel, record_logits=True)
+    warm = Engine(params, cfg, dataclasses.replace(cap, prefix_caching=True), parallel=parallel, record_logits=True)
     step = 0
     while step == 0 or cold.pending:
         for rid, _, _, new, at in WORKLOAD:

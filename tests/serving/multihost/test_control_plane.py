@@ -13,14 +13,15 @@ pytestmark = pytest.mark.fast           # the developer tier (`pytest -m fast`)
 
 def test_commands_round_trip_as_bytes():
     c = Commands()
-    c.submit("a", [5, 17, 42], SamplingParams(max_new_tokens=3, temperature=0.5, top_p=0.9, seed=7))
+    c.submit("a", [5, 17, 42], SamplingParams(max_new_tokens=3, temperature=0.5, top_p=0.9, top_k=4, min_p=0.1,
+                                              seed=7))
     c.submit(3, [1], SamplingParams())
     c.cancel("a")
     got = Commands.decode(c.encode())
     assert got.ops == [("submit", "a", [5, 17, 42], {"max_new_tokens": 3, "temperature": 0.5, "top_p": 0.9,
-                                                     "seed": 7, "stop_on_eos": True}),
-                       ("submit", 3, [1], {"max_new_tokens": 16, "temperature": 0.0, "top_p": 1.0, "seed": 0,
-                                           "stop_on_eos": True}),
+                                                     "top_k": 4, "min_p": 0.1, "seed": 7, "stop_on_eos": True}),
+                       ("submit", 3, [1], {"max_new_tokens": 16, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
+                                           "min_p": 0.0, "seed": 0, "stop_on_eos": True}),
                        ("cancel", "a")] and not got.close
     with pytest.raises(TypeError, match="str or int"):
         c.submit(("a", 1), [1], SamplingParams())

@@ -59,7 +59,7 @@ def aggregated(tiny_tp8):
                              eng.request_state(rid) if r.status == "running" else None)
                        for rid, r in eng.requests.items()})
 
-    _drive(Engine(params, cfg, CAP, parallel=DECODE), prompts, keep)
+    _drive(Engine(params, cfg, CAP, parallel=DECODE, record_logits=True), prompts, keep)
     return prompts, record
 
 
@@ -75,7 +75,7 @@ def test_disaggregated_equals_aggregated(tiny_tp8, aggregated, prefill_kvp, tran
     cfg, params = tiny_tp8
     prompts, record = aggregated
     pre = ParallelConfig(tp_size=4, kv_parallel_size=prefill_kvp, decode_context_parallel_size=prefill_kvp)
-    pd = DisaggregatedEngine(params, cfg, CAP, pre, DECODE, transport=transport)
+    pd = DisaggregatedEngine(params, cfg, CAP, pre, DECODE, transport=transport, record_logits=True)
     assert {d.id for d in pd.prefill.mesh.devices.flat} == {0, 1, 2, 3}
     assert {d.id for d in pd.decode.mesh.devices.flat} == {4, 5, 6, 7}
 

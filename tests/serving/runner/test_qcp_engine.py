@@ -25,7 +25,7 @@ def _engine_run(params, cfg, cap, parallel=None):
     for 4 tokens. Returns the engine and (round-1 outputs, last logits, cache after round 1, round-2 outputs)."""
     rng = np.random.default_rng(2)
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in ENGINE_PROMPTS]
-    eng = Engine(params, cfg, cap, parallel=parallel)
+    eng = Engine(params, cfg, cap, parallel=parallel, record_logits=True)
     for i, p in enumerate(prompts):
         eng.submit(i, p, SamplingParams(max_new_tokens=2, stop_on_eos=False))
     eng.step()

@@ -54,7 +54,7 @@ class DisaggregatedEngine(TwoRoles):
     """See the module docstring. ``devices``: the devices of both roles (default: the host's), prefill first."""
 
     def __init__(self, params, cfg: ModelConfig, capacity: Capacity, prefill: ParallelConfig,
-                 decode: ParallelConfig, devices=None, transport: str = "copy"):
+                 decode: ParallelConfig, devices=None, transport: str = "copy", record_logits: bool = False):
         if transport not in ("copy", "collective"):
             raise ValueError(f"transport must be 'copy' or 'collective', got {transport!r}")
         devices = list(jax.devices() if devices is None else devices)
@@ -65,8 +65,10 @@ class DisaggregatedEngine(TwoRoles):
         if capacity.prefix_caching:
             raise ValueError("disaggregation with prefix caching (capacity prefix_caching=True) is not supported yet")
         self.cfg, self.capacity = cfg, capacity
-        self.prefill = Engine(params, cfg, capacity, parallel=prefill, devices=devices[:p], role="prefill")
-        self.decode = Engine(params, cfg, capacity, parallel=decode, devices=devices[p:p + d], role="decode")
+        self.prefill = Engine(params, cfg, capacity, parallel=prefill, devices=devices[:p], role="prefill",
+                              record_logits=record_logits)
+        self.decode = Engine(params, cfg, capacity, parallel=decode, devices=devices[p:p + d], role="decode",
+                             record_logits=record_logits)
         self.speculative = self.prefix = None
         self._finished: dict = {}                      # rid -> (request, result): ended by its first token
         self.transfers: list[dict] = []

@@ -63,7 +63,7 @@ class CrossProcessDisaggregatedEngine(TwoRoles):
     """See the module docstring."""
 
     def __init__(self, params, cfg: ModelConfig, capacity: Capacity, prefill: ParallelConfig,
-                 decode: ParallelConfig):
+                 decode: ParallelConfig, record_logits: bool = False):
         if jax.process_count() != 2:
             raise ValueError(f"PD across processes runs the prefill role in process 0 and the decode role in process "
                              f"1: it needs exactly 2 processes, got {jax.process_count()}")
@@ -81,7 +81,8 @@ class CrossProcessDisaggregatedEngine(TwoRoles):
         self.role = "prefill" if self.is_prefill else "decode"
         self.prefill_kvp, self.decode_kvp = prefill.kv_parallel_size, decode.kv_parallel_size
         mine = prefill if self.is_prefill else decode
-        self.engine = Engine(params, cfg, capacity, parallel=mine, devices=local, role=self.role)
+        self.engine = Engine(params, cfg, capacity, parallel=mine, devices=local, role=self.role,
+                             record_logits=record_logits)
         # the other role's allocator (host only): a request is accepted when it fits both roles, on both processes
         other_kvp = decode.kv_parallel_size if self.is_prefill else prefill.kv_parallel_size
         self._other_alloc = BlockAllocator(Engine.block_count(capacity, other_kvp), capacity.block_tokens,

@@ -34,24 +34,19 @@ from v41cp.serving.cache.request_state import request_state
 from v41cp.serving.cache.slot_state import put_slot_state, take_slot_state
 from v41cp.serving.capacity import Capacity
 from v41cp.serving.multihost.fetch import fetch
-from v41cp.serving.runner.sampling import sample_token, token_distribution
+from v41cp.serving.runner.sampling import SamplingRows, sample_tokens
 from v41cp.serving.runner.span_batch import build_span_batch, round_up, row_capacities
 from v41cp.serving.runner.span_prefill import SpanLayout, prefill_span
 from v41cp.serving.runner.span_prefill import compile_count as span_compile_count
-from v41cp.serving.runner.speculative import (
-    Speculative,
-    accept_drafts,
-    draft_step,
-    write_draft_context,
-)
+from v41cp.serving.runner.speculative import Speculative, draft_step, write_draft_context
 from v41cp.serving.runner.steps import (
     ced_boundary,
     ced_rows,
     commit_rows,
-    decode_step,
+    decode_and_sample,
     init_cache,
     prefill_chunk,
-    verify_step,
+    verify_and_accept,
 )
 from v41cp.serving.scheduler.request import Request
 from v41cp.serving.step_batch import StepBatch
@@ -74,11 +69,16 @@ class ModelRunner:
     """See the module docstring. Attributes: ``params`` (sharded), ``cache`` (`init_cache`), ``plan`` (the KVP /
     DCP layout or None), ``step_plan`` (what the cached steps run with: the KVP plan or plain TP's selection split),
     ``span_layout`` / ``span`` (the span prefill's layout and whether admissions prefill by span), ``dparams`` /
-    ``dcache`` (the drafter), ``num_blocks``, ``kv_parallel_size``, ``stats``."""
+    ``dcache`` (the drafter), ``num_blocks``, ``kv_parallel_size``, ``stats``.
+
+    Tokens are sampled on the device (`v41cp.serving.runner.sampling`); only their ids come to the host.
+    ``record_logits=True`` also fetches the FP32 logits behind each request's latest token into
+    ``Request.last_logits`` (``[vocab]`` per request and step: for tests and debugging, not for serving)."""
 
     def __init__(self, params, cfg: ModelConfig, capacity: Capacity, mesh=None, parallel: ParallelConfig | None = None,
-                 speculative: Speculative | None = None, devices=None):
+                 speculative: Speculative | None = None, devices=None, record_logits: bool = False):
         self.cfg, self.capacity, self.parallel, self.speculative = cfg, capacity, parallel, speculative
+        self.record_logits = record_logits
         self.plan = None
         self.step_plan = None
         n = 1
@@ -163,11 +163,12 @@ class ModelRunner:
             else:
                 logits, self.cache = prefill_chunk(self.params, self.cache, metas, cfg, encoder_only, self.step_plan)
             if not encoder_only:
-                last = fetch(logits[m - 1, 0])
+                last = logits[m - 1, 0][None]                                   # [1, vocab], on the device
             if end in req.cuts:
                 at_cut(req, end)
-        req.last_logits = last
-        req.output.append(sample_token(last, req.sampling, 0))
+        if self.record_logits:
+            req.last_logits = fetch(last)[0]
+        req.output.append(int(fetch(sample_tokens(last, SamplingRows.build([req.sampling], [0], 1)))[0]))
         self.stats["prefill_tokens"] += n - req.cached
         self.stats["ced_encoder_only_rows"] += encoder_rows
         self.stats["prefill_s"] += time.perf_counter() - t0
@@ -206,11 +207,16 @@ class ModelRunner:
                 self._write_context(np.asarray(slots), feats, pos, ok)
             else:
                 logits, self.cache = prefill_span(self.params, self.cache, batch, cfg, self.span_layout)
-            logits = fetch(logits)
-            for i, req in enumerate(reqs):
-                if starts[i] < ends[i] == totals[i]:                 # this pass holds the prompt's last row
-                    req.last_logits = logits[i]
-                    req.output.append(sample_token(logits[i], req.sampling, 0))
+            last = [i for i in range(len(reqs)) if starts[i] < ends[i] == totals[i]]   # passes holding a last row
+            if not last:
+                continue
+            tokens = fetch(sample_tokens(logits, SamplingRows.build([reqs[i].sampling for i in last], [0] * len(last),
+                                                                    b, rows=last)))
+            recorded = fetch(logits) if self.record_logits else None
+            for i in last:
+                reqs[i].output.append(int(tokens[i]))
+                if recorded is not None:
+                    reqs[i].last_logits = recorded[i]
         for req in reqs:
             n = len(req.prompt)
             self.stats["prefill_tokens"] += n
@@ -235,11 +241,14 @@ class ModelRunner:
         cfg = self.cfg
         meta = StepBatch.for_histories(cfg, [r.history for r in rows], slots, tables, self.capacity.max_batch,
                                        self.capacity.max_blocks)
-        logits, self.cache = decode_step(self.params, self.cache, meta, cfg, self.step_plan)
-        logits = fetch(logits)
+        sampling = SamplingRows.build([r.sampling for r in rows], [len(r.output) for r in rows], self.capacity.max_batch)
+        tokens, logits, self.cache = decode_and_sample(self.params, self.cache, meta, sampling, cfg, self.step_plan)
+        tokens = fetch(tokens)
+        logits = fetch(logits) if self.record_logits else None
         for i, req in enumerate(rows):
-            req.last_logits = logits[i]
-            req.output.append(sample_token(logits[i], req.sampling, len(req.output)))
+            if logits is not None:
+                req.last_logits = logits[i]
+            req.output.append(int(tokens[i]))
             done(req)
         self.stats["decode_steps"] += 1
         self.stats["decode_tokens"] += len(rows)
@@ -266,27 +275,28 @@ class ModelRunner:
         # rows within the reserved pages
         lengths = np.array([min(r, req.sampling.max_new_tokens - len(req.output)) for req in rows], np.int32)
         meta = StepBatch.verify(cfg, [req.history for req in rows], drafts, lengths, slots, tables, b, mb, r)
-        logits, self.cache, undo, (feats, fpos, fok) = verify_step(self.params, self.cache, meta, cfg,
-                                                                   self.step_plan, features=True)
-        logits = fetch(logits)
-        kept, emitted_total = np.zeros(b, np.int32), 0
+        sampling = SamplingRows.build([req.sampling for req in rows], [len(req.output) for req in rows], b)
+        emitted, accepted, logits, self.cache, undo, (feats, fpos, fok) = verify_and_accept(
+            self.params, self.cache, meta, sampling, cfg, self.step_plan, features=True)
+        self.cache = commit_rows(self.cache, undo, accepted + 1, cfg, self.step_plan)   # the anchor and the kept
+        emitted = fetch(emitted)
+        kept = np.where(np.arange(b) < len(rows), fetch(accepted) + 1, 0)       # the anchor and m drafts; idle 0
+        logits = fetch(logits) if self.record_logits else None
+        emitted_total = 0
         for i, req in enumerate(rows):
-            sp = req.sampling
-            emitted, m = accept_drafts(list(drafts[i, :lengths[i] - 1]), logits[i, :lengths[i]],
-                                       lambda lg: token_distribution(lg, sp), sp.seed, len(req.output))
-            kept[i] = m + 1                                                        # the anchor and m drafts
-            req.last_logits = logits[i, m]
+            m = int(kept[i]) - 1
+            if logits is not None:
+                req.last_logits = logits[i, m]
             req.spec["steps"] += 1
             req.spec["proposed"] += int(lengths[i] - 1)
             req.spec["accepted"] += m
-            for t in emitted:
-                req.output.append(t)
+            for t in emitted[i, :m + 1]:
+                req.output.append(int(t))
                 req.spec["emitted"] += 1
                 emitted_total += 1
                 done(req)
                 if req.status != "running":
                     break
-        self.cache = commit_rows(self.cache, undo, jnp.asarray(kept), cfg, self.step_plan)
         if self.dparams is not None:
             self._write_context(slot_ids, feats, fpos, fok & (fpos < jnp.asarray(pos + kept)[:, None]))
         self.stats["decode_steps"] += 1
@@ -314,15 +324,17 @@ class ModelRunner:
                 "pages_per_device": self.num_blocks // (self.plan.n if self.plan else 1)}
 
     def compiled_decode_text(self) -> str:
-        """Optimized HLO of this runner's decode step (its static bucket), for structure checks."""
-        meta = StepBatch.idle(self.cfg, self.capacity.max_batch, self.capacity.max_blocks)
-        return decode_step.lower(self.params, self.cache, meta, self.cfg, self.step_plan).compile().as_text()
+        """Optimized HLO of this runner's decode step (its static bucket, with the sampling), for structure checks."""
+        b = self.capacity.max_batch
+        meta = StepBatch.idle(self.cfg, b, self.capacity.max_blocks)
+        return decode_and_sample.lower(self.params, self.cache, meta, SamplingRows.build([], [], b), self.cfg,
+                                       self.step_plan).compile().as_text()
 
     @staticmethod
     def compile_counts() -> dict[str, int]:
-        """Compilations so far of the jitted decode step, token-serial prefill chunk, span prefill and the
-        speculative verification and draft steps (one per bucket — and verification width — expected; the span
-        prefill also once more for continuing passes)."""
-        return {"decode_step": decode_step._cache_size(), "prefill_chunk": prefill_chunk._cache_size(),
-                "prefill_span": span_compile_count(), "verify_step": verify_step._cache_size(),
+        """Compilations so far of the engine's jitted decode step (with its sampling), token-serial prefill chunk,
+        span prefill and the speculative verification (with its acceptance) and draft steps (one per bucket — and
+        verification width — expected; the span prefill also once more for continuing passes)."""
+        return {"decode_step": decode_and_sample._cache_size(), "prefill_chunk": prefill_chunk._cache_size(),
+                "prefill_span": span_compile_count(), "verify_step": verify_and_accept._cache_size(),
                 "draft_step": draft_step._cache_size()}

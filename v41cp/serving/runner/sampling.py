@@ -1,49 +1,165 @@
-"""Host-side sampling of a token from FP32 logits: greedy, or temperature / top-p seeded per output index.
+"""On-device sampling: the token of each batch row drawn from its FP32 logits inside the jitted steps, so that only
+the sampled ids (``[B]`` int32) come back to the host — never the ``[B, vocab]`` logits.
 
-The draw of output token ``i`` of a request with seed ``s`` uses ``default_rng([s, i])``, so a request's tokens
-depend only on its own logits and seed (deterministic across batch compositions, restarts and speculative rounds).
+* `SamplingRows` — the per-row sampling parameters of a step as device data (a registered dataclass, one entry per
+  batch row; idle rows greedy);
+* `sample_rows(logits [B, V], rows)` — greedy (temperature 0) or temperature sampling restricted to the top-k,
+  top-p (nucleus) and min-p support, one token per row;
+* `accept_rows(logits [B, R, V], drafts [B, R−1], lengths [B], rows)` — speculative acceptance against point-mass
+  draft proposals (greedy: the longest prefix equal to the argmax; sampled: lossless rejection sampling with the
+  residual distribution), the emitted tokens and the kept draft count per row;
+* `token_distribution(logits [B, V], rows)` — the distribution `sample_rows` draws from (probabilities [B, V]).
+
+Determinism: the draw of output token ``i`` of a request with seed ``s`` uses the threefry key of ``s`` (64 bits)
+folded with ``i`` and a stream number (0 for the token, 1 for the acceptance test of a draft, 2 for a token drawn
+after a draft), so a request's tokens depend only on its own logits and seed — the same across batch compositions,
+batch rows, restarts and speculative rounds. The support: the top-k tokens, then of those the smallest most-likely
+set holding ``top_p`` of their renormalised mass, then of those the tokens at least ``min_p`` times as likely as
+the most likely one; ties keep the lower token id (`jax.lax.top_k` order). A batch whose rows all leave the three
+filters off skips the vocabulary sort. Temperatures so small that ``logits / T`` overflows are the greedy limit.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from v41cp.serving.scheduler.request import SamplingParams
 
-__all__ = ["sample_token", "token_distribution"]
+__all__ = ["SamplingRows", "sample_rows", "accept_rows", "token_distribution", "sample_tokens"]
+
+TOKEN, ACCEPT, AFTER_DRAFT = 0, 1, 2        # the random streams of one output index
 
 
-def _support(logits: np.ndarray, sp: SamplingParams):
-    """Temperature / top-p sampling's support and probabilities ``(ids, q)`` (descending), or None for greedy
-    (temperature 0, or so small that logits / T overflows: the greedy limit)."""
-    if sp.temperature <= 0:
-        return None
-    z = logits.astype(np.float64) / sp.temperature
-    if not np.isfinite(z).all():
-        return None
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    order = np.argsort(-p, kind="stable")
-    cum = np.cumsum(p[order])
-    keep = order[: max(1, int(np.searchsorted(cum, sp.top_p) + 1))]
-    return keep, p[keep] / p[keep].sum()
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SamplingRows:
+    """The sampling parameters of every batch row (data fields, shapes ``[B]``): ``temperature`` f32 (0: greedy),
+    ``top_p`` f32 in (0, 1], ``top_k`` i32 (0: off), ``min_p`` f32 in [0, 1), ``seed`` uint32 ``[B, 2]`` (the 64-bit
+    seed's high and low words), ``index`` i32 (the output index of the row's first sampled token)."""
+
+    temperature: jax.Array
+    top_p: jax.Array
+    top_k: jax.Array
+    min_p: jax.Array
+    seed: jax.Array
+    index: jax.Array
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], indices: Sequence[int], batch: int,
+              rows: Sequence[int] | None = None) -> "SamplingRows":
+        """Host arrays of ``batch`` rows: ``params[i]`` at output index ``indices[i]`` in row ``rows[i]`` (default
+        ``i``); the other rows are idle (greedy)."""
+        at = np.arange(len(params)) if rows is None else np.asarray(rows, np.int64)
+
+        def col(values, dtype, idle):
+            out = np.full(batch, idle, dtype)
+            out[at] = values
+            return out
+
+        seeds = np.zeros((batch, 2), np.uint32)
+        seeds[at, 0] = [sp.seed >> 32 for sp in params]
+        seeds[at, 1] = [sp.seed & 0xFFFFFFFF for sp in params]
+        return cls(temperature=col([sp.temperature for sp in params], np.float32, 0.0),
+                   top_p=col([sp.top_p for sp in params], np.float32, 1.0),
+                   top_k=col([sp.top_k for sp in params], np.int32, 0),
+                   min_p=col([sp.min_p for sp in params], np.float32, 0.0), seed=seeds,
+                   index=col(list(indices), np.int32, 0))
+
+    def take(self, rows: jax.Array) -> "SamplingRows":
+        """The parameters of batch rows ``rows``."""
+        return jax.tree.map(lambda a: a[rows], self)
 
 
-def sample_token(logits: np.ndarray, sp: SamplingParams, index: int) -> int:
-    """Greedy (temperature 0) or temperature / top-p sampling of one token, seeded by (seed, index)."""
-    support = _support(logits, sp)
-    if support is None:
-        return int(np.argmax(logits))
-    keep, q = support
-    return int(keep[np.random.default_rng([sp.seed, index]).choice(len(keep), p=q)])
+def _keys(rows: SamplingRows, offset, stream: int):
+    """One threefry key per row: its seed folded with output index ``rows.index + offset`` and ``stream``."""
+    def one(seed, index):
+        key = jax.random.wrap_key_data(seed, impl="threefry2x32")
+        return jax.random.fold_in(jax.random.fold_in(key, index), stream)
+    return jax.vmap(one)(rows.seed, rows.index + offset)
 
 
-def token_distribution(logits: np.ndarray, sp: SamplingParams) -> np.ndarray | None:
-    """The distribution `sample_token` draws from, as probabilities over the vocabulary (float64); None for
-    greedy (speculative acceptance then compares with the argmax)."""
-    support = _support(logits, sp)
-    if support is None:
-        return None
-    p = np.zeros(logits.shape[-1])
-    p[support[0]] = support[1]
-    return p
+def _support_logits(logits: jax.Array, rows: SamplingRows):
+    """``(z [B, V], greedy [B])``: the tempered logits with −inf outside each row's support, and which rows are
+    greedy (temperature 0, or ``logits / T`` not finite)."""
+    t = rows.temperature[:, None]
+    z = logits.astype(jnp.float32) / jnp.where(t > 0, t, 1.0)
+    greedy = (rows.temperature <= 0) | ~jnp.isfinite(z).all(-1)
+    filtered = (rows.top_k > 0).any() | (rows.top_p < 1).any() | (rows.min_p > 0).any()
+    return jax.lax.cond(filtered, _filtered, lambda z, rows: z, z, rows), greedy
+
+
+def _filtered(z: jax.Array, rows: SamplingRows) -> jax.Array:
+    """Top-k, then top-p over the top-k mass, then min-p: entries outside the support set to −inf."""
+    v = z.shape[-1]
+    order = jnp.argsort(-z, axis=-1, stable=True)                          # descending, lower id first on ties
+    zs = jnp.take_along_axis(z, order, axis=-1)
+    rank = jnp.arange(v)[None]
+    k = jnp.where(rows.top_k > 0, jnp.minimum(rows.top_k, v), v)[:, None]
+    keep = rank < k
+    p = jax.nn.softmax(jnp.where(keep, zs, -jnp.inf), axis=-1)
+    before = jnp.cumsum(p, axis=-1) - p                                   # mass of the more likely tokens
+    keep &= (before < rows.top_p[:, None]) | (rows.top_p[:, None] >= 1) | (rank == 0)
+    keep &= p >= rows.min_p[:, None] * p[:, :1]
+    inverse = jnp.argsort(order, axis=-1)
+    return jnp.where(jnp.take_along_axis(keep, inverse, axis=-1), z, -jnp.inf)
+
+
+def token_distribution(logits: jax.Array, rows: SamplingRows) -> jax.Array:
+    """The probabilities [B, V] that `sample_rows` draws from (a one-hot of the argmax for greedy rows)."""
+    z, greedy = _support_logits(logits, rows)
+    onehot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    return jnp.where(greedy[:, None], onehot, jax.nn.softmax(z, axis=-1))
+
+
+def _draw(keys, z: jax.Array) -> jax.Array:
+    return jax.vmap(jax.random.categorical)(keys, z).astype(jnp.int32)
+
+
+def sample_rows(logits: jax.Array, rows: SamplingRows) -> jax.Array:
+    """One token per row of ``logits [B, V]`` (FP32): ``[B]`` int32 (see the module docstring)."""
+    z, greedy = _support_logits(logits, rows)
+    drawn = _draw(_keys(rows, 0, TOKEN), z)
+    return jnp.where(greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), drawn)
+
+
+sample_tokens = jax.jit(sample_rows)        # the prefills' first tokens: a program on the step's device logits
+
+
+def accept_rows(logits: jax.Array, drafts: jax.Array, lengths: jax.Array, rows: SamplingRows
+                ) -> tuple[jax.Array, jax.Array]:
+    """Speculative acceptance of ``drafts [B, R−1]`` against the verification rows' ``logits [B, R, V]`` (row ``j``
+    predicts the token after draft ``j``; only the first ``lengths [B] ≤ R`` rows of a request are real): ``(emitted
+    [B, R] int32 — the kept drafts, then one token from the target, −1 after —, kept [B] int32 drafts)``.
+    Greedy rows keep drafts while they equal the argmax; sampled rows keep draft ``d`` at row ``j`` when a uniform
+    draw (stream 1 of output index ``index + j``) is below ``p_j(d)``, and the first rejected row draws from its
+    distribution without ``d`` (stream 2) — exactly the target's distribution (lossless). After every real draft is
+    kept, the last real row draws from its full distribution (stream 2)."""
+    b, r, v = logits.shape
+    flat = jax.tree.map(lambda a: jnp.repeat(a, r, axis=0), rows)
+    flat = SamplingRows(**{**vars(flat), "index": flat.index + jnp.tile(jnp.arange(r, dtype=jnp.int32), b)})
+    z, greedy = _support_logits(logits.reshape(b * r, v), flat)
+    p = jnp.where(greedy[:, None], jax.nn.one_hot(jnp.argmax(logits.reshape(b * r, v), -1), v), jax.nn.softmax(z, -1))
+    p = p.reshape(b, r, v)
+    greedy = greedy.reshape(b, r)
+    d = jnp.concatenate([drafts, jnp.zeros((b, 1), drafts.dtype)], axis=1)                  # [B, R]
+    p_d = jnp.take_along_axis(p, d[..., None], axis=-1)[..., 0]
+    u = jax.vmap(jax.random.uniform)(_keys(flat, 0, ACCEPT)).reshape(b, r)
+    ok = jnp.where(greedy, jnp.argmax(logits, -1) == d, u < p_d)
+    real = jnp.arange(r)[None] < lengths[:, None] - 1                                         # rows holding a draft
+    kept = jnp.cumprod(ok & real, axis=1).sum(1).astype(jnp.int32)                            # [B]
+    last = jnp.take_along_axis(p, kept[:, None, None], axis=1)[:, 0]                          # [B, V]
+    rejected = kept < lengths - 1
+    dk = jnp.take_along_axis(d, kept[:, None], axis=1)[:, 0]
+    last = jnp.where(rejected[:, None] & (jnp.arange(v)[None] == dk[:, None]), 0.0, last)
+    keys = _keys(rows, kept, AFTER_DRAFT)
+    g = jnp.take_along_axis(greedy, kept[:, None], axis=1)[:, 0]
+    best = jnp.argmax(jnp.take_along_axis(logits, kept[:, None, None], axis=1)[:, 0], -1).astype(jnp.int32)
+    tok = jnp.where(g, best, _draw(keys, jnp.log(last)))
+    i = jnp.arange(r)[None]
+    emitted = jnp.where(i < kept[:, None], d, jnp.where(i == kept[:, None], tok[:, None], -1))
+    return emitted.astype(jnp.int32), kept

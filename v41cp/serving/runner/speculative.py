@@ -10,13 +10,13 @@ One engine step of a request at anchor position ``p`` (the last output token, no
    ``i = 0``);
 2. **verify**: the anchor and its drafts as ``n + 1`` rows of one static-width `verify_step` of the target (under
    KVP / DCP each row gets its distributed top-k and LSE merge), which also returns every row's target features;
-3. **accept** (`accept_drafts`, host): greedy — the longest prefix of drafts equal to the target's argmax, then the
-   target's token after it; sampling — standard rejection sampling against the target's sampling distribution
-   (temperature / top-p as `v41cp.serving.engine.sample_token`) with the drafts as a point-mass proposal: draft
-   ``d`` is kept with probability ``p(d)``, else a token is drawn from ``p`` without ``d`` (renormalised), and
-   after ``m`` kept drafts the bonus token is drawn from the target at row ``m``. Every emitted token is then
-   distributed exactly as the target's own sampling (lossless); draws use per-request seeded generators
-   (`numpy.random.default_rng([seed, output index, k])`), identical on every process;
+3. **accept** (`v41cp.serving.runner.sampling.accept_rows`, inside the verification program
+   `v41cp.serving.runner.steps.verify_and_accept`): greedy — the longest prefix of drafts equal to the target's
+   argmax, then the target's token after it; sampling — standard rejection sampling against the target's sampling
+   distribution with the drafts as a point-mass proposal: draft ``d`` is kept with probability ``p(d)``, else a
+   token is drawn from ``p`` without ``d`` (renormalised), and after ``m`` kept drafts the bonus token is drawn
+   from the target at row ``m``. Every emitted token is then distributed exactly as the target's own sampling
+   (lossless); draws use per-request keys (seed, output index, stream), identical on every process;
 4. **commit**: `commit_rows` keeps the anchor and the ``m`` accepted rows (window ring, open pair, compressed
    entries, index keys of the rejected rows put back) and `write_draft_context` writes the draft cache from the
    features of the kept rows only.
@@ -34,14 +34,12 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from v41cp.config import ModelConfig
 from v41cp.drafter import Drafter, draft_logits
 from v41cp.serving.cache.device_cache import DraftCache
 
-__all__ = ["Speculative", "draft_step", "write_draft_context", "accept_drafts",
-           "check_speculative"]
+__all__ = ["Speculative", "draft_step", "write_draft_context", "check_speculative"]
 
 
 @dataclass(frozen=True)
@@ -113,30 +111,3 @@ def draft_step(params: dict, embed: jax.Array, head: jax.Array, cfg: ModelConfig
         drafts.append(prev)
         confidence.append(_call(params, cfg, Drafter.confidence, h[:, i], normed[:, i], emb))
     return jnp.stack(drafts, axis=1), jnp.stack(confidence, axis=1)
-
-
-def accept_drafts(drafts: list[int], target_logits: np.ndarray, distribution, seed: int, index: int
-                  ) -> tuple[list[int], int]:
-    """Verify ``drafts`` against the target's logits of the verification rows ``target_logits [L, vocab]`` (row
-    ``j`` predicts the token after draft ``j``; ``L ≤ len(drafts) + 1``): ``(emitted tokens, drafts kept)``.
-    ``distribution(logits) → probabilities [vocab]`` (float64) is the target's sampling distribution, None for
-    greedy; ``index`` is the output index of the first emitted token (the generators are seeded by ``[seed,
-    output index, k]``)."""
-    emitted = []
-    for j, d in enumerate(drafts[:len(target_logits) - 1]):
-        p = distribution(target_logits[j])
-        if p is None:                                                 # greedy: keep while equal to the argmax
-            best = int(np.argmax(target_logits[j]))
-            if best != d:
-                return emitted + [best], j
-        elif np.random.default_rng([seed, index + j, 1]).random() >= p[d]:
-            residual = p.copy()
-            residual[d] = 0.0                                        # > 0 somewhere: p[d] < 1 if d was rejected
-            tok = np.random.default_rng([seed, index + j, 2]).choice(residual.size, p=residual / residual.sum())
-            return emitted + [int(tok)], j
-        emitted.append(int(d))
-    m = len(emitted)
-    p = distribution(target_logits[m])
-    if p is None:
-        return emitted + [int(np.argmax(target_logits[m]))], m
-    return emitted + [int(np.random.default_rng([seed, index + m, 2]).choice(p.size, p=p))], m

@@ -4,6 +4,8 @@ Every step is the one model (`v41cp.model.Transformer`) over cached rows (`v41cp
 
 * `decode_step(params, cache, meta, cfg)` — one new token per active batch row (a `StepBatch` of one row each,
   `StepBatch.decode`);
+* `decode_and_sample` / `verify_and_accept` — the same steps with the tokens sampled (`v41cp.serving.runner.sampling`)
+  and the drafts accepted inside the program: the engine's steps, which bring back only token ids;
 * `verify_step(params, cache, rows, cfg)` — ``k`` new rows per request in one step (a `StepBatch`, static
   ``rows = k``, ragged ``lengths ≤ k``): the logits of every row and the cache equal feeding the same tokens one
   at a time; `commit_rows` then keeps only the first ``a ≤ k`` rows of each request (the cache equals having
@@ -39,10 +41,11 @@ from v41cp.serving.attention.paged_rows import PagedRows
 from v41cp.serving.cache import paged as pc
 from v41cp.serving.cache.device_cache import POOLS, PagedCache, init_cache
 from v41cp.serving.cache.undo import VerifyUndo
+from v41cp.serving.runner.sampling import SamplingRows, accept_rows, sample_rows
 from v41cp.serving.step_batch import StepBatch
 
-__all__ = ["StepBatch", "init_cache", "decode_step", "verify_step", "commit_rows", "prefill_chunk",
-           "ced_boundary", "ced_rows"]
+__all__ = ["StepBatch", "init_cache", "decode_step", "decode_and_sample", "verify_step", "verify_and_accept",
+           "commit_rows", "prefill_chunk", "ced_boundary", "ced_rows"]
 
 
 def _forward_rows(params: dict, cache: PagedCache, meta: StepBatch, cfg: ModelConfig, plan: DCPPlan | None,
@@ -73,6 +76,15 @@ def decode_step(params: dict, cache: PagedCache, meta: StepBatch, cfg: ModelConf
     return logits[:, 0], cache
 
 
+@partial(jax.jit, static_argnames=("cfg", "plan"), donate_argnames=("cache",))
+def decode_and_sample(params: dict, cache: PagedCache, meta: StepBatch, sampling: SamplingRows, cfg: ModelConfig,
+                      plan: DCPPlan | None = None):
+    """`decode_step` with each row's token sampled in the same program (`sample_rows`, parameters ``sampling``):
+    ``(tokens [max_batch] int32, logits [max_batch, vocab] FP32, cache)`` — the engine fetches only the tokens."""
+    logits, cache, _, _ = _forward_rows(params, cache, meta, cfg, plan)
+    return sample_rows(logits[:, 0], sampling), logits[:, 0], cache
+
+
 @partial(jax.jit, static_argnames=("cfg", "plan", "features"), donate_argnames=("cache",))
 def verify_step(params: dict, cache: PagedCache, rows: StepBatch, cfg: ModelConfig, plan: DCPPlan | None = None,
                 features: bool = False):
@@ -88,6 +100,21 @@ def verify_step(params: dict, cache: PagedCache, rows: StepBatch, cfg: ModelConf
     logits, cache, undo, feats = _forward_rows(params, cache, rows, cfg, plan, undo=True,
                                                features=rows.rows if features else 0)
     return (logits, cache, undo, feats) if features else (logits, cache, undo)
+
+
+@partial(jax.jit, static_argnames=("cfg", "plan", "features"), donate_argnames=("cache",))
+def verify_and_accept(params: dict, cache: PagedCache, rows: StepBatch, sampling: SamplingRows, cfg: ModelConfig,
+                      plan: DCPPlan | None = None, features: bool = False):
+    """`verify_step` of ``rows`` (each request's anchor then its drafts) with the speculative acceptance in the same
+    program (`accept_rows`, parameters ``sampling``): ``(emitted [max_batch, k] int32, kept [max_batch] int32 drafts,
+    logits [max_batch, k, vocab], cache, undo[, features])`` — the engine fetches only ``emitted`` and ``kept``
+    and passes ``kept + 1`` to `commit_rows` on the device."""
+    if rows.rows > cfg.sliding_window:
+        raise ValueError(f"verify_step: rows={rows.rows} exceeds sliding_window={cfg.sliding_window}")
+    logits, cache, undo, feats = _forward_rows(params, cache, rows, cfg, plan, undo=True,
+                                               features=rows.rows if features else 0)
+    emitted, kept = accept_rows(logits, rows.tokens[:, 1:], rows.lengths, sampling)
+    return (emitted, kept, logits, cache, undo) + ((feats,) if features else ())
 
 
 @partial(jax.jit, static_argnames=("cfg", "plan"), donate_argnames=("cache",))

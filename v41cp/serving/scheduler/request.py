@@ -21,7 +21,7 @@ STATUSES = ("waiting", "running", "done", "cancelled")
 
 class RequestError(ValueError):
     """A request is rejected at submit; ``field`` names the offending input (``prompt``, ``max_new_tokens``,
-    ``temperature``, ``top_p``, ``seed``, ``request_id``). Nothing else changes."""
+    ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``request_id``). Nothing else changes."""
 
     def __init__(self, message: str, field: str, detail: str | None = None):
         super().__init__(message)
@@ -43,6 +43,8 @@ class SamplingParams:
     max_new_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0                      # 0: off
+    min_p: float = 0.0                  # 0: off
     seed: int = 0
     stop_on_eos: bool = True
 
@@ -87,6 +89,10 @@ def check_request(rid, prompt: list[int], sampling: SamplingParams, cfg: ModelCo
         raise RequestError.of(rid, f"temperature must be >= 0, got {sampling.temperature!r}", "temperature")
     if not 0 < sampling.top_p <= 1:
         raise RequestError.of(rid, f"top_p must be in (0, 1], got {sampling.top_p!r}", "top_p")
+    if type(sampling.top_k) is not int or sampling.top_k < 0:
+        raise RequestError.of(rid, f"top_k must be a non-negative integer (0: off), got {sampling.top_k!r}", "top_k")
+    if not 0 <= sampling.min_p < 1:
+        raise RequestError.of(rid, f"min_p must be in [0, 1), got {sampling.min_p!r}", "min_p")
     if type(sampling.seed) is not int or not 0 <= sampling.seed < 2**63:
         raise RequestError.of(rid, f"seed must be an integer in [0, 2**63), got {sampling.seed!r}", "seed")
     total = len(prompt) + sampling.max_new_tokens
