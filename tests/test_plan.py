@@ -11,7 +11,8 @@ from v41cp import model
 from v41cp.config import preset
 from v41cp.plan import floor_flops
 from v41cp.serving.attention.dcp import DCPPlan
-from v41cp.serving.runner.steps import decode_step, init_cache
+from v41cp.serving.runner.sampling import SamplingRows
+from v41cp.serving.runner.steps import decode_and_sample, init_cache
 from v41cp.serving.step_batch import StepBatch
 from v41cp.sharding.hlo_stats import collectives, program_cost
 from v41cp.sharding.topology import ParallelConfig
@@ -42,7 +43,8 @@ def test_plan_equals_the_compiled_engine_program(capsys):
     cache = init_cache(cfg, num_blocks, BLOCK, BATCH, plan=plan)
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     meta = jax.device_put(StepBatch.idle(cfg, BATCH, max_blocks), rep)
-    compiled = decode_step.lower(params, cache, meta, cfg, plan).compile()
+    sampling = jax.device_put(SamplingRows.build([], [], BATCH), rep)
+    compiled = decode_and_sample.lower(params, cache, meta, sampling, cfg, plan).compile()
     cost = program_cost(compiled)                            # loop bodies counted per iteration
     mem = compiled.memory_analysis()
     assert out["flops_per_device"] == cost["flops"] and out["bytes_accessed_per_device"] == cost["bytes accessed"]
@@ -75,6 +77,36 @@ def test_floor_counts_the_rows_and_entries_the_model_defines():
     # prefill: 40 rows of the same per-row parameters, but the head once
     assert np.isclose(pre["parameters"] - head, 40 * (dec["parameters"] - head))
     assert pre["attention"] < 40 * dec["attention"] and pre["indexer"] < 40 * dec["indexer"]
+
+
+@pytest.mark.fast
+def test_floor_equals_an_independent_count_at_the_released_size():
+    """The attention + indexer floor of one V4.1-Flash decode row at 1M tokens against the per-layer FLOPs of an
+    independent analytical model of the released attention (the project's performance-limits study, written from
+    the release's config and FlashMLA's absorbed-MLA form: 131,072 FLOPs per attended entry, 8,192 per scored
+    index key), printed there in GFLOP to two decimals: SWA-only 0.02, C2 KV + index source 4.38, C2 reuse 0.08,
+    C1 candidate source 8.67, C1 index source inside the candidates 0.22, C1 reuse 0.08."""
+    cfg = preset("v41-flash")
+    kinds = {"swa": 0.02, "c2_source": 4.38, "c2_reuse": 0.08, "c1_candidate_source": 8.67,
+             "c1_in_candidates": 0.22, "c1_reuse": 0.08}
+    count = {k: 0 for k in kinds}
+    for role in cfg.layer_roles:
+        if role.ratio == 0:
+            count["swa"] += 1
+        elif not role.is_index_source:
+            count[f"c{role.ratio}_reuse"] += 1
+        elif role.ratio == 2:
+            count["c2_source"] += 1
+        else:
+            count["c1_in_candidates" if role.uses_candidates else "c1_candidate_source"] += 1
+    assert count == {"swa": 2, "c2_source": 3, "c2_reuse": 15, "c1_candidate_source": 1, "c1_in_candidates": 4,
+                     "c1_reuse": 15}
+    want = sum(kinds[k] * n for k, n in count.items()) * 1e9
+    floor = floor_flops(cfg, "decode", 1, 1 << 20)
+    got = floor["attention"] + floor["indexer"]
+    assert abs(got - want) <= 0.005e9 * sum(count.values())          # the study's rounding, per layer
+    # a batch multiplies every term (each sequence has its own cache)
+    assert np.isclose(sum(floor_flops(cfg, "decode", 64, 1 << 20)[k] for k in ("attention", "indexer")), 64 * got)
 
 
 def test_qcp_prefill_temporaries_grow_linearly_in_prompt_length():

@@ -4,8 +4,8 @@ simulated ones), measured from XLA's own cost and memory analysis of the per-dev
 
 `plan_program(cfg, mode, batch, context, parallel, ...)` → the report (a dict):
 
-* ``mode="decode"``: one `v41cp.serving.runner.steps.decode_step` of ``batch`` rows whose requests each hold
-  ``context`` tokens of history capacity (the cache: ``batch · ⌈context / block_tokens⌉`` pages, split over the
+* ``mode="decode"``: the engine's decode step (`v41cp.serving.runner.steps.decode_and_sample`: the model and the
+  sampling of each row) of ``batch`` rows whose requests each hold ``context`` tokens of history capacity (the cache: ``batch · ⌈context / block_tokens⌉`` pages, split over the
   KVP group; DCP under KVP);
 * ``mode="prefill"``: one `v41cp.serving.runner.span_prefill` pass of ``batch`` prompts of ``context`` tokens in the
   topology's layout (model-wide QCP, KVP, operator-local QCP, CED).
@@ -31,9 +31,10 @@ from v41cp.config import ModelConfig
 from v41cp.model import abstract_params
 from v41cp.serving.attention.dcp import DCPPlan
 from v41cp.serving.cache.device_cache import cache_layout
+from v41cp.serving.runner.sampling import SamplingRows
 from v41cp.serving.runner.span_batch import build_span_batch
 from v41cp.serving.runner.span_prefill import SpanLayout, lower_prefill_span
-from v41cp.serving.runner.steps import decode_step
+from v41cp.serving.runner.steps import decode_and_sample
 from v41cp.serving.step_batch import StepBatch
 from v41cp.sharding.hlo_stats import collectives, dot_flops_by_op, program_cost
 from v41cp.sharding.rules import param_shardings
@@ -128,7 +129,8 @@ def _decode_program(cfg, batch, context, block_tokens, parallel, mesh, params):
         jax.devices()[0]))
     meta = StepBatch(arg((batch, 1)), arg((batch,)), arg((batch,)), arg((batch,)), arg((batch, max_blocks)),
                      arg((batch, 1, n_eng, cfg.engram_hash_heads if n_eng else 0)), batch, max_blocks, 1)
-    return decode_step.lower(params, cache, meta, cfg, plan), cache
+    sampling = SamplingRows.abstract(batch, rep or jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    return decode_and_sample.lower(params, cache, meta, sampling, cfg, plan), cache
 
 
 def _prefill_program(cfg, batch, context, block_tokens, parallel, mesh, params, ced, tile_bytes=None):

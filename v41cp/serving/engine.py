@@ -5,10 +5,11 @@ record_logits=False)`:
 
 * `submit` validates a request (errors name the offending value and change nothing) and queues it, or rejects it
   when ``max_waiting`` requests already wait (`v41cp.serving.scheduler`);
-* every `step` runs a prefill round — the scheduler admits waiting requests that fit (FIFO; each reserves the
-  blocks of its whole prompt + output budget, so no running request is ever preempted) and the runner prefills
-  them (token-serial chunks, or span-prefill passes) — then a decode round of every running request
-  (`v41cp.serving.runner.model_runner`);
+* every `step` runs a prefill round — the scheduler admits waiting requests that fit (FIFO; pages on demand: each
+  takes the blocks of its history and next token) and the runner prefills them (token-serial chunks, or span-prefill
+  passes) — then a decode round of every running request (`v41cp.serving.runner.model_runner`), each grown to the
+  tokens the round writes; where pages run out the newest running requests are preempted and later recomputed
+  (`v41cp.serving.scheduler.scheduler`);
 * sampling is greedy, or temperature with top-k / top-p / min-p and a per-request seed, on the device inside the
   steps (`v41cp.serving.runner.sampling`): only token ids come to the host (``record_logits=True`` also keeps the
   FP32 logits of each request's latest token in ``Request.last_logits``, for tests); a request stops on EOS
@@ -231,9 +232,16 @@ class Engine:
         return [r.rid for r in admitted]
 
     def decode_round(self) -> None:
-        """One decode round of every running request (none on a prefill-role engine)."""
+        """One decode round of every running request (none on a prefill-role engine): each first grows to the
+        tokens the round writes (one row, or with speculative decoding up to ``n + 1``), preempting the newest
+        running requests where pages run out (`Scheduler.grow`)."""
         rows = self.scheduler.decoding()
-        if rows and self.role != "prefill":
+        if not rows or self.role == "prefill":
+            return
+        r = self.speculative.num_draft_tokens + 1 if self.speculative is not None else 1
+        rows = self.scheduler.grow(
+            rows, lambda req: len(req.history) - 1 + min(r, req.sampling.max_new_tokens - len(req.output)))
+        if rows:
             self.runner.decode(rows, [self.alloc.slot(r.rid) for r in rows], [self.scheduler.table(r.rid) for r in rows],
                                self.scheduler.finish_if_done)
 

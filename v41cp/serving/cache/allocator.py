@@ -140,6 +140,13 @@ class BlockAllocator:
         return (0 < tokens <= self.capacity_tokens and self.free_slots > 0 and prefix_blocks <= self.blocks_needed(tokens)
                 and self._residue_for(self.blocks_needed(tokens), prefix_blocks, residue, reclaim) is not None)
 
+    def can_extend(self, rid, tokens: int) -> bool:
+        """Whether request ``rid`` can grow to ``tokens`` tokens now (its next blocks are free in its page cycle)."""
+        req = self._req(rid)
+        if tokens > self.capacity_tokens:
+            return False
+        return self._fits(len(req.blocks), max(self.blocks_needed(tokens) - len(req.blocks), 0), req.residue)
+
     # ------------------------------------------------------------------ mutations
     def admit(self, rid, tokens: int, prefix=(), residue: int | None = None) -> list[int]:
         """Reserve a slot and the blocks for ``tokens`` tokens of new request ``rid``; returns its blocks.
@@ -181,7 +188,7 @@ class BlockAllocator:
         if tokens > self.capacity_tokens:
             raise AllocationError(f"request {rid!r}: {tokens} tokens exceed the per-request capacity of "
                                   f"{self.capacity_tokens}")
-        need = self.blocks_needed(tokens) - len(req.blocks)
+        need = max(self.blocks_needed(tokens) - len(req.blocks), 0)
         if not self._fits(len(req.blocks), need, req.residue):
             raise AllocationError(f"request {rid!r}: needs {need} more blocks, {self.free_blocks} free"
                                   + (f" (per rank: {[len(f) for f in self._free]})" if self.n > 1 else ""))

@@ -132,12 +132,14 @@ class ModelRunner:
     # ------------------------------------------------------------------ prefill
     def prefill_serial(self, req: Request, slot: int, table: np.ndarray, done: Done,
                        at_cut: Callable[[Request, int], None]) -> None:
-        """Token-serial prefill of ``req`` in chunks (from its reused prefix on; chunks also end where the prefix
-        cache stores a state, and ``at_cut(req, position)`` is called there), then its first token."""
+        """Token-serial prefill of ``req``'s history (its prompt; after a preemption, prompt and outputs) in chunks
+        (from its reused prefix on; chunks also end where the prefix cache stores a state, and ``at_cut(req,
+        position)`` is called there), then its next token."""
         t0 = time.perf_counter()
         cfg, c = self.cfg, self.capacity.prefill_chunk
-        n = len(req.prompt)
-        eng = (engram_hash_ids(cfg, np.asarray([req.prompt]))[0] if cfg.engram_layer_ids
+        tokens = req.history
+        n = len(tokens)
+        eng = (engram_hash_ids(cfg, np.asarray([tokens]))[0] if cfg.engram_layer_ids
                else np.zeros((n, 0, 0), np.int32))
         # CED narrowing: rows before the decoder's dependency halo run the encoder (+ boundary prepass) only
         encoder_rows = max(0, n - ced_rows(cfg)) if self.capacity.ced and ced_boundary(cfg) is not None else 0
@@ -151,7 +153,7 @@ class ModelRunner:
             pos = np.zeros((c, 1), np.int32)
             act = np.zeros((c, 1), bool)
             ids = np.zeros((c, 1, *eng.shape[1:]), np.int32)
-            tok[:m, 0], pos[:m, 0], act[:m, 0], ids[:m, 0] = req.prompt[a:a + m], np.arange(a, a + m), True, eng[a:a + m]
+            tok[:m, 0], pos[:m, 0], act[:m, 0], ids[:m, 0] = tokens[a:a + m], np.arange(a, a + m), True, eng[a:a + m]
             metas = StepBatch.decode(tok, pos, np.full((c, 1), slot, np.int32),
                                      np.broadcast_to(table, (c, 1, table.size)), act, ids)
             if self.dcache is not None and not encoder_only:
@@ -168,7 +170,8 @@ class ModelRunner:
                 at_cut(req, end)
         if self.record_logits:
             req.last_logits = fetch(last)[0]
-        req.output.append(int(fetch(sample_tokens(last, SamplingRows.build([req.sampling], [0], 1)))[0]))
+        index = len(req.output)
+        req.output.append(int(fetch(sample_tokens(last, SamplingRows.build([req.sampling], [index], 1)))[0]))
         self.stats["prefill_tokens"] += n - req.cached
         self.stats["ced_encoder_only_rows"] += encoder_rows
         self.stats["prefill_s"] += time.perf_counter() - t0
@@ -183,12 +186,12 @@ class ModelRunner:
         return {"span": span, "capacity": pow2(rows), "dec_capacity": pow2(dec_rows)}
 
     def prefill_span(self, reqs: list[Request], slots: list[int], tables: np.ndarray, done: Done) -> None:
-        """Prefill ``reqs`` (fresh prompts; their ``slots`` and block ``tables [len(reqs), max_blocks]``) by
-        span-prefill passes of at most ``span_chunk`` rows per request (later passes continue from the cached
-        history); batch rows past them are idle."""
+        """Prefill ``reqs`` (their histories: prompts, and a preempted request's outputs too; their ``slots`` and block
+        ``tables [len(reqs), max_blocks]``) by span-prefill passes of at most ``span_chunk`` rows per request (later
+        passes continue from the cached history), then their next tokens; batch rows past them are idle."""
         t0 = time.perf_counter()
         cfg, b = self.cfg, self.capacity.max_batch
-        prompts = [r.prompt for r in reqs] + [[]] * (b - len(reqs))
+        prompts = [r.history for r in reqs] + [[]] * (b - len(reqs))
         totals = np.array([len(p) for p in prompts], np.int32)
         chunk = self.capacity.span_chunk or int(totals.max())
         slots = list(slots) + [0] * (b - len(reqs))
@@ -210,15 +213,15 @@ class ModelRunner:
             last = [i for i in range(len(reqs)) if starts[i] < ends[i] == totals[i]]   # passes holding a last row
             if not last:
                 continue
-            tokens = fetch(sample_tokens(logits, SamplingRows.build([reqs[i].sampling for i in last], [0] * len(last),
-                                                                    b, rows=last)))
+            tokens = fetch(sample_tokens(logits, SamplingRows.build([reqs[i].sampling for i in last],
+                                                                    [len(reqs[i].output) for i in last], b, rows=last)))
             recorded = fetch(logits) if self.record_logits else None
             for i in last:
                 reqs[i].output.append(int(tokens[i]))
                 if recorded is not None:
                     reqs[i].last_logits = recorded[i]
-        for req in reqs:
-            n = len(req.prompt)
+        for req, prompt in zip(reqs, prompts):
+            n = len(prompt)
             self.stats["prefill_tokens"] += n
             if self.capacity.ced and ced_boundary(cfg) is not None:
                 self.stats["ced_encoder_only_rows"] += max(0, n - ced_rows(cfg))

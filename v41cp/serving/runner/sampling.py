@@ -70,6 +70,13 @@ class SamplingRows:
                    min_p=col([sp.min_p for sp in params], np.float32, 0.0), seed=seeds,
                    index=col(list(indices), np.int32, 0))
 
+    @classmethod
+    def abstract(cls, batch: int, sharding=None) -> "SamplingRows":
+        """``jax.ShapeDtypeStruct`` leaves of ``batch`` rows (lowering a step ahead of traffic)."""
+        s = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+        return cls(temperature=s((batch,), jnp.float32), top_p=s((batch,), jnp.float32), top_k=s((batch,), jnp.int32),
+                   min_p=s((batch,), jnp.float32), seed=s((batch, 2), jnp.uint32), index=s((batch,), jnp.int32))
+
     def take(self, rows: jax.Array) -> "SamplingRows":
         """The parameters of batch rows ``rows``."""
         return jax.tree.map(lambda a: a[rows], self)

@@ -1,7 +1,7 @@
 """One request: its sampling parameters, its state machine, and every check it passes at submit.
 
 A `Request` is ``waiting`` (queued) → ``running`` (admitted: a batch slot and pages) → ``done`` (EOS or its output
-budget) or ``cancelled``. `check_request` holds the submit-time checks of a request against a model and a capacity;
+budget) or ``cancelled``; a running request may be preempted back to ``waiting`` (keeping its outputs). `check_request` holds the submit-time checks of a request against a model and a capacity;
 an error names the offending input (`RequestError.field`) and changes nothing.
 """
 
@@ -64,6 +64,7 @@ class Request:
     cached: int = 0                        # prompt tokens reused from the prefix cache (not prefilled)
     prefix_nodes: list = field(default_factory=list)   # prefix-cache nodes this request holds
     cuts: tuple = ()                       # prompt positions where its prefill stores a slot state
+    preemptions: int = 0                   # times its pages were taken back (it was recomputed after each)
 
     @property
     def history(self) -> list[int]:

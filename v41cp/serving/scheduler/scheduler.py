@@ -1,9 +1,15 @@
 """`Scheduler`: the request table and the host-side decisions about it — which requests run, which wait, and which
 pages and batch slot each holds.
 
-Admission is FIFO: a waiting request is admitted when the blocks of its whole prompt + output budget and a batch
-slot are free (no running request is ever preempted); with prefix caching it reuses its prompt's longest cached
-prefix (`v41cp.serving.cache.prefix.admit`). A prefill-role engine reserves the prompt's blocks only. The device
+Pages on demand: admission is FIFO — a waiting request is admitted when a batch slot and the blocks of its history
+(its prompt; a preempted request's prompt and outputs so far) and of the next token it feeds are free; with prefix
+caching it reuses the history's longest cached prefix (`v41cp.serving.cache.prefix.admit`). Before each decode
+round every running request grows to the tokens the round writes (`grow`): the prefix cache's unreferenced blocks
+are evicted first, then the newest running requests are preempted — their slot and pages freed, back to the queue
+with their outputs, recomputed (prefilled with prompt + outputs) when admitted again — until it fits. The oldest
+request therefore always progresses, and `submit` refuses what an empty engine cannot hold, so no request waits on
+nothing. A prefill-role engine reserves the prompt's blocks only; a decode-role engine (PD) reserves an adopted
+request's whole budget (its requests are never preempted: a recompute would need the prefill role). The device
 side (the cache, the steps) is the model runner's; the scheduler never touches a device array.
 """
 
@@ -39,6 +45,7 @@ class Scheduler:
         self.prefix = (PrefixCache(capacity.block_tokens, capacity.prefix_states or 4 * capacity.max_batch)
                        if capacity.prefix_caching else None)
         self.requests: "OrderedDict[object, Request]" = OrderedDict()
+        self.preemptions = 0
 
     # ------------------------------------------------------------------ the request table
     def is_active(self, rid) -> bool:
@@ -99,16 +106,23 @@ class Scheduler:
             req.prefix_nodes = []
 
     # ------------------------------------------------------------------ admission
+    @staticmethod
+    def budget(req: Request) -> int:
+        """The most tokens ``req`` ever holds in the cache: its prompt and every output but the last."""
+        return max(len(req.prompt) + req.sampling.max_new_tokens - 1, 1)
+
     def need(self, req: Request) -> int:
-        """Tokens of blocks ``req`` reserves: its prompt and outputs (a prefill-role engine: the prompt only)."""
-        extra = 0 if self.role == "prefill" else req.sampling.max_new_tokens - 1
-        return max(len(req.prompt) + extra, 1)
+        """Tokens of blocks ``req`` takes at admission: its history and the next token it feeds, within its budget
+        (a prefill-role engine: the prompt only)."""
+        if self.role == "prefill":
+            return max(len(req.prompt), 1)
+        return min(len(req.history) + 1, self.budget(req))
 
     def admit(self, req: Request):
         """Reserve ``req``'s blocks and a slot (False: not now). With prefix caching the request reuses its prompt's
         longest cached prefix: returns the slot state stored there (the runner puts it into the slot), else True."""
         need = self.need(req)
-        if self.prefix is None:
+        if self.prefix is None:                              # (placement by the prompt: a recompute keeps it)
             residue = content_residue(req.prompt, self.capacity.block_tokens, self.alloc.n)
             if not self.alloc.can_admit(need, 0, residue):
                 if not self.alloc.can_admit(need):
@@ -116,11 +130,49 @@ class Scheduler:
                 residue = None                               # the content placement is full: any that fits
             self.alloc.admit(req.rid, need, residue=residue)
             return True
-        got = prefix_admit(self.alloc, self.prefix, req.rid, req.prompt, need)
+        got = prefix_admit(self.alloc, self.prefix, req.rid, req.history, need)
         if got is None:
             return False
         req.cached, req.prefix_nodes, req.cuts = got.cached, got.nodes, got.cuts
         return got.state if got.cached else True
+
+    # ------------------------------------------------------------------ pages on demand
+    def grow(self, rows: list[Request], tokens) -> list[Request]:
+        """Blocks for a decode round: each of ``rows`` (running requests, in arrival order) grows to ``tokens(req)``
+        tokens (within its budget) — the prefix cache's unreferenced blocks are evicted first, then the newest
+        running requests are preempted (`preempt`; possibly ``req`` itself) until it fits. Returns the rows still
+        running, in order."""
+        for req in rows:
+            if req.status != "running":
+                continue
+            need = min(tokens(req), self.budget(req))
+            while not self._extend(req, need):
+                victim = next(r for r in reversed(self.requests.values()) if r.status == "running")
+                self.preempt(victim)
+                if victim is req:
+                    break
+        return [r for r in rows if r.status == "running"]
+
+    def _extend(self, req: Request, tokens: int) -> bool:
+        """Grow ``req`` to ``tokens`` tokens, evicting unreferenced prefix-cache blocks as needed; False when even
+        that does not make room (nothing changed but evictions)."""
+        if tokens <= self.alloc.tokens(req.rid):
+            return True
+        while not self.alloc.can_extend(req.rid, tokens):
+            victims = self.prefix.evictable() if self.prefix is not None else []
+            if not victims:
+                return False
+            self.alloc.free([self.prefix.evict(victims[0])])
+        self.alloc.extend(req.rid, tokens)
+        return True
+
+    def preempt(self, req: Request) -> None:
+        """Free running ``req``'s slot and pages and queue it again, keeping its outputs: it is recomputed (its
+        prompt and outputs prefilled) when admitted again."""
+        self.free(req)
+        req.status, req.cached, req.cuts = "waiting", 0, ()
+        req.preemptions += 1
+        self.preemptions += 1
 
     def check_progress(self) -> None:
         """Requests wait only while others run (and will free pages and slots): with nothing running, admission
@@ -140,7 +192,7 @@ class Scheduler:
             raise RequestError(f"request id {rid!r} is already active", "request_id")
         req = Request(rid, [int(t) for t in prompt], sampling, output=[int(t) for t in output], status="running",
                       last_logits=last_logits)
-        need = self.need(req)
+        need = self.budget(req)                   # the whole budget: a decode role never preempts (see above)
         residue = content_residue(req.prompt, self.capacity.block_tokens, self.alloc.n) if residue is None else residue
         if not self.alloc.fits_when_empty(need):
             raise RequestError.of(rid, f"{need} cached tokens do not fit this engine's capacity", "max_new_tokens")
@@ -154,7 +206,7 @@ class Scheduler:
     def grow_prefix(self, req: Request, cut: int):
         """``req``'s prefill has reached ``cut``: its blocks join the prefix cache; returns the node (its ``state``
         is None until the caller stores the slot state there)."""
-        return prefix_grow(self.alloc, self.prefix, req.rid, req.prompt, req.prefix_nodes, cut)
+        return prefix_grow(self.alloc, self.prefix, req.rid, req.history, req.prefix_nodes, cut)
 
     # ------------------------------------------------------------------ reports
     def table(self, rid) -> np.ndarray:
@@ -171,7 +223,7 @@ class Scheduler:
         reclaimable = self.prefix.reclaimable if self.prefix is not None else 0
         return {"waiting": status.count("waiting"), "running": status.count("running"),
                 "free_blocks": self.alloc.free_blocks + reclaimable, "total_blocks": self.num_blocks,
-                "free_slots": self.alloc.free_slots}
+                "free_slots": self.alloc.free_slots, "preemptions": self.preemptions}
 
     def prefix_stats(self) -> dict:
         """Prefix-cache counters: lookups, hits, prompt / reused tokens (``hit_rate`` = reused / prompt tokens),
