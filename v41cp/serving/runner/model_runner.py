@@ -34,7 +34,7 @@ from v41cp.serving.cache.request_state import request_state
 from v41cp.serving.cache.slot_state import put_slot_state, take_slot_state
 from v41cp.serving.capacity import Capacity
 from v41cp.serving.multihost.fetch import fetch
-from v41cp.serving.runner.sampling import SamplingRows, sample_tokens
+from v41cp.serving.runner.sampling import ReplicateOn, SamplingRows, sample_tokens
 from v41cp.serving.runner.span_batch import build_span_batch, round_up, row_capacities
 from v41cp.serving.runner.span_prefill import SpanLayout, prefill_span
 from v41cp.serving.runner.span_prefill import compile_count as span_compile_count
@@ -100,6 +100,7 @@ class ModelRunner:
                 self.step_plan = DCPPlan.split_selection(mesh)
         self.step_plan = self.step_plan or self.plan
         self.mesh, self.params, self.kv_parallel_size = mesh, params, n
+        self.whole = ReplicateOn(mesh) if mesh is not None else None    # the sampler's vocabulary gather
         self.span_layout = SpanLayout.from_parallel(parallel, mesh) if parallel is not None else SpanLayout(mesh)
         lay = self.span_layout
         self.span = (capacity.span_prefill or capacity.span_chunk is not None or lay.query_parallel
@@ -171,7 +172,8 @@ class ModelRunner:
         if self.record_logits:
             req.last_logits = fetch(last)[0]
         index = len(req.output)
-        req.output.append(int(fetch(sample_tokens(last, SamplingRows.build([req.sampling], [index], 1)))[0]))
+        req.output.append(int(fetch(sample_tokens(last, SamplingRows.build([req.sampling], [index], 1),
+                                                  whole=self.whole))[0]))
         self.stats["prefill_tokens"] += n - req.cached
         self.stats["ced_encoder_only_rows"] += encoder_rows
         self.stats["prefill_s"] += time.perf_counter() - t0
@@ -214,7 +216,8 @@ class ModelRunner:
             if not last:
                 continue
             tokens = fetch(sample_tokens(logits, SamplingRows.build([reqs[i].sampling for i in last],
-                                                                    [len(reqs[i].output) for i in last], b, rows=last)))
+                                                                    [len(reqs[i].output) for i in last], b, rows=last),
+                                         whole=self.whole))
             recorded = fetch(logits) if self.record_logits else None
             for i in last:
                 reqs[i].output.append(int(tokens[i]))

@@ -22,15 +22,17 @@ filters off skips the vocabulary sort. Temperatures so small that ``logits / T``
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from v41cp.serving.scheduler.request import SamplingParams
 
-__all__ = ["SamplingRows", "sample_rows", "accept_rows", "token_distribution", "sample_tokens"]
+__all__ = ["SamplingRows", "sample_rows", "accept_rows", "token_distribution", "sample_tokens", "ReplicateOn"]
 
 TOKEN, ACCEPT, AFTER_DRAFT = 0, 1, 2        # the random streams of one output index
 
@@ -90,18 +92,22 @@ def _keys(rows: SamplingRows, offset, stream: int):
     return jax.vmap(one)(rows.seed, rows.index + offset)
 
 
-def _support_logits(logits: jax.Array, rows: SamplingRows):
+def _support_logits(logits: jax.Array, rows: SamplingRows, whole=None):
     """``(z [B, V], greedy [B])``: the tempered logits with −inf outside each row's support, and which rows are
-    greedy (temperature 0, or ``logits / T`` not finite)."""
+    greedy (temperature 0, or ``logits / T`` not finite). ``whole``: makes the vocabulary axis whole on every
+    device before the filters sort it (vocab-sharded logits under attention TP: one all-gather, then a local sort;
+    None: as it is)."""
     t = rows.temperature[:, None]
     z = logits.astype(jnp.float32) / jnp.where(t > 0, t, 1.0)
     greedy = (rows.temperature <= 0) | ~jnp.isfinite(z).all(-1)
     filtered = (rows.top_k > 0).any() | (rows.top_p < 1).any() | (rows.min_p > 0).any()
-    return jax.lax.cond(filtered, _filtered, lambda z, rows: z, z, rows), greedy
+    sort = partial(_filtered, whole=whole or (lambda x: x))
+    return jax.lax.cond(filtered, sort, lambda z, rows: z, z, rows), greedy
 
 
-def _filtered(z: jax.Array, rows: SamplingRows) -> jax.Array:
+def _filtered(z: jax.Array, rows: SamplingRows, whole) -> jax.Array:
     """Top-k, then top-p over the top-k mass, then min-p: entries outside the support set to −inf."""
+    z = whole(z)
     v = z.shape[-1]
     order = jnp.argsort(-z, axis=-1, stable=True)                          # descending, lower id first on ties
     zs = jnp.take_along_axis(z, order, axis=-1)
@@ -116,9 +122,9 @@ def _filtered(z: jax.Array, rows: SamplingRows) -> jax.Array:
     return jnp.where(jnp.take_along_axis(keep, inverse, axis=-1), z, -jnp.inf)
 
 
-def token_distribution(logits: jax.Array, rows: SamplingRows) -> jax.Array:
+def token_distribution(logits: jax.Array, rows: SamplingRows, whole=None) -> jax.Array:
     """The probabilities [B, V] that `sample_rows` draws from (a one-hot of the argmax for greedy rows)."""
-    z, greedy = _support_logits(logits, rows)
+    z, greedy = _support_logits(logits, rows, whole)
     onehot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
     return jnp.where(greedy[:, None], onehot, jax.nn.softmax(z, axis=-1))
 
@@ -127,17 +133,30 @@ def _draw(keys, z: jax.Array) -> jax.Array:
     return jax.vmap(jax.random.categorical)(keys, z).astype(jnp.int32)
 
 
-def sample_rows(logits: jax.Array, rows: SamplingRows) -> jax.Array:
-    """One token per row of ``logits [B, V]`` (FP32): ``[B]`` int32 (see the module docstring)."""
-    z, greedy = _support_logits(logits, rows)
+def sample_rows(logits: jax.Array, rows: SamplingRows, whole=None) -> jax.Array:
+    """One token per row of ``logits [B, V]`` (FP32): ``[B]`` int32 (see the module docstring; ``whole`` as in
+    `_support_logits`)."""
+    z, greedy = _support_logits(logits, rows, whole)
     drawn = _draw(_keys(rows, 0, TOKEN), z)
     return jnp.where(greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), drawn)
 
 
-sample_tokens = jax.jit(sample_rows)        # the prefills' first tokens: a program on the step's device logits
+@dataclass(frozen=True)
+class ReplicateOn:
+    """A ``whole`` for logits sharded over ``mesh`` (vocab-sharded under attention TP): the array replicated, one
+    all-gather (hashable: a static argument)."""
+
+    mesh: Mesh
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, PartitionSpec()))
 
 
-def accept_rows(logits: jax.Array, drafts: jax.Array, lengths: jax.Array, rows: SamplingRows
+# the prefills' first tokens: a program on the pass's device logits
+sample_tokens = jax.jit(sample_rows, static_argnames=("whole",))
+
+
+def accept_rows(logits: jax.Array, drafts: jax.Array, lengths: jax.Array, rows: SamplingRows, whole=None
                 ) -> tuple[jax.Array, jax.Array]:
     """Speculative acceptance of ``drafts [B, R−1]`` against the verification rows' ``logits [B, R, V]`` (row ``j``
     predicts the token after draft ``j``; only the first ``lengths [B] ≤ R`` rows of a request are real): ``(emitted
@@ -149,7 +168,7 @@ def accept_rows(logits: jax.Array, drafts: jax.Array, lengths: jax.Array, rows: 
     b, r, v = logits.shape
     flat = jax.tree.map(lambda a: jnp.repeat(a, r, axis=0), rows)
     flat = SamplingRows(**{**vars(flat), "index": flat.index + jnp.tile(jnp.arange(r, dtype=jnp.int32), b)})
-    z, greedy = _support_logits(logits.reshape(b * r, v), flat)
+    z, greedy = _support_logits(logits.reshape(b * r, v), flat, whole)
     p = jnp.where(greedy[:, None], jax.nn.one_hot(jnp.argmax(logits.reshape(b * r, v), -1), v), jax.nn.softmax(z, -1))
     p = p.reshape(b, r, v)
     greedy = greedy.reshape(b, r)

@@ -41,7 +41,7 @@ from v41cp.serving.attention.paged_rows import PagedRows
 from v41cp.serving.cache import paged as pc
 from v41cp.serving.cache.device_cache import POOLS, PagedCache, init_cache
 from v41cp.serving.cache.undo import VerifyUndo
-from v41cp.serving.runner.sampling import SamplingRows, accept_rows, sample_rows
+from v41cp.serving.runner.sampling import ReplicateOn, SamplingRows, accept_rows, sample_rows
 from v41cp.serving.step_batch import StepBatch
 
 __all__ = ["StepBatch", "init_cache", "decode_step", "decode_and_sample", "verify_step", "verify_and_accept",
@@ -76,13 +76,18 @@ def decode_step(params: dict, cache: PagedCache, meta: StepBatch, cfg: ModelConf
     return logits[:, 0], cache
 
 
+def _whole(plan: DCPPlan | None):
+    """The sampler's ``whole``: vocab-sharded logits replicated over the plan's mesh before a vocabulary sort."""
+    return ReplicateOn(plan.mesh) if plan is not None else None
+
+
 @partial(jax.jit, static_argnames=("cfg", "plan"), donate_argnames=("cache",))
 def decode_and_sample(params: dict, cache: PagedCache, meta: StepBatch, sampling: SamplingRows, cfg: ModelConfig,
                       plan: DCPPlan | None = None):
     """`decode_step` with each row's token sampled in the same program (`sample_rows`, parameters ``sampling``):
     ``(tokens [max_batch] int32, logits [max_batch, vocab] FP32, cache)`` — the engine fetches only the tokens."""
     logits, cache, _, _ = _forward_rows(params, cache, meta, cfg, plan)
-    return sample_rows(logits[:, 0], sampling), logits[:, 0], cache
+    return sample_rows(logits[:, 0], sampling, _whole(plan)), logits[:, 0], cache
 
 
 @partial(jax.jit, static_argnames=("cfg", "plan", "features"), donate_argnames=("cache",))
@@ -113,7 +118,7 @@ def verify_and_accept(params: dict, cache: PagedCache, rows: StepBatch, sampling
         raise ValueError(f"verify_step: rows={rows.rows} exceeds sliding_window={cfg.sliding_window}")
     logits, cache, undo, feats = _forward_rows(params, cache, rows, cfg, plan, undo=True,
                                                features=rows.rows if features else 0)
-    emitted, kept = accept_rows(logits, rows.tokens[:, 1:], rows.lengths, sampling)
+    emitted, kept = accept_rows(logits, rows.tokens[:, 1:], rows.lengths, sampling, _whole(plan))
     return (emitted, kept, logits, cache, undo) + ((feats,) if features else ())
 
 
