@@ -21,7 +21,7 @@ The flags the commands share are declared once, in groups (`v41cp.cli.flags`): `
 ``xla`` | ``pallas``; ``--moe-backend``: ``sparse`` | ``dense``) and the topology flags; ``forward`` runs
 operator-local indexer / attention QCP (``--deepseek-v41-{indexer,attention}-query-parallel-size``); ``generate`` /
 ``serve`` / ``bench`` run them, or model-wide QCP (``--query-context-parallel-size``), in the engine's span prefill
-(``--span-prefill``, ``--ced``). ``info`` and ``forward`` default to the embedded tiny checkpoint
+(``--max-prefill-tokens``, ``--ced``). ``info`` and ``forward`` default to the embedded tiny checkpoint
 (``checkpoints/tiny-v41``); ``--checkpoint`` takes a converted or a released-layout directory.
 
 Each command is a module of this package (`COMMANDS`) with ``add_arguments(parser)`` (its flag groups and its own

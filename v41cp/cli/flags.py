@@ -287,25 +287,30 @@ def global_devices(args) -> int:
 
 @dataclass(frozen=True)
 class PrefillFlags(_Group):
-    """How the engine prefills: span prefill (in passes), CED narrowing, prefix caching."""
+    """How the engine prefills: span prefill passes under a per-round row budget (default) or token-serial, CED
+    narrowing, prefix caching."""
 
-    span_prefill: bool = flag("--span-prefill", default=False, action="store_true",
-                              help="prefill each round's prompts in one pass (always on with "
-                                   "--query-context-parallel-size > 1)")
-    span_chunk: int | None = flag("--span-chunk", type=int, help="span prefill in passes of this many rows per "
-                                  "prompt (later passes continue from the cached history; implies --span-prefill)")
+    token_serial_prefill: bool = flag(
+        "--token-serial-prefill", default=False, action="store_true",
+        help="prefill token by token in chunks of --prefill-chunk (the exactness reference; prefix caching's path) "
+             "instead of the default span prefill (not with --query-context-parallel-size > 1)")
+    max_prefill_tokens: int | None = flag(
+        "--max-prefill-tokens", type=int,
+        help="span prefill rows per round across requests (like vLLM's --max-num-batched-tokens / SGLang's "
+             "--chunked-prefill-size): longer prompts continue over rounds while others decode; default "
+             "min(8192, max batch × max context)")
     ced: bool = flag("--ced", default=False, action="store_true", help="CED narrowing of prefill (exact)")
     enable_prefix_caching: bool = flag(
         "--enable-prefix-caching", default=False, action="store_true",
         help="reuse the cached pages and stored state of a prompt's longest cached whole-block prefix (exact: "
-             "bit-identical to a cold prefill; token-serial prefill only)")
+             "bit-identical to a cold prefill; prefills token-serially: not with the span prefill yet)")
     prefix_states: int | None = flag("--prefix-states", type=int,
                                      help="slot states the prefix cache stores at most (default: 4 per batch row)")
 
     def options(self) -> dict:
         """The engine's prefill options (`Capacity` fields)."""
-        return {"span_prefill": self.span_prefill or self.span_chunk is not None, "ced": self.ced,
-                "span_chunk": self.span_chunk, "prefix_caching": self.enable_prefix_caching,
+        return {"span_prefill": False if self.token_serial_prefill else None, "ced": self.ced,
+                "prefill_tokens": self.max_prefill_tokens, "prefix_caching": self.enable_prefix_caching,
                 "prefix_states": self.prefix_states}
 
 

@@ -1,26 +1,38 @@
-"""`Capacity`: the static capacity of an engine — the compile bucket every step's shapes derive from."""
+"""`Capacity`: the static capacity of an engine — the compile buckets every step's shapes derive from."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Capacity"]
+__all__ = ["Capacity", "DEFAULT_PREFILL_TOKENS"]
+
+# the per-round prefill token budget when none is given (vLLM's max_num_batched_tokens default for chunked prefill
+# is of this order): capped by what the engine's batch can hold at once
+DEFAULT_PREFILL_TOKENS = 8192
 
 
 @dataclass(frozen=True)
 class Capacity:
-    """Static capacity (the compile bucket): batch rows, tokens per request, block size and count."""
+    """Static capacity (the compile buckets): batch rows, tokens per request, block size and count, and how prompts
+    are prefilled.
+
+    Prefill: by default each round prefills at most ``prefill_tokens`` prompt rows — the requests being prefilled
+    continue (oldest first), then new admissions fill the rest — in one span-prefill pass
+    (`v41cp.serving.runner.span_prefill`); a prompt longer than the budget is prefilled over several rounds, each
+    pass continuing from its cached history, while the running requests keep decoding. The pass's rows are padded
+    to one of `prefill_buckets` (a fixed ladder: every program is compiled at warm-up, nothing on the request path).
+    ``span_prefill=False`` selects the token-serial prefill (chunks of ``prefill_chunk`` tokens fed one at a time: the
+    exactness reference); ``None`` (default) is the span prefill unless ``prefix_caching`` is on, whose bit-identical
+    hits are built on the token-serial prefill."""
 
     max_batch: int = 4
     max_tokens: int = 256
     block_tokens: int = 16
     num_blocks: int | None = None          # default: enough for max_batch full requests
-    prefill_chunk: int = 32
+    prefill_chunk: int = 32                # token-serial prefill: tokens per scanned chunk
     ced: bool = False                      # CED narrowing of prefill (exact; off by default)
-    # prefill admissions in one pass per round (`v41cp.serving.runner.span_prefill`) instead of token-serial chunks;
-    # always on under model-wide QCP
-    span_prefill: bool = False
-    span_chunk: int | None = None          # span prefill rows per request per pass (None: the whole prompt)
+    span_prefill: bool | None = None       # None: span prefill unless prefix caching (see the class docstring)
+    prefill_tokens: int | None = None      # span prefill rows per round (default: DEFAULT_PREFILL_TOKENS, capped)
     max_waiting: int = 64                  # queued requests beyond this are rejected at submit
     # exact prefix caching (token-serial prefill; `v41cp.serving.cache.prefix`) and its stored slot states at most
     prefix_caching: bool = False
@@ -29,8 +41,10 @@ class Capacity:
     def __post_init__(self):
         if self.prefix_states is not None and (type(self.prefix_states) is not int or self.prefix_states <= 0):
             raise ValueError(f"capacity prefix_states must be a positive integer or None, got {self.prefix_states!r}")
-        if self.span_chunk is not None and (type(self.span_chunk) is not int or self.span_chunk <= 0):
-            raise ValueError(f"capacity span_chunk must be a positive integer or None, got {self.span_chunk!r}")
+        if self.prefill_tokens is not None and (type(self.prefill_tokens) is not int or self.prefill_tokens < 8):
+            raise ValueError(f"capacity prefill_tokens must be an integer >= 8 or None, got {self.prefill_tokens!r}")
+        if self.span_prefill not in (None, True, False):
+            raise ValueError(f"capacity span_prefill must be True, False or None, got {self.span_prefill!r}")
         for name in ("max_batch", "max_tokens", "block_tokens", "prefill_chunk"):
             v = getattr(self, name)
             if type(v) is not int or v <= 0:
@@ -43,6 +57,32 @@ class Capacity:
     @property
     def blocks(self) -> int:
         return self.num_blocks or self.max_batch * self.max_blocks
+
+    @property
+    def by_span(self) -> bool:
+        """Whether admissions prefill by span-prefill passes (else token-serial; QCP layouts always span)."""
+        return (not self.prefix_caching) if self.span_prefill is None else self.span_prefill
+
+    @property
+    def round_tokens(self) -> int:
+        """Prompt rows one prefill round takes at most (a multiple of 8): ``prefill_tokens``, by default
+        `DEFAULT_PREFILL_TOKENS` capped at what the batch holds (``max_batch · max_tokens``)."""
+        budget = self.prefill_tokens or min(DEFAULT_PREFILL_TOKENS, self.max_batch * self.max_tokens)
+        return -(-budget // 8) * 8
+
+    @property
+    def prefill_buckets(self) -> tuple[int, ...]:
+        """The span prefill's row buckets, ascending: `round_tokens` and its quarters, sixteenths, … down to 16 rows
+        (multiples of 8) — a pass of ``T`` rows computes the smallest bucket ≥ ``T``, never more than 4× ``T`` (but
+        the smallest bucket)."""
+        out, r = [], self.round_tokens
+        while True:
+            out.append(r)
+            nxt = -(-(r // 4) // 8) * 8
+            if r <= 16 or nxt < 16 or nxt >= r:
+                break
+            r = nxt
+        return tuple(sorted(out))
 
     def block_count(self, kv_parallel_size: int = 1) -> int:
         """Virtual cache blocks of an engine under KVP ``kv_parallel_size``: every rank holds num_blocks / N pages,

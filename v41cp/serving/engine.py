@@ -6,8 +6,9 @@ record_logits=False)`:
 * `submit` validates a request (errors name the offending value and change nothing) and queues it, or rejects it
   when ``max_waiting`` requests already wait (`v41cp.serving.scheduler`);
 * every `step` runs a prefill round — the scheduler admits waiting requests that fit (FIFO; pages on demand: each
-  takes the blocks of its history and next token) and the runner prefills them (token-serial chunks, or span-prefill
-  passes) — then a decode round of every running request (`v41cp.serving.runner.model_runner`), each grown to the
+  takes the blocks of its history and next token) and the runner prefills up to `Capacity.round_tokens` prompt rows
+  in one span-prefill pass (requests whose prefill continues first; a long prompt spans rounds), or, as the
+  reference and with prefix caching, token-serial chunks — then a decode round of every running request (`v41cp.serving.runner.model_runner`), each grown to the
   tokens the round writes; where pages run out the newest running requests are preempted and later recomputed
   (`v41cp.serving.scheduler.scheduler`);
 * sampling is greedy, or temperature with top-k / top-p / min-p and a per-request seed, on the device inside the
@@ -19,6 +20,8 @@ record_logits=False)`:
   (greedy tokens as without it; sampling lossless);
 * with ``Capacity(prefix_caching=True)`` a prompt that starts with cached whole blocks reuses their pages and the
   stored slot state and prefills only the rest (`v41cp.serving.cache.prefix`): bit-identical to a cold prefill;
+* `warm_up` compiles every program the rounds can run (a fixed ladder of prefill buckets, decode / speculative)
+  before traffic (`serve` does, before it opens its port);
 * ``role`` ``"prefill"`` / ``"decode"``: one side of prefill / decode disaggregation (`v41cp.serving.pd`).
 
 `EngineLike` is the surface the engine loop and the server drive (the engine and the PD engines implement it).
@@ -97,7 +100,7 @@ class Engine:
             if self.runner.span:
                 raise ValueError("prefix caching resumes the token-serial prefill from a stored boundary (bit-identical "
                                  "to a cold prefill); it does not combine with span prefill / query context "
-                                 f"parallelism (span_prefill={capacity.span_prefill}, span_chunk={capacity.span_chunk}, "
+                                 f"parallelism (span_prefill={capacity.span_prefill}, "
                                  f"query-parallel={lay.query_parallel}, operator QCP={lay.operator is not None})")
             if capacity.ced:
                 raise ValueError("prefix caching does not combine with CED narrowing (capacity ced=True): a narrowed "
@@ -210,10 +213,24 @@ class Engine:
         self.stats["step_s"].append(time.perf_counter() - t0)
 
     def prefill_round(self) -> list:
-        """Admit waiting requests that fit (FIFO) and prefill them; returns the admitted ids. Token-serial: each
-        is prefilled as it is admitted (so the next admission may hit the prefix it stored); span: all together."""
+        """Admit waiting requests that fit (FIFO) and prefill; returns the admitted ids. Span prefill: one pass of at
+        most `Capacity.round_tokens` rows — the requests whose prefill continues first (oldest first), then new
+        admissions while rows are left — each request taking what remains of its history or of the budget.
+        Token-serial: each admission is prefilled whole as it is admitted (so the next may hit the prefix it
+        stored)."""
         sched, admitted = self.scheduler, []
+        left = self.capacity.round_tokens
+        chunks = []                                                       # (request, start, end) of the pass
+        if self.span:
+            for req in sched.prefilling():
+                if left <= 0:
+                    break
+                take = min(req.prefill_to - req.filled, left)
+                chunks.append((req, req.filled, req.filled + take))
+                left -= take
         for req in sched.waiting():
+            if self.span and left <= 0:
+                break                                                     # the round's rows are taken
             got = sched.admit(req)
             if got is False:
                 break                                                     # FIFO: wait for capacity
@@ -221,15 +238,26 @@ class Engine:
                 self.runner.put_slot_state(self.alloc.slot(req.rid), got)
             req.status = "running"
             admitted.append(req)
-            if not self.span:
+            if self.span:
+                take = min(req.prefill_to - req.filled, left)
+                chunks.append((req, req.filled, req.filled + take))
+                left -= take
+            else:
                 self.runner.prefill_serial(req, self.alloc.slot(req.rid), sched.table(req.rid), sched.finish_if_done,
                                            self._store_prefix)
         if not admitted:
             sched.check_progress()
-        if self.span and admitted:
-            self.runner.prefill_span(admitted, [self.alloc.slot(r.rid) for r in admitted],
-                                     [sched.table(r.rid) for r in admitted], sched.finish_if_done)
+        if chunks:
+            reqs = [c[0] for c in chunks]
+            self.runner.prefill_span(reqs, [self.alloc.slot(r.rid) for r in reqs], [sched.table(r.rid) for r in reqs],
+                                     [c[1] for c in chunks], [c[2] for c in chunks], sched.finish_if_done)
         return [r.rid for r in admitted]
+
+    def warm_up(self, progress=None) -> dict:
+        """Compile (or load from the compilation cache) every program this engine's rounds can run (a prefill-role
+        engine: the prefill's; a decode role: the decode's), on idle batches (`ModelRunner.warm_up`;
+        ``progress(name, done, total)`` after each): after it, no arrival compiles anything."""
+        return self.runner.warm_up(progress, prefill=self.role != "decode", decode=self.role != "prefill")
 
     def decode_round(self) -> None:
         """One decode round of every running request (none on a prefill-role engine): each first grows to the
@@ -295,8 +323,8 @@ class Engine:
         """Raise AssertionError unless pages, slots and the prefix cache are consistent (tests, debugging)."""
         self.scheduler.check()
 
-    def span_buckets(self, lengths, starts=None, totals=None) -> dict:
-        return self.runner.span_buckets(lengths, starts, totals)
+    def span_buckets(self, rows: int) -> dict:
+        return self.runner.span_buckets(rows)
 
     def cache_bytes_per_device(self) -> dict[str, int]:
         return self.runner.cache_bytes_per_device()

@@ -32,7 +32,7 @@ def test_scheduler_takes_pages_as_requests_grow_and_preempts_the_newest():
         s.submit(rid, list(range(3, 3 + n)), sp)
     for req in s.waiting():
         assert s.admit(req) is True                  # history + the next token: 7, 6, 4 tokens → 2, 2, 1 blocks
-        req.status = "running"
+        req.status, req.filled = "running", req.prefill_to          # (as if prefilled)
         req.output.append(9)
     assert [len(s.alloc.blocks(r)) for r in "abc"] == [2, 2, 1] and s.alloc.free_blocks == 5
     order = []

@@ -1,7 +1,7 @@
 """``python -m v41cp serve``: the OpenAI-compatible server (FastAPI app on uvicorn) over one engine loop.
 
-`run_server(engine, codec, model_name, host, port)` warms the engine up (compiles the prefill and decode
-programs of its bucket before the first request, with a progress bar), starts the `EngineLoop` thread and
+`run_server(engine, codec, model_name, host, port)` warms the engine up (compiles every program its rounds can
+run — each prefill bucket, decode — before it opens its port, with a progress bar), starts the `EngineLoop` thread and
 serves `v41cp.serving.api.app.build_app` with uvicorn. On SIGINT / SIGTERM the loop is shut down first,
 so every request still in flight gets an error response (streams: an error event, then ``[DONE]``) instead
 of holding the shutdown; then uvicorn closes the connections and exits.
@@ -32,26 +32,33 @@ __all__ = ["run_follower", "run_server", "warm_up"]
 
 
 def warm_up(engine: EngineLike, progress: bool = True) -> dict:
-    """Compile the engine's programs by serving one short request through every stage (prefill, decode);
-    returns its seconds. Leaves the engine as it was (the request is released)."""
-    n = max(1, min(4, engine.capacity.max_tokens - 2))
-    rid = ("warm-up", time.time())
-    engine.submit(rid, [0] * n, SamplingParams(max_new_tokens=2, stop_on_eos=False))
+    """Compile every program the engine's rounds can run (`Engine.warm_up`: each prefill bucket, decode, the
+    speculative round), then serve one short request through every stage (the PD hand-over, the control plane);
+    returns the seconds. Leaves the engine as it was (the request is released)."""
     t0 = time.perf_counter()
-    with tqdm(total=2, desc="warm-up compile (prefill, decode)", unit="token", disable=not progress,
-              file=sys.stderr) as bar:
+    with tqdm(total=1, desc="warm-up compile", unit="program", disable=not progress, file=sys.stderr) as bar:
+        def step(name: str, done: int, total: int) -> None:
+            if done == 1:                                 # an engine's first program: its count joins the total
+                bar.total += total
+            bar.set_postfix_str(name)
+            bar.update()
+
+        stages = engine.warm_up(step)
+        bar.set_postfix_str("one request through every stage")
+        n = max(1, min(4, engine.capacity.max_tokens - 2))
+        rid = ("warm-up", time.time())
+        engine.submit(rid, [0] * n, SamplingParams(max_new_tokens=2, stop_on_eos=False))
         while engine.requests[rid].status in ("waiting", "running"):
             engine.step()
-            bar.n = len(engine.requests[rid].output)
-            bar.refresh()
-    engine.release(rid)
-    return {"warm_up_s": round(time.perf_counter() - t0, 3)}
+        engine.release(rid)
+        bar.update()
+    return {"warm_up_s": round(time.perf_counter() - t0, 3), "programs": stages["programs"]}
 
 
 def run_server(engine: EngineLike, codec: TextCodec | None, model_name: str, host: str = "127.0.0.1", port: int = 8000,
                progress: bool = True, log_level: str = "info", control: ControlPlane | None = None) -> None:
     stages = warm_up(engine, progress)
-    print(f"v41cp: warm-up compile {stages['warm_up_s']} s; serving {model_name!r} on http://{host}:{port}", file=sys.stderr,
+    print(f"v41cp: warm-up compiled {stages['programs']} programs in {stages['warm_up_s']} s; serving {model_name!r} on http://{host}:{port}", file=sys.stderr,
           flush=True)
     loop = EngineLoop(engine, control=control).start()
     app = build_app(loop, codec, model_name)

@@ -44,6 +44,11 @@ class TwoRoles:
             self.step()
         return [self.result(rid) for rid in order]
 
+    def warm_up(self, progress=None) -> dict:
+        """Compile every program of this process's roles before traffic (`Engine.warm_up`)."""
+        done = [e.warm_up(progress) for e in self._engines()]
+        return {"programs": sum(d["programs"] for d in done), "seconds": sum(d["seconds"] for d in done)}
+
     def transfer_stats(self) -> dict:
         t = self.transfers
         return {"requests": len(t), "pages": sum(x["pages"] for x in t), "bytes": sum(x["bytes"] for x in t),
@@ -117,6 +122,9 @@ class DisaggregatedEngine(TwoRoles):
     @property
     def pending(self) -> bool:
         return self.prefill.pending or self.decode.pending
+
+    def _engines(self) -> list:
+        return [self.prefill, self.decode]
 
     def _waiting_order(self) -> list:
         return list(self.prefill.requests)

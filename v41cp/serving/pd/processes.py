@@ -111,6 +111,9 @@ class CrossProcessDisaggregatedEngine(TwoRoles):
         leaf = jax.tree.leaves(self.engine.cache.ckv)
         self._dst_replicas = 1 if not leaf else n_local // self.decode_kvp
 
+    def _engines(self) -> list:
+        return [self.engine]
+
     # ------------------------------------------------------------------ the Engine interface (generate / bench)
     def submit(self, rid, prompt_ids, sampling: SamplingParams = SamplingParams()) -> None:
         """Queue a request on both processes (each checks it alike: the prefill role's checks, and the whole budget

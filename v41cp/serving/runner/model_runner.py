@@ -10,14 +10,18 @@ cache, metadata); the runner holds the cache between them.
 Topology: ``parallel`` (`ParallelConfig`) builds the mesh over the first ``tp · dp`` devices (unless ``mesh`` is
 given); with ``kv_parallel_size > 1`` the global pages are split over the KVP group and decode runs DCP
 (`v41cp.serving.attention.dcp.DCPPlan`); with plain attention TP the steps split only the selection's scoring
-(`DCPPlan.split_selection`). Model-wide QCP, operator-local QCP or ``Capacity(span_prefill=True)`` prefill the
-admissions of a round in span-prefill passes (`span`).
+(`DCPPlan.split_selection`). Model-wide QCP, operator-local QCP and, by default, every engine prefill
+prompts by span-prefill passes (`span`): one pass per round over the rows the engine schedules (`prefill_span`),
+padded to a fixed ladder of row buckets (`span_buckets`) that `warm_up` compiles before traffic; the token-serial
+prefill (`prefill_serial`) is the exactness reference and prefix caching's path.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
+from functools import partial
 from typing import Callable
 
 import jax
@@ -35,7 +39,7 @@ from v41cp.serving.cache.slot_state import put_slot_state, take_slot_state
 from v41cp.serving.capacity import Capacity
 from v41cp.serving.multihost.fetch import fetch
 from v41cp.serving.runner.sampling import ReplicateOn, SamplingRows, sample_tokens
-from v41cp.serving.runner.span_batch import build_span_batch, round_up, row_capacities
+from v41cp.serving.runner.span_batch import build_span_batch
 from v41cp.serving.runner.span_prefill import SpanLayout, prefill_span
 from v41cp.serving.runner.span_prefill import compile_count as span_compile_count
 from v41cp.serving.runner.speculative import Speculative, draft_step, write_draft_context
@@ -103,8 +107,7 @@ class ModelRunner:
         self.whole = ReplicateOn(mesh) if mesh is not None else None    # the sampler's vocabulary gather
         self.span_layout = SpanLayout.from_parallel(parallel, mesh) if parallel is not None else SpanLayout(mesh)
         lay = self.span_layout
-        self.span = (capacity.span_prefill or capacity.span_chunk is not None or lay.query_parallel
-                     or lay.operator is not None)
+        self.span = capacity.by_span or lay.query_parallel or lay.operator is not None
         self.num_blocks = capacity.block_count(n)
         self.cache = init_cache(cfg, self.num_blocks, capacity.block_tokens, capacity.max_batch,
                                 None if self.plan else cache_sharding, plan=self.plan)
@@ -175,62 +178,144 @@ class ModelRunner:
         req.output.append(int(fetch(sample_tokens(last, SamplingRows.build([req.sampling], [index], 1),
                                                   whole=self.whole))[0]))
         self.stats["prefill_tokens"] += n - req.cached
+        req.filled = n
         self.stats["ced_encoder_only_rows"] += encoder_rows
         self.stats["prefill_s"] += time.perf_counter() - t0
         done(req)
 
-    def span_buckets(self, lengths, starts=None, totals=None) -> dict:
-        """Static buckets of a span prefill pass over chunks of ``lengths`` rows: span (power of two ≥ 8, at
-        most the capacity's tokens rounded to 8) and per-rank rows (powers of two), so few shapes compile."""
-        pow2 = lambda x: 1 << max(int(x) - 1, 0).bit_length()
-        span = min(max(8, pow2(max(lengths))), round_up(self.capacity.max_tokens, 8))
-        rows, dec_rows = row_capacities(self.cfg, lengths, self.span_layout.n, self.capacity.ced, starts, totals)
-        return {"span": span, "capacity": pow2(rows), "dec_capacity": pow2(dec_rows)}
+    def span_buckets(self, rows: int) -> dict:
+        """The static buckets of a span prefill pass of ``rows`` prompt rows in all: the smallest
+        `Capacity.prefill_buckets` entry ``R ≥ rows`` fixes the span (``R``: the longest chunk's bucket), the rows
+        per rank (packed: ``R``; model-wide QCP over ``n`` ranks: ``⌈R/n⌉ + 2·max_batch`` at most — a request's zigzag
+        gives a rank at most ``L/n + 2`` rows — capped at ``R``) and the CED decoder rows per rank (at most
+        ``max_batch · ced_rows``). One compiled program per bucket (and, under model-wide QCP, per ``continued``)."""
+        ladder = self.capacity.prefill_buckets
+        if rows > ladder[-1]:
+            raise ValueError(f"span prefill: a pass of {rows} rows exceeds the round's budget of {ladder[-1]} rows")
+        r = next(x for x in ladder if x >= rows)
+        n, b = self.span_layout.n, self.capacity.max_batch
+        cap = r if n == 1 else min(r, -(-r // n) + 2 * b)
+        dec = min(cap, b * ced_rows(self.cfg)) if self.capacity.ced and ced_boundary(self.cfg) is not None else None
+        return {"span": r, "capacity": cap, "dec_capacity": dec}
 
-    def prefill_span(self, reqs: list[Request], slots: list[int], tables: np.ndarray, done: Done) -> None:
-        """Prefill ``reqs`` (their histories: prompts, and a preempted request's outputs too; their ``slots`` and block
-        ``tables [len(reqs), max_blocks]``) by span-prefill passes of at most ``span_chunk`` rows per request (later
-        passes continue from the cached history), then their next tokens; batch rows past them are idle."""
+    def prefill_span(self, reqs: list[Request], slots: list[int], tables, starts, ends, done: Done) -> None:
+        """One span-prefill pass: rows ``[starts[i], ends[i])`` of each of ``reqs``' histories (their prompts; a
+        preempted request's outputs too) in batch ``slots`` with block ``tables [len(reqs), max_blocks]``, continuing
+        from the cached history below ``starts[i]``; each request whose history ends in the pass gets its next token
+        (``done``); ``Request.filled`` advances to ``ends[i]``. Batch rows past ``reqs`` are idle."""
         t0 = time.perf_counter()
-        cfg, b = self.cfg, self.capacity.max_batch
-        prompts = [r.history for r in reqs] + [[]] * (b - len(reqs))
-        totals = np.array([len(p) for p in prompts], np.int32)
-        chunk = self.capacity.span_chunk or int(totals.max())
-        slots = list(slots) + [0] * (b - len(reqs))
+        cfg, b, k = self.cfg, self.capacity.max_batch, len(reqs)
+        histories = [r.history for r in reqs] + [[]] * (b - k)
+        totals = np.array([len(h) for h in histories], np.int32)
+        starts = np.concatenate([np.asarray(starts, np.int32), np.zeros(b - k, np.int32)])
+        ends = np.concatenate([np.asarray(ends, np.int32), np.zeros(b - k, np.int32)])
+        slots = list(slots) + [0] * (b - k)
         full = np.full((b, self.capacity.max_blocks), -1, np.int32)
-        full[:len(reqs)] = tables
-        for start in range(0, int(totals.max()), chunk):
-            starts = np.minimum(start, totals)
-            ends = np.minimum(start + chunk, totals)
-            batch = build_span_batch(cfg, prompts, self.span_layout.n, query_parallel=self.span_layout.query_parallel,
-                                     starts=starts, ends=ends, slots=slots, block_tables=full, ced=self.capacity.ced,
-                                     **self.span_buckets(ends - starts, starts, totals))
-            if self.dcache is not None:
-                w = cfg.sliding_window
-                logits, self.cache, (feats, pos, ok) = prefill_span(self.params, self.cache, batch, cfg,
-                                                                    self.span_layout, features=w)
-                self._write_context(np.asarray(slots), feats, pos, ok)
-            else:
-                logits, self.cache = prefill_span(self.params, self.cache, batch, cfg, self.span_layout)
-            last = [i for i in range(len(reqs)) if starts[i] < ends[i] == totals[i]]   # passes holding a last row
-            if not last:
-                continue
+        full[:k] = tables
+        batch = build_span_batch(cfg, histories, self.span_layout.n, query_parallel=self.span_layout.query_parallel,
+                                 starts=starts, ends=ends, slots=slots, block_tables=full, ced=self.capacity.ced,
+                                 **self.span_buckets(int((ends - starts).sum())))
+        logits = self._span_pass(batch, slots)
+        last = [i for i in range(k) if starts[i] < ends[i] == totals[i]]          # whose history ends in the pass
+        if last:
             tokens = fetch(sample_tokens(logits, SamplingRows.build([reqs[i].sampling for i in last],
                                                                     [len(reqs[i].output) for i in last], b, rows=last),
                                          whole=self.whole))
             recorded = fetch(logits) if self.record_logits else None
-            for i in last:
-                reqs[i].output.append(int(tokens[i]))
-                if recorded is not None:
-                    reqs[i].last_logits = recorded[i]
-        for req, prompt in zip(reqs, prompts):
-            n = len(prompt)
-            self.stats["prefill_tokens"] += n
-            if self.capacity.ced and ced_boundary(cfg) is not None:
-                self.stats["ced_encoder_only_rows"] += max(0, n - ced_rows(cfg))
+        for i, req in enumerate(reqs):
+            req.filled = int(ends[i])
+            self.stats["prefill_tokens"] += int(ends[i] - starts[i])
+            if self.capacity.ced and ced_boundary(cfg) is not None:      # rows that ran the encoder layers only
+                self.stats["ced_encoder_only_rows"] += max(0, min(int(ends[i]), int(totals[i]) - ced_rows(cfg))
+                                                          - int(starts[i]))
+        for i in last:
+            reqs[i].output.append(int(tokens[i]))
+            if recorded is not None:
+                reqs[i].last_logits = recorded[i]
         self.stats["prefill_s"] += time.perf_counter() - t0
-        for req in reqs:
-            done(req)
+        for i in last:
+            done(reqs[i])
+
+    def _span_pass(self, batch: StepBatch, slots) -> jax.Array:
+        """Run one span-prefill pass (and write the drafter's context): the pass's last-row logits ``[B, vocab]``."""
+        if self.dcache is None:
+            logits, self.cache = prefill_span(self.params, self.cache, batch, self.cfg, self.span_layout)
+            return logits
+        logits, self.cache, (feats, pos, ok) = prefill_span(self.params, self.cache, batch, self.cfg, self.span_layout,
+                                                            features=self.cfg.sliding_window)
+        self._write_context(np.asarray(slots), feats, pos, ok)
+        return logits
+
+    # ------------------------------------------------------------------ warm-up
+    def warm_up_programs(self, prefill: bool = True, decode: bool = True) -> list[tuple[str, Callable[[], None]]]:
+        """Every program this runner's rounds can run (``prefill`` / ``decode``: those of each round), as ``(name,
+        run)`` pairs: each ``run()`` executes it once on an idle batch (nothing is written), so it is compiled (or
+        loaded from the compilation cache) before traffic. Span prefill: one per `Capacity.prefill_buckets` entry
+        (model-wide QCP: fresh and continued passes), with the first-token sampler; decode with its sampling, or the
+        speculative draft / verify / commit programs."""
+        cfg, b = self.cfg, self.capacity.max_batch
+        out = []
+        if prefill and self.span:
+            for r in self.capacity.prefill_buckets:
+                for continued in ((False, True) if self.span_layout.query_parallel else (False,)):
+                    out.append((f"prefill {r} rows" + (" (continued)" if continued else ""),
+                                partial(self._idle_pass, r, continued)))
+        elif prefill:
+            out.append(("token-serial prefill", self._idle_chunk))
+        if prefill:
+            idle = SamplingRows.build([], [], b)
+            zeros = jnp.zeros((b, cfg.vocab_size), jnp.float32)
+            out.append(("first-token sampler", lambda: fetch(sample_tokens(zeros, idle, whole=self.whole))))
+        if decode:
+            out.append(("decode", self._idle_decode) if self.speculative is None else
+                       ("speculative round", self._idle_speculative))
+        return out
+
+    def warm_up(self, progress: Callable[[str, int, int], None] | None = None, prefill: bool = True,
+                decode: bool = True) -> dict:
+        """Run `warm_up_programs` (``progress(name, done, total)`` after each): ``{"programs": count, "seconds": wall
+        time}``. The statistics are left as they were."""
+        t0 = time.perf_counter()
+        programs = self.warm_up_programs(prefill, decode)
+        counters = {k: v for k, v in self.stats.items() if not isinstance(v, deque)}
+        for i, (name, run) in enumerate(programs):
+            run()
+            if progress is not None:
+                progress(name, i + 1, len(programs))
+        self.stats.update(counters)                       # idle programs served nothing
+        return {"programs": len(programs), "seconds": time.perf_counter() - t0}
+
+    def _idle_pass(self, rows: int, continued: bool) -> None:
+        b = self.capacity.max_batch
+        batch = build_span_batch(self.cfg, [[]] * b, self.span_layout.n, query_parallel=self.span_layout.query_parallel,
+                                 block_tables=np.full((b, self.capacity.max_blocks), -1, np.int32),
+                                 ced=self.capacity.ced, **self.span_buckets(rows))
+        if continued:
+            batch = dataclasses.replace(batch, qcp=dataclasses.replace(batch.qcp, continued=True))
+        fetch(self._span_pass(batch, [0] * b))
+
+    def _idle_chunk(self) -> None:
+        cfg, b, c = self.cfg, self.capacity.max_batch, self.capacity.prefill_chunk
+        n_eng = len(cfg.engram_layer_ids)
+        z = np.zeros((c, b), np.int32)
+        metas = StepBatch.decode(z, z, z, np.full((c, b, self.capacity.max_blocks), -1, np.int32), z.astype(bool),
+                                 np.zeros((c, b, n_eng, cfg.engram_hash_heads if n_eng else 0), np.int32))
+        if self.dcache is not None:
+            logits, self.cache, _ = prefill_chunk(self.params, self.cache, metas, cfg, False, self.step_plan,
+                                                  features=True)
+        else:
+            logits, self.cache = prefill_chunk(self.params, self.cache, metas, cfg, False, self.step_plan)
+        fetch(logits[0, :1, :1])
+
+    def _idle_decode(self) -> None:
+        b = self.capacity.max_batch
+        meta = StepBatch.idle(self.cfg, b, self.capacity.max_blocks)
+        tokens, _, self.cache = decode_and_sample(self.params, self.cache, meta, SamplingRows.build([], [], b), self.cfg,
+                                                  self.step_plan)
+        fetch(tokens)
+
+    def _idle_speculative(self) -> None:
+        self.decode_speculative([], [], np.zeros((0, self.capacity.max_blocks), np.int32), lambda req: None)
 
     def _write_context(self, slots, features, positions, keep) -> None:
         if self.dparams is not None:

@@ -65,10 +65,17 @@ class Request:
     prefix_nodes: list = field(default_factory=list)   # prefix-cache nodes this request holds
     cuts: tuple = ()                       # prompt positions where its prefill stores a slot state
     preemptions: int = 0                   # times its pages were taken back (it was recomputed after each)
+    filled: int = 0                        # tokens of its history in the cache while it is being prefilled
+    prefill_to: int = 0                    # the history length its current prefill reaches (set at admission)
 
     @property
     def history(self) -> list[int]:
         return self.prompt + self.output
+
+    @property
+    def prefilling(self) -> bool:
+        """Running, with rows of its prefill still to go (a long prompt spans several rounds)."""
+        return self.status == "running" and self.filled < self.prefill_to
 
     @property
     def active(self) -> bool:

@@ -73,8 +73,12 @@ class Scheduler:
         return [r for r in self.requests.values() if r.status == "waiting"]
 
     def decoding(self) -> list[Request]:
-        """Running requests with a first token (the rows of a decode round)."""
-        return [r for r in self.requests.values() if r.status == "running" and r.output]
+        """Running requests past their prefill, with a next token to feed (the rows of a decode round)."""
+        return [r for r in self.requests.values() if r.status == "running" and r.output and not r.prefilling]
+
+    def prefilling(self) -> list[Request]:
+        """Running requests whose prefill continues (arrival order)."""
+        return [r for r in self.requests.values() if r.prefilling]
 
     @property
     def pending(self) -> bool:
@@ -122,6 +126,7 @@ class Scheduler:
         """Reserve ``req``'s blocks and a slot (False: not now). With prefix caching the request reuses its prompt's
         longest cached prefix: returns the slot state stored there (the runner puts it into the slot), else True."""
         need = self.need(req)
+        req.filled, req.prefill_to = 0, len(req.history)
         if self.prefix is None:                              # (placement by the prompt: a recompute keeps it)
             residue = content_residue(req.prompt, self.capacity.block_tokens, self.alloc.n)
             if not self.alloc.can_admit(need, 0, residue):
@@ -133,7 +138,7 @@ class Scheduler:
         got = prefix_admit(self.alloc, self.prefix, req.rid, req.history, need)
         if got is None:
             return False
-        req.cached, req.prefix_nodes, req.cuts = got.cached, got.nodes, got.cuts
+        req.cached, req.prefix_nodes, req.cuts, req.filled = got.cached, got.nodes, got.cuts, got.cached
         return got.state if got.cached else True
 
     # ------------------------------------------------------------------ pages on demand
@@ -170,7 +175,7 @@ class Scheduler:
         """Free running ``req``'s slot and pages and queue it again, keeping its outputs: it is recomputed (its
         prompt and outputs prefilled) when admitted again."""
         self.free(req)
-        req.status, req.cached, req.cuts = "waiting", 0, ()
+        req.status, req.cached, req.cuts, req.filled, req.prefill_to = "waiting", 0, (), 0, 0
         req.preemptions += 1
         self.preemptions += 1
 
