@@ -179,9 +179,9 @@ def test_generate_without_a_chat_format_says_so(tmp_path):
     assert res.returncode == 2 and "provides no chat format" in res.stderr, res.stderr
 
 
-# model-wide QCP 8 prefill (CED on, 2-row passes) and DCP decode over KVP 8: one process, then two (test_multihost)
+# model-wide QCP 8 prefill (CED on, passes of 2 rows: the prompts over several rounds) and DCP decode over KVP 8: one process, then two (test_multihost)
 QCP8 = ("generate", "--json", "--query-context-parallel-size", "8", "--kv-parallel-size", "8", "--ced",
-        "--span-chunk", "2", "--prompt-ids", "5,17,42", "--prompt-ids", "9,8,7,6",
+        "--max-prefill-tokens", "2", "--prompt-ids", "5,17,42", "--prompt-ids", "9,8,7,6",
         "--max-new-tokens", "4", "--ignore-eos")
 
 
@@ -193,9 +193,9 @@ def qcp8_one_process():
 
 
 def test_generate_with_model_wide_qcp_and_kvp(qcp8_one_process):
-    """``generate --query-context-parallel-size 8 --kv-parallel-size 8 --ced --span-chunk 2``: span prefill under
-    QCP 8 (CED on) in 2-row passes, DCP decode over the KVP 8 pages; the greedy tokens of the full forward; two
-    span-prefill compiles (the first pass, the continuing passes)."""
+    """``generate --query-context-parallel-size 8 --kv-parallel-size 8 --ced --max-prefill-tokens 2``: span prefill
+    under QCP 8 (CED on) in 2-row passes, DCP decode over the KVP 8 pages; the greedy tokens of the full forward; two
+    span-prefill compiles (one row bucket: the first passes, the continuing passes)."""
     out = qcp8_one_process
     assert out["timings"]["compiles"]["prefill_span"] == 2 and out["timings"]["compiles"]["prefill_chunk"] == 0
     assert [len(r["output_ids"]) for r in out["requests"]] == [4, 4]

@@ -41,8 +41,8 @@ class Capacity:
     def __post_init__(self):
         if self.prefix_states is not None and (type(self.prefix_states) is not int or self.prefix_states <= 0):
             raise ValueError(f"capacity prefix_states must be a positive integer or None, got {self.prefix_states!r}")
-        if self.prefill_tokens is not None and (type(self.prefill_tokens) is not int or self.prefill_tokens < 8):
-            raise ValueError(f"capacity prefill_tokens must be an integer >= 8 or None, got {self.prefill_tokens!r}")
+        if self.prefill_tokens is not None and (type(self.prefill_tokens) is not int or self.prefill_tokens <= 0):
+            raise ValueError(f"capacity prefill_tokens must be a positive integer or None, got {self.prefill_tokens!r}")
         if self.span_prefill not in (None, True, False):
             raise ValueError(f"capacity span_prefill must be True, False or None, got {self.span_prefill!r}")
         for name in ("max_batch", "max_tokens", "block_tokens", "prefill_chunk"):
@@ -65,17 +65,16 @@ class Capacity:
 
     @property
     def round_tokens(self) -> int:
-        """Prompt rows one prefill round takes at most (a multiple of 8): ``prefill_tokens``, by default
-        `DEFAULT_PREFILL_TOKENS` capped at what the batch holds (``max_batch · max_tokens``)."""
-        budget = self.prefill_tokens or min(DEFAULT_PREFILL_TOKENS, self.max_batch * self.max_tokens)
-        return -(-budget // 8) * 8
+        """Prompt rows one prefill round takes at most: ``prefill_tokens``, by default `DEFAULT_PREFILL_TOKENS`
+        capped at what the batch holds (``max_batch · max_tokens``)."""
+        return self.prefill_tokens or min(DEFAULT_PREFILL_TOKENS, self.max_batch * self.max_tokens)
 
     @property
     def prefill_buckets(self) -> tuple[int, ...]:
         """The span prefill's row buckets, ascending: `round_tokens` and its quarters, sixteenths, … down to 16 rows
         (multiples of 8) — a pass of ``T`` rows computes the smallest bucket ≥ ``T``, never more than 4× ``T`` (but
         the smallest bucket)."""
-        out, r = [], self.round_tokens
+        out, r = [], -(-self.round_tokens // 8) * 8
         while True:
             out.append(r)
             nxt = -(-(r // 4) // 8) * 8

@@ -1,9 +1,9 @@
-"""The engine's span prefill (one pass per admission round, or passes of `span_chunk` rows) and QCP in the engine:
+"""The engine's span prefill (one pass per round under its row budget `Capacity.prefill_tokens`) and QCP in the engine:
 equal to the token-serial single-device engine (tokens, logits, cache records).
 
 * one device: span prefill = token-serial prefill (last logits, every cache byte but adjacent codes at rounding
   boundaries) = the full-sequence forward, and decode continues alike;
-* model-wide QCP 4 with KVP 4 pages, CED, passes of 8 rows, DCP decode; operator-local indexer + attention QCP.
+* model-wide QCP 4 with KVP 4 pages, CED, passes of 8 rows (prompts over several rounds), DCP decode; operator-local indexer + attention QCP.
 """
 
 import jax
@@ -28,7 +28,8 @@ def _engine_run(params, cfg, cap, parallel=None):
     eng = Engine(params, cfg, cap, parallel=parallel, record_logits=True)
     for i, p in enumerate(prompts):
         eng.submit(i, p, SamplingParams(max_new_tokens=2, stop_on_eos=False))
-    eng.step()
+    while any(eng.requests[i].active for i in range(len(prompts))):         # (a prompt may span rounds)
+        eng.step()
     first = ([eng.requests[i].output for i in range(len(prompts))],
              [eng.requests[i].last_logits for i in range(len(prompts))],
              cache_by_virtual_block(eng.cache, parallel.kv_parallel_size if parallel else 1))
@@ -42,7 +43,7 @@ def _engine_run(params, cfg, cap, parallel=None):
 def serial_run():
     cfg = preset("tiny-tp8", engram_token_map=TOKEN_MAP)
     params = perturbed(model.init_params(cfg, jax.random.key(0)))
-    cap = Capacity(max_batch=3, max_tokens=32, block_tokens=4, prefill_chunk=8)
+    cap = Capacity(max_batch=3, max_tokens=32, block_tokens=4, prefill_chunk=8, span_prefill=False)
     eng, prompts, res = _engine_run(params, cfg, cap)
     return cfg, params, cap, eng, prompts, res
 
@@ -78,7 +79,7 @@ def test_engine_with_qcp_and_dcp_decode_equals_single_device(serial_run):
     cfg, params, cap, _, _, (out, last, _, gen) = serial_run
     par = ParallelConfig(tp_size=4, query_context_parallel_size=4, kv_parallel_size=4, decode_context_parallel_size=4)
     eng, _, (q_out, q_last, _, q_gen) = _engine_run(params, cfg, Capacity(**{**cap.__dict__, "ced": True,
-                                                                              "span_chunk": 8}), par)
+                                                                              "span_prefill": None, "prefill_tokens": 8}), par)
     assert q_out == out and q_gen == gen
     assert max(rel_err(a, b) for a, b in zip(q_last, last)) <= 1e-5
     assert eng.span and eng.plan is not None
@@ -91,7 +92,8 @@ def test_engine_with_operator_local_qcp_equals_single_device(serial_run):
     cfg, params, cap, _, _, (out, last, _, gen) = serial_run
     par = ParallelConfig(tp_size=4, indexer_query_parallel_size=4, attention_query_parallel_size=4,
                          indexer_query_min_tokens=1, attention_query_min_tokens=1, attention_query_swa_min_tokens=1)
-    eng, _, (q_out, q_last, _, q_gen) = _engine_run(params, cfg, cap, par)
+    eng, _, (q_out, q_last, _, q_gen) = _engine_run(params, cfg, Capacity(**{**cap.__dict__, "span_prefill": None}),
+                                                    par)
     assert q_out == out and q_gen == gen
     assert max(rel_err(a, b) for a, b in zip(q_last, last)) <= 1e-5
     assert eng.span and eng.span_layout.operator is not None and not eng.span_layout.query_parallel

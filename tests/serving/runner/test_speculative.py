@@ -92,8 +92,10 @@ TOPOLOGIES = {
 def test_greedy_speculative_equals_plain_greedy(setup, variant):
     cfg, params, drafter, prompts, want, _ = setup
     cap, kw = CAP, {}
-    if variant == "span-ced":
-        cap = dataclasses.replace(CAP, span_prefill=True, ced=True)
+    if variant == "serial":
+        cap = dataclasses.replace(CAP, span_prefill=False)       # the token-serial prefill's features
+    elif variant == "span-ced":
+        cap = dataclasses.replace(CAP, ced=True)
     elif variant in TOPOLOGIES:
         kw = {"parallel": TOPOLOGIES[variant]}
         cap = dataclasses.replace(CAP, ced=variant.endswith("ced"))

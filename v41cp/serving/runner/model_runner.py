@@ -91,7 +91,9 @@ class ModelRunner:
             if len(devices) < parallel.num_devices:
                 raise ValueError(f"the topology needs {parallel.num_devices} devices, {len(devices)} given")
             mesh = parallel.make_mesh(devices[:parallel.num_devices])
-        cache_sharding = None
+        # the caches committed to their devices from the start: a program's first call then has the same argument
+        # placement as every later one (whose caches are its outputs), so it compiles once
+        cache_sharding = jax.sharding.SingleDeviceSharding((jax.devices() if devices is None else list(devices))[0])
         if mesh is not None:
             rules = parallel.rules() if parallel is not None else None
             params = shard_params(params, cfg, mesh, *([rules] if rules else []))
@@ -115,7 +117,7 @@ class ModelRunner:
                       "decode_s": 0.0, "step_s": deque(maxlen=4096), "ced_encoder_only_rows": 0}
         self.dparams = self.dcache = None
         if speculative is not None:
-            rep = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+            rep = cache_sharding
             if speculative.params is not None:
                 self.dparams = speculative.params if rep is None else jax.device_put(speculative.params, rep)
             self.dcache = init_draft_cache(cfg, capacity.max_batch, rep)
