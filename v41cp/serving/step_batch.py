@@ -127,7 +127,7 @@ class StepBatch:
         tokens, engram_ids = np.asarray(tokens), np.asarray(engram_ids)
         b, mb = np.shape(block_tables)[-2:]
         return cls(jnp.asarray(tokens[..., None], jnp.int32), jnp.asarray(positions, jnp.int32),
-                   jnp.asarray(np.asarray(active).astype(np.int32)), jnp.asarray(slots, jnp.int32),
+                   jnp.asarray(np.asarray(active), jnp.int32), jnp.asarray(slots, jnp.int32),
                    jnp.asarray(block_tables, jnp.int32), jnp.asarray(engram_ids[..., None, :, :], jnp.int32),
                    int(b), int(mb), 1)
 
@@ -165,7 +165,7 @@ class StepBatch:
             full[i, :len(table)] = table
             for j in range(k):
                 eng[i, j] = engram_ids_for_last(cfg, list(hist) + draft[:j])
-        return cls(*(jnp.asarray(a) for a in (tok, pos, n, slot_ids, full, eng)), max_batch, max_blocks, rows)
+        return cls(*(jnp.asarray(a, jnp.int32) for a in (tok, pos, n, slot_ids, full, eng)), max_batch, max_blocks, rows)
 
     @classmethod
     def idle(cls, cfg: ModelConfig, max_batch: int, max_blocks: int, rows: int = 1) -> "StepBatch":

@@ -253,9 +253,9 @@ class ModelRunner:
         """Every program this runner's rounds can run (``prefill`` / ``decode``: those of each round), as ``(name,
         run)`` pairs: each ``run()`` executes it once on an idle batch (nothing is written), so it is compiled (or
         loaded from the compilation cache) before traffic. Span prefill: one per `Capacity.prefill_buckets` entry
-        (model-wide QCP: fresh and continued passes), with the first-token sampler; decode with its sampling, or the
+        (model-wide QCP: fresh and continued passes), each with the first-token sampler on its logits; decode with its
+        sampling, or the
         speculative draft / verify / commit programs."""
-        cfg, b = self.cfg, self.capacity.max_batch
         out = []
         if prefill and self.span:
             for r in self.capacity.prefill_buckets:
@@ -264,10 +264,6 @@ class ModelRunner:
                                 partial(self._idle_pass, r, continued)))
         elif prefill:
             out.append(("token-serial prefill", self._idle_chunk))
-        if prefill:
-            idle = SamplingRows.build([], [], b)
-            zeros = jnp.zeros((b, cfg.vocab_size), jnp.float32)
-            out.append(("first-token sampler", lambda: fetch(sample_tokens(zeros, idle, whole=self.whole))))
         if decode:
             out.append(("decode", self._idle_decode) if self.speculative is None else
                        ("speculative round", self._idle_speculative))
@@ -294,7 +290,8 @@ class ModelRunner:
                                  ced=self.capacity.ced, **self.span_buckets(rows))
         if continued:
             batch = dataclasses.replace(batch, qcp=dataclasses.replace(batch.qcp, continued=True))
-        fetch(self._span_pass(batch, [0] * b))
+        logits = self._span_pass(batch, [0] * b)
+        fetch(sample_tokens(logits, SamplingRows.build([], [], b), whole=self.whole))
 
     def _idle_chunk(self) -> None:
         cfg, b, c = self.cfg, self.capacity.max_batch, self.capacity.prefill_chunk
@@ -307,7 +304,7 @@ class ModelRunner:
                                                   features=True)
         else:
             logits, self.cache = prefill_chunk(self.params, self.cache, metas, cfg, False, self.step_plan)
-        fetch(logits[0, :1, :1])
+        fetch(sample_tokens(logits[0, :1], SamplingRows.build([], [], 1), whole=self.whole))
 
     def _idle_decode(self) -> None:
         b = self.capacity.max_batch
@@ -359,7 +356,7 @@ class ModelRunner:
             anchors[i], pos[i], slot_ids[i] = hist[-1], len(hist) - 1, slots[i]
         if spec.proposer is None:
             drafts, _ = draft_step(self.dparams, *embedding_and_head(self.params), cfg, self.dcache,
-                                   jnp.asarray(slot_ids), jnp.asarray(anchors), jnp.asarray(pos), n)
+                                   *(jnp.asarray(a, jnp.int32) for a in (slot_ids, anchors, pos)), n)
             drafts = fetch(drafts)
         else:
             drafts = np.zeros((b, n), np.int32)
