@@ -5,6 +5,10 @@ streaming clients at once, each sending ``--requests`` completions one after ano
 greedy, EOS ignored), and prints JSON: per level the output tokens per second over the level's wall time, the
 time to first token (p50 / p90 over requests) and the per-request decode rate. Requests are bounded in number
 and time; the server is stopped at the end. ``python benchmarks/server_load.py --concurrency 1,16``
+
+``--modes default,token-serial`` runs the levels against one server per prefill mode, one after the other in this
+run (the default span prefill under its per-round row budget, and ``--token-serial-prefill``), and reports each
+level's time to first token relative to one client and the token-serial / default ratio.
 """
 
 from __future__ import annotations
@@ -59,26 +63,47 @@ def main() -> None:
     p.add_argument("--concurrency", default="1,16")
     p.add_argument("--requests", type=int, default=3, help="requests per client")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--modes", default="default", help="prefill modes to compare, each with its own server: "
+                   "default (span prefill), token-serial")
     a = p.parse_args()
     levels = [int(x) for x in a.concurrency.split(",")]
-    server = None
-    url = a.url
+    modes = a.modes.split(",")
+    if a.url is not None and modes != ["default"]:
+        p.error("--modes needs servers this script starts (no --url)")
+    out = {"max_tokens": a.max_tokens, "modes": {}}
+    for mode in modes:
+        if mode not in MODES:
+            p.error(f"--modes: unknown mode {mode!r} (choose from {sorted(MODES)})")
+        out["modes"][mode] = _run_mode(a, levels, MODES[mode])
+    if "default" in out["modes"] and "token-serial" in out["modes"]:
+        d, t = out["modes"]["default"]["levels"], out["modes"]["token-serial"]["levels"]
+        out["ttft_p50_token_serial_over_default"] = {lv["clients"]: round(b["ttft_ms_p50"] / lv["ttft_ms_p50"], 2)
+                                                     for lv, b in zip(d, t)}
+    print(json.dumps(out, indent=1))
+
+
+MODES = {"default": (), "token-serial": ("--token-serial-prefill",)}
+
+
+def _run_mode(a, levels: list[int], flags: tuple[str, ...]) -> dict:
+    server, url = None, a.url
     if url is None:
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
         from server_harness import ServerProcess
 
-        server = ServerProcess("--max-batch", str(max(levels)), "--max-context", "64", "--max-waiting", "256")
+        server = ServerProcess("--max-batch", str(max(levels)), "--max-context", "64", "--max-waiting", "256", *flags)
         url = server.url
     try:
-        out = {"url": url, "max_tokens": a.max_tokens, "levels": [asyncio.run(_level(url, a.model, c, a.requests,
-                                                                                      a.max_tokens)) for c in levels]}
+        out = {"url": url, "flags": list(flags),
+               "levels": [asyncio.run(_level(url, a.model, c, a.requests, a.max_tokens)) for c in levels]}
     finally:
         if server is not None:
             server.stop()
-    base = out["levels"][0]["output_tokens_per_s"]
+    first = out["levels"][0]
     for lv in out["levels"]:
-        lv["throughput_vs_first_level"] = round(lv["output_tokens_per_s"] / base, 2)
-    print(json.dumps(out, indent=1))
+        lv["throughput_vs_first_level"] = round(lv["output_tokens_per_s"] / first["output_tokens_per_s"], 2)
+        lv["ttft_p50_vs_first_level"] = round(lv["ttft_ms_p50"] / first["ttft_ms_p50"], 2)
+    return out
 
 
 if __name__ == "__main__":

@@ -71,13 +71,13 @@ class Capacity:
 
     @property
     def prefill_buckets(self) -> tuple[int, ...]:
-        """The span prefill's row buckets, ascending: `round_tokens` and its quarters, sixteenths, … down to 16 rows
-        (multiples of 8) — a pass of ``T`` rows computes the smallest bucket ≥ ``T``, never more than 4× ``T`` (but
-        the smallest bucket)."""
+        """The span prefill's row buckets, ascending: `round_tokens` and its halves, quarters, … down to 16 rows
+        (multiples of 8) — a pass of ``T`` rows computes the smallest bucket ≥ ``T``, less than 2× ``T`` (but the
+        smallest bucket); ⌈log2(round_tokens / 16)⌉ + 1 programs in all (8192 rows: 10)."""
         out, r = [], -(-self.round_tokens // 8) * 8
         while True:
             out.append(r)
-            nxt = -(-(r // 4) // 8) * 8
+            nxt = -(-(r // 2) // 8) * 8
             if r <= 16 or nxt < 16 or nxt >= r:
                 break
             r = nxt

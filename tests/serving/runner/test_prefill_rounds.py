@@ -31,7 +31,7 @@ def test_the_default_engine_prefills_by_span_and_warms_every_bucket(tiny):
     cfg, params = tiny
     cap = Capacity()
     assert cap.by_span and cap.round_tokens == min(8192, cap.max_batch * cap.max_tokens)
-    assert cap.prefill_buckets == (16, 64, 256, 1024)
+    assert cap.prefill_buckets == (16, 32, 64, 128, 256, 512, 1024)
     eng = Engine(params, cfg, cap)
     names = [name for name, _ in eng.runner.warm_up_programs()]
     assert eng.span and names == [f"prefill {r} rows" for r in cap.prefill_buckets] + ["decode"]
@@ -43,7 +43,7 @@ def test_the_default_engine_prefills_by_span_and_warms_every_bucket(tiny):
         Capacity(prefill_tokens=0)
     with pytest.raises(ValueError, match="exceeds the round's budget"):
         eng.span_buckets(1025)
-    assert eng.span_buckets(17) == {"span": 64, "capacity": 64, "dec_capacity": None}
+    assert eng.span_buckets(17) == {"span": 32, "capacity": 32, "dec_capacity": None}
 
 
 def _arrivals(cfg, count: int, seed: int, greedy_only: bool, pace: int = 3):
