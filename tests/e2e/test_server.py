@@ -402,8 +402,9 @@ def test_kvp_dcp8_server_across_two_processes_equals_one_device(server, client):
     answers, concurrent requests included; a client that disconnects cancels its request on both ranks (the next
     requests still agree); on SIGTERM a request in flight gets an error event and [DONE] (no hang), and both
     processes exit cleanly."""
+    # (a 64-row prefill budget: three span-prefill buckets to compile at warm-up across the two processes, not seven)
     dcp = ServerProcess("--max-batch", "8", "--max-context", str(CAPACITY), "--kv-parallel-size", "8",
-                        "--decode-context-parallel-size", "8", devices=4, nnodes=2)
+                        "--decode-context-parallel-size", "8", "--max-prefill-tokens", "64", devices=4, nnodes=2)
     try:
         dclient = openai.OpenAI(base_url=dcp.url + "/v1", api_key="unused", max_retries=0, timeout=180)
 

@@ -109,6 +109,9 @@ class ModelRunner:
         self.whole = ReplicateOn(mesh) if mesh is not None else None    # the sampler's vocabulary gather
         self.span_layout = SpanLayout.from_parallel(parallel, mesh) if parallel is not None else SpanLayout(mesh)
         lay = self.span_layout
+        if capacity.span_prefill is False and (lay.query_parallel or lay.operator is not None):
+            raise ValueError("the token-serial prefill (capacity span_prefill=False) does not split query rows: query "
+                             "context parallelism (model-wide or operator-local) prefills by span")
         self.span = capacity.by_span or lay.query_parallel or lay.operator is not None
         self.num_blocks = capacity.block_count(n)
         self.cache = init_cache(cfg, self.num_blocks, capacity.block_tokens, capacity.max_batch,
