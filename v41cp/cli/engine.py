@@ -42,7 +42,8 @@ def _disaggregated_engine(args, capacity: Capacity):
                                   **flags.BackendFlags.from_args(args).overrides())
     if nnodes > 1:                                # prefill in process 0, decode in process 1
         return cfg, CrossProcessDisaggregatedEngine(params, cfg, capacity, prefill, decode)
-    return cfg, DisaggregatedEngine(params, cfg, capacity, prefill, decode)
+    speculative = flags.SpeculativeFlags.from_args(args).speculative(cfg, model.path)
+    return cfg, DisaggregatedEngine(params, cfg, capacity, prefill, decode, speculative=speculative)
 
 
 def text_codec(checkpoint: str, required: bool) -> TextCodec | None:

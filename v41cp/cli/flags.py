@@ -419,8 +419,9 @@ class DisaggregationFlags(_Group):
         if topology.tp_size is not None:
             raise ValueError("topology: --tp-size does not apply with --prefill-devices (each role's attention TP is "
                              "its device count)")
-        if speculative.speculative_algorithm is not None:
-            raise ValueError("speculative decoding with --prefill-devices is not supported yet")
+        if speculative.speculative_algorithm is not None and nnodes > 1:
+            raise ValueError("speculative decoding with --prefill-devices across processes (--nnodes) is not "
+                             "supported yet (in one process both roles run DSpark)")
         kvp = topology.kv_parallel_size
         dcp = topology.decode_context_parallel_size or kvp
         pre_kvp = self.prefill_kv_parallel_size

@@ -34,6 +34,9 @@ class Capacity:
     span_prefill: bool | None = None       # None: span prefill unless prefix caching (see the class docstring)
     prefill_tokens: int | None = None      # span prefill rows per round (default: DEFAULT_PREFILL_TOKENS, capped)
     max_waiting: int = 64                  # queued requests beyond this are rejected at submit
+    # admission reserves each request's whole output budget (no request is ever preempted, fewer run at once)
+    # instead of pages on demand
+    reserve_output: bool = False
     # exact prefix caching (token-serial prefill; `v41cp.serving.cache.prefix`) and its stored slot states at most
     prefix_caching: bool = False
     prefix_states: int | None = None       # default: 4 per batch slot

@@ -119,6 +119,37 @@ def test_greedy_speculative_equals_plain_greedy(setup, variant):
         _check_draft_cache(eng, cfg, params, drafter, slots[rid], prompts[rid] + want[rid][:-1], variant)
 
 
+@pytest.mark.parametrize("transport", ["copy", "collective"])
+def test_disaggregated_dspark_equals_plain_greedy(setup, transport):
+    """PD with DSpark on both roles: the prefill role (devices 0-3, TP 4, KVP 2) writes the drafter's context window
+    as it prefills, the transfer carries it with the pages and slot state (bytes moved = the plan's, the window
+    included), and the decode role (devices 4-7, TP 4, KVP = DCP 2) drafts and verifies from it: each request's
+    context window after the hand-over is the full forward's, and the greedy tokens equal plain one-device greedy."""
+    from v41cp.serving.cache.slot_state import slot_state_bytes
+    from v41cp.serving.pd.engines import DisaggregatedEngine
+
+    cfg, params, drafter, prompts, want, _ = setup
+    kvp2 = ParallelConfig(tp_size=4, kv_parallel_size=2, decode_context_parallel_size=2)
+    pd = DisaggregatedEngine(params, cfg, CAP, kvp2, kvp2, transport=transport, speculative=Speculative(drafter, N))
+    assert pd.prefill.dcache is not None and pd.decode.dcache is not None
+    window = slot_state_bytes(pd.prefill.cache, pd.prefill.dcache) - slot_state_bytes(pd.prefill.cache)
+    assert window == int(np.prod(pd.prefill.dcache.keys.shape)) // CAP.max_batch * pd.prefill.dcache.keys.dtype.itemsize
+    out = {rid: r["output_ids"] for rid, r in _run(pd, prompts).items()}
+    assert out == want
+    assert pd.speculative_stats()["target_steps"] > 0
+    for x in pd.transfers:
+        assert x["bytes"] == x["planned_bytes"] > window, x
+    # the context windows the decode role received (before its first round wrote more): the prompts' last rows
+    pd2 = DisaggregatedEngine(params, cfg, CAP, kvp2, kvp2, transport=transport, speculative=Speculative(drafter, N))
+    for rid, p in prompts.items():
+        pd2.submit(rid, p, SamplingParams(max_new_tokens=NEW, stop_on_eos=False))
+    pd2.decode.decode_round = lambda: None     # prefill and hand-over only
+    pd2.step()
+    assert set(pd2.decode.requests) == set(prompts)
+    for rid in prompts:
+        _check_draft_cache(pd2.decode, cfg, params, drafter, pd2.decode.alloc.slot(rid), prompts[rid], f"pd {rid}")
+
+
 def _check_draft_cache(eng, cfg, params, drafter, slot, fed, tag):
     """The draft cache of batch slot ``slot`` holds each stage's context keys of the target features of the last
     ``W`` fed positions, as the full-sequence forward computes them."""

@@ -112,3 +112,17 @@ def test_preempted_outputs_equal_ample_pages_and_every_page_comes_back(tiny, cap
     assert load["running"] == load["waiting"] == 0 and load["free_slots"] == capacity.max_batch
     assert eng.alloc.free_blocks + (len(eng.prefix.blocks) if eng.prefix is not None else 0) == eng.num_blocks
     assert all(eng.requests[rid].preemptions == 0 for rid in "a")            # the oldest is never preempted
+
+
+@pytest.mark.fast
+def test_reserving_the_output_budget_admits_fewer_and_never_grows():
+    """``Capacity(reserve_output=True)``: admission takes prompt + the whole output budget (the comparison point of
+    benchmarks/on_demand_pages.py), so a decode round never needs a new block and nothing is preempted."""
+    cfg = preset("tiny")
+    s = Scheduler(cfg, Capacity(max_batch=3, max_tokens=48, block_tokens=4, num_blocks=20, reserve_output=True))
+    sp = SamplingParams(max_new_tokens=30, stop_on_eos=False)
+    for rid in "abc":
+        s.submit(rid, list(range(3, 9)), sp)
+    got = [s.admit(req) for req in s.waiting()]
+    assert got == [True, False, False]                 # 6 + 30 − 1 = 35 tokens: 9 blocks; a second does not fit
+    assert len(s.alloc.blocks("a")) == 9 and s.need(s.requests["b"]) == 35

@@ -22,6 +22,7 @@ from v41cp.serving.cache.slot_state import slot_state_bytes, take_slot_state
 from v41cp.serving.engine import Capacity, Engine, SamplingParams
 from v41cp.serving.pd.transfer import check_sizes, execute, plan_transfer, ratios_of
 from v41cp.serving.pd.wire import Wire, WireLayout, check_pairing, device_ranks
+from v41cp.serving.runner.speculative import Speculative
 from v41cp.sharding.topology import ParallelConfig
 
 __all__ = ["DisaggregatedEngine", "TwoRoles"]
@@ -59,7 +60,8 @@ class DisaggregatedEngine(TwoRoles):
     """See the module docstring. ``devices``: the devices of both roles (default: the host's), prefill first."""
 
     def __init__(self, params, cfg: ModelConfig, capacity: Capacity, prefill: ParallelConfig,
-                 decode: ParallelConfig, devices=None, transport: str = "copy", record_logits: bool = False):
+                 decode: ParallelConfig, devices=None, transport: str = "copy", record_logits: bool = False,
+                 speculative: Speculative | None = None):
         if transport not in ("copy", "collective"):
             raise ValueError(f"transport must be 'copy' or 'collective', got {transport!r}")
         devices = list(jax.devices() if devices is None else devices)
@@ -70,11 +72,12 @@ class DisaggregatedEngine(TwoRoles):
         if capacity.prefix_caching:
             raise ValueError("disaggregation with prefix caching (capacity prefix_caching=True) is not supported yet")
         self.cfg, self.capacity = cfg, capacity
+        # with DSpark both roles run the drafter: the prefill writes its context window, the transfer carries it
         self.prefill = Engine(params, cfg, capacity, parallel=prefill, devices=devices[:p], role="prefill",
-                              record_logits=record_logits)
+                              record_logits=record_logits, speculative=speculative)
         self.decode = Engine(params, cfg, capacity, parallel=decode, devices=devices[p:p + d], role="decode",
-                             record_logits=record_logits)
-        self.speculative = self.prefix = None
+                             record_logits=record_logits, speculative=speculative)
+        self.speculative, self.prefix = speculative, None
         self._finished: dict = {}                      # rid -> (request, result): ended by its first token
         self.transfers: list[dict] = []
         leaf = jax.tree.leaves(self.decode.cache.swa)[0]
@@ -89,7 +92,8 @@ class DisaggregatedEngine(TwoRoles):
             dst = device_ranks(self.decode.cache, dec_devs, decode.kv_parallel_size)
             check_pairing(src, dst, prefill.kv_parallel_size, decode.kv_parallel_size)
             self.wire = Wire(pre_devs, dec_devs, src, dst)
-            self._state_shapes = jax.eval_shape(lambda c: take_slot_state(c, 0), self.prefill.cache)
+            self._state_shapes = jax.eval_shape(lambda c, dc: take_slot_state(c, 0, dc), self.prefill.cache,
+                                                self.prefill.dcache)
 
     # ------------------------------------------------------------------ the Engine interface
     def submit(self, rid, prompt_ids, sampling: SamplingParams = SamplingParams()) -> None:
@@ -144,6 +148,10 @@ class DisaggregatedEngine(TwoRoles):
 
     compile_counts = staticmethod(Engine.compile_counts)
 
+    def speculative_stats(self) -> dict:
+        """The decode role's speculative counters (`Engine.speculative_stats`): it drafts and verifies."""
+        return self.decode.speculative_stats()
+
     # ------------------------------------------------------------------ rounds
     def step(self) -> None:
         self.prefill.prefill_round()
@@ -165,14 +173,16 @@ class DisaggregatedEngine(TwoRoles):
             return False
         bt = self.capacity.block_tokens
         plan = plan_transfer(src, dst, len(req.prompt), bt, ratios_of(pre.cache, bt), pre.alloc.n, dec.alloc.n)
-        planned = plan.bytes(pre.cache, self._dst_replicas, self._dst_devices, slot_state_bytes(pre.cache))
+        planned = plan.bytes(pre.cache, self._dst_replicas, self._dst_devices, slot_state_bytes(pre.cache, pre.dcache))
         if self.wire is None:
-            dec.cache, moved = execute(plan, pre.cache, dec.cache, pre.alloc.slot(rid), dec.alloc.slot(rid),
-                                       self._dst_state_sharding)
+            dec.cache, dec.runner.dcache, moved = execute(plan, pre.cache, dec.cache, pre.alloc.slot(rid),
+                                                          dec.alloc.slot(rid), self._dst_state_sharding, pre.dcache,
+                                                          dec.dcache)
         else:
             layout = WireLayout(plan, pre.cache, self._state_shapes)
-            dec.cache, moved = self.wire.transfer(layout, pre.cache, take_slot_state(pre.cache, pre.alloc.slot(rid)),
-                                                  dec.cache, dec.alloc.slot(rid))
+            state = take_slot_state(pre.cache, pre.alloc.slot(rid), pre.dcache)
+            dec.cache, dec.runner.dcache, moved = self.wire.transfer(layout, pre.cache, state, dec.cache,
+                                                                     dec.alloc.slot(rid), dec.dcache)
         self.transfers.append({"id": rid, "mode": plan.mode, "tokens": plan.tokens, "pages": plan.pages,
                                "entries": {g: plan.entries(g) for g in plan.copies}, "bytes": moved,
                                "planned_bytes": planned, "rank_pairs": sorted(plan.rank_pairs())})

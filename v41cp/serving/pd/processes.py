@@ -257,7 +257,7 @@ class CrossProcessDisaggregatedEngine(TwoRoles):
             self.wire.send(layout, eng.cache, state)
             eng.hand_off(rid)
             return None
-        eng.cache, moved = self.wire.receive(layout, eng.cache, eng.alloc.slot(rid))
+        eng.cache, _, moved = self.wire.receive(layout, eng.cache, eng.alloc.slot(rid))
         planned = plan.bytes(eng.cache, self._dst_replicas, len(self.wire.decode), slot_state_bytes(eng.cache))
         return {"id": rid, "mode": plan.mode, "tokens": plan.tokens, "pages": plan.pages,
                 "entries": {g: plan.entries(g) for g in plan.copies}, "bytes": moved, "planned_bytes": planned,

@@ -128,9 +128,10 @@ def _move_pool(store: dict | jax.Array, dst: dict | jax.Array, pair_copies: dict
 
 
 def execute(plan: TransferPlan, src_cache: PagedCache, dst_cache: PagedCache, src_slot: int, dst_slot: int,
-            dst_sharding) -> tuple[PagedCache, int]:
+            dst_sharding, src_dcache=None, dst_dcache=None):
     """Move the request's entries and slot state from ``src_cache`` (prefill) into ``dst_cache`` (decode; its
-    replicated parts are placed with ``dst_sharding``). Returns ``(dst_cache, bytes moved)``."""
+    replicated parts are placed with ``dst_sharding``); with DSpark on both roles the slot state includes the
+    drafter's context window (``src_dcache`` → ``dst_dcache``). Returns ``(dst_cache, dst_dcache, bytes moved)``."""
     moved = 0
     for name in POOLS:
         for group, pair_copies in plan.copies.items():
@@ -138,12 +139,12 @@ def execute(plan: TransferPlan, src_cache: PagedCache, dst_cache: PagedCache, sr
                                  plan.prefill_kvp, plan.decode_kvp)
             dst_cache = dst_cache.with_pool(name, group, pool)
             moved += m
-    state = take_slot_state(src_cache, src_slot)
+    state = take_slot_state(src_cache, src_slot, src_dcache)
     state = jax.device_put(state, dst_sharding)
     n_dst = len(dst_sharding.device_set)
     moved += state_bytes(state) * n_dst
-    dst_cache, _ = put_slot_state(dst_cache, dst_slot, state)
-    return dst_cache, moved
+    dst_cache, dst_dcache = put_slot_state(dst_cache, dst_slot, state, dst_dcache)
+    return dst_cache, dst_dcache, moved
 
 
 def ratios_of(cache: PagedCache, block_tokens: int) -> dict:

@@ -171,10 +171,11 @@ class Wire:
         got = self._exchange(vectors, bucket)
         return (sent, got) if received else sent
 
-    def receive(self, layout: WireLayout, cache: PagedCache, slot: int, got: dict | None = None) -> tuple[PagedCache, int]:
+    def receive(self, layout: WireLayout, cache: PagedCache, slot: int, got: dict | None = None, dcache=None):
         """The decode side: receive each decode device's vector (or take ``got``, what `send` delivered in this
         process) and scatter its pieces into ``cache``'s pools and slot ``slot`` (the slot state replicated over the
-        decode devices, as the cache's window rings are). Returns ``(cache, unpadded bytes received)``."""
+        decode devices, as the cache's window rings are; with DSpark the drafter's context window into ``dcache``).
+        Returns ``(cache, dcache, unpadded bytes received)``."""
         plan = layout.plan
         if got is None:
             got = self._exchange({}, layout.bucket(self.dst_ranks))
@@ -205,14 +206,14 @@ class Wire:
         replicated = NamedSharding(ring.mesh, P())
         leaves = [jax.make_array_from_single_device_arrays(piece.shape, replicated, [parts[d] for d in self.decode])
                   for piece, parts in zip(layout.state, state_parts)]
-        cache, _ = put_slot_state(cache, slot, jax.tree.unflatten(layout.state_tree, leaves))
-        return cache, received
+        cache, dcache = put_slot_state(cache, slot, jax.tree.unflatten(layout.state_tree, leaves), dcache)
+        return cache, dcache, received
 
     def transfer(self, layout: WireLayout, src_cache: PagedCache, state: dict, dst_cache: PagedCache,
-                 slot: int) -> tuple[PagedCache, int]:
-        """Both sides in one program (every device addressable): ``(dst_cache, bytes moved)``."""
+                 slot: int, dst_dcache=None):
+        """Both sides in one program (every device addressable): ``(dst_cache, dst_dcache, bytes moved)``."""
         sent, got = self.send(layout, src_cache, state, received=True)
-        dst_cache, received = self.receive(layout, dst_cache, slot, got)
+        dst_cache, dst_dcache, received = self.receive(layout, dst_cache, slot, got, dst_dcache)
         if sent != received:
             raise AssertionError(f"transfer sent {sent} bytes but received {received}")
-        return dst_cache, received
+        return dst_cache, dst_dcache, received

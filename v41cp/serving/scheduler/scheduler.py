@@ -117,9 +117,11 @@ class Scheduler:
 
     def need(self, req: Request) -> int:
         """Tokens of blocks ``req`` takes at admission: its history and the next token it feeds, within its budget
-        (a prefill-role engine: the prompt only)."""
+        (a prefill-role engine: the prompt only; with ``Capacity.reserve_output`` the whole budget)."""
         if self.role == "prefill":
             return max(len(req.prompt), 1)
+        if self.capacity.reserve_output:
+            return self.budget(req)
         return min(len(req.history) + 1, self.budget(req))
 
     def admit(self, req: Request):
