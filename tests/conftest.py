@@ -82,6 +82,7 @@ class Oracle:
 _LONGEST_FIRST = ("test_cli.py", "test_dcp_decode.py", "test_qcp_prefill.py", "test_compiled_structure.py",
                   "test_speculative.py",
                   "test_qcp_engine.py", "test_notebooks.py", "test_oracle_model.py", "test_prefix_cache.py",
+                  "test_preemption.py", "test_prefill_rounds.py",
                   "test_disaggregated.py", "test_operator_qcp.py",
                   "test_engine.py", "test_decode.py", "test_checkpoint_io.py", "test_kernels.py", "test_server.py",
                   "test_tp.py")

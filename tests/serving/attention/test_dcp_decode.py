@@ -181,7 +181,8 @@ def test_kvp_engine_with_ced_and_chunked_prefill_equals_single_device():
     from v41cp.serving.engine import Capacity, Engine, SamplingParams
 
     cfg, params = _model(False)
-    cap = Capacity(max_batch=2, max_tokens=64, block_tokens=4, prefill_chunk=7, ced=True)
+    # the token-serial chunked prefill (the span prefill under KVP + CED: test_qcp_engine / test_speculative)
+    cap = Capacity(max_batch=2, max_tokens=64, block_tokens=4, prefill_chunk=7, ced=True, span_prefill=False)
     rng = np.random.default_rng(6)     # seed 5 puts "short" on a routing near-tie (plain TP=8 flips it too)
     prompts = {"long": rng.integers(3, cfg.vocab_size, 37).tolist(), "short": rng.integers(3, cfg.vocab_size, 3).tolist(),
                "late": rng.integers(3, cfg.vocab_size, 11).tolist()}

@@ -163,12 +163,13 @@ def _prompts(cfg):
 
 
 def _lockstep(params, cfg, cap, parallel=None):
-    """The workload through a cold engine and a prefix-caching one, step by step: every logits row the two emit and
-    every running request's cache bytes after every step are identical. Returns the prefix engine."""
+    """The workload through a cold engine (the token-serial prefill, the prefix cache's path) and a prefix-caching
+    one, step by step: every logits row the two emit and every running request's cache bytes after every step are
+    identical. Returns the prefix engine."""
     from v41cp.serving.engine import Engine, SamplingParams
 
     prompts = _prompts(cfg)
-    cold = Engine(params, cfg, cap, parallel=parallel, record_logits=True)
+    cold = Engine(params, cfg, dataclasses.replace(cap, span_prefill=False), parallel=parallel, record_logits=True)
     warm = Engine(params, cfg, dataclasses.replace(cap, prefix_caching=True), parallel=parallel, record_logits=True)
     step = 0
     while step == 0 or cold.pending:

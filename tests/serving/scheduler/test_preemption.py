@@ -90,13 +90,9 @@ def _run(eng, work, logits=None):
 KVP2 = ParallelConfig(tp_size=2, kv_parallel_size=2, decode_context_parallel_size=2)
 
 
-@pytest.mark.parametrize("capacity,parallel", [(TIGHT, None), (dataclasses.replace(TIGHT, prefix_caching=True), None),
-                                               (dataclasses.replace(AMPLE, max_batch=1, num_blocks=12), None),
-                                               (TIGHT, KVP2)],
-                         ids=["tight", "tight-prefix-caching", "one-slot", "tight-kvp2"])
-def test_preempted_outputs_equal_ample_pages_and_every_page_comes_back(tiny, capacity, parallel):
-    """Against one device with ample pages: tight pages (two requests, blocks for 14 · 4 tokens; with prefix
-    caching; under KVP = DCP 2, each rank holding 7 pages) and one batch slot."""
+@pytest.fixture(scope="module")
+def ample(tiny):
+    """The workload and its outputs on one device with ample pages (the reference)."""
     cfg, params = tiny
     work = _workload(cfg)
     logits = {rid: [] for rid, *_ in work}
@@ -105,6 +101,18 @@ def test_preempted_outputs_equal_ample_pages_and_every_page_comes_back(tiny, cap
     # logits of each step's last token per request: a prefill step also decodes, so one token per prompt is unseen)
     gaps = [np.diff(np.sort(row)[-2:])[0] / np.abs(row).max() for rows in logits.values() for row in rows]
     assert len(gaps) >= 2 * 26 - 2 and min(gaps) > 1e-4, min(gaps)
+    return work, want
+
+
+@pytest.mark.parametrize("capacity,parallel", [(TIGHT, None), (dataclasses.replace(TIGHT, prefix_caching=True), None),
+                                               (dataclasses.replace(AMPLE, max_batch=1, num_blocks=12), None),
+                                               (TIGHT, KVP2)],
+                         ids=["tight", "tight-prefix-caching", "one-slot", "tight-kvp2"])
+def test_preempted_outputs_equal_ample_pages_and_every_page_comes_back(tiny, ample, capacity, parallel):
+    """Against one device with ample pages: tight pages (two requests, blocks for 14 · 4 tokens; with prefix
+    caching; under KVP = DCP 2, each rank holding 7 pages) and one batch slot."""
+    cfg, params = tiny
+    work, want = ample
     eng = Engine(params, cfg, capacity, parallel=parallel)
     assert _run(eng, work) == want
     load = eng.load()
@@ -119,7 +127,7 @@ def test_reserving_the_output_budget_admits_fewer_and_never_grows():
     """``Capacity(reserve_output=True)``: admission takes prompt + the whole output budget (the comparison point of
     benchmarks/on_demand_pages.py), so a decode round never needs a new block and nothing is preempted."""
     cfg = preset("tiny")
-    s = Scheduler(cfg, Capacity(max_batch=3, max_tokens=48, block_tokens=4, num_blocks=20, reserve_output=True))
+    s = Scheduler(cfg, Capacity(max_batch=3, max_tokens=48, block_tokens=4, num_blocks=12, reserve_output=True))
     sp = SamplingParams(max_new_tokens=30, stop_on_eos=False)
     for rid in "abc":
         s.submit(rid, list(range(3, 9)), sp)
