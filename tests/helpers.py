@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import jax
@@ -142,3 +143,21 @@ def assert_same_request_state(got: dict, want: dict, rid, window: int) -> None:
     for name in ("open_kv", "open_score"):
         for g, w in zip(jax.tree.leaves(got["slot"][name]), jax.tree.leaves(want["slot"][name])):
             np.testing.assert_array_equal(g, w, err_msg=f"{rid} {name}")
+
+
+@contextlib.contextmanager
+def compile_events():
+    """Collect the names of jax's compilation events (tracing, lowering, XLA compiles of every function, eager ops
+    included) while the block runs: ``with compile_events() as compiled: ...``; ``compiled == []`` means nothing
+    compiled."""
+    compiled, listening = [], [True]
+
+    def on_event(event: str, seconds: float, **kw) -> None:
+        if listening[0] and "compile" in event and "cache" not in event:
+            compiled.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)     # (no public unregister: it goes quiet)
+    try:
+        yield compiled
+    finally:
+        listening[0] = False

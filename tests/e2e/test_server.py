@@ -396,15 +396,44 @@ def test_add_generation_prompt_is_honoured(server, codec):
     assert len(codec.chat_ids(messages, True)) == len(codec.chat_ids(messages, False)) + 1
 
 
+def test_pd_server_across_two_processes_equals_one_device(server, client):
+    """``serve --prefill-devices 4`` over two processes (4 devices each): the prefill role and HTTP in process 0, the
+    decode role in process 1 following rank 0's broadcast submits / cancels; every request's pages and slot state
+    cross by the transfer collective. Concurrent requests answer what the one-device server answers; a client that
+    disconnects cancels its request where its role holds it (every page back on both roles); both exit cleanly."""
+    pd = ServerProcess("--max-batch", "4", "--max-context", str(CAPACITY), "--prefill-devices", "4",
+                       "--max-prefill-tokens", "16", devices=4, nnodes=2)
+    try:
+        async def concurrent(indices):
+            aclient = openai.AsyncOpenAI(base_url=pd.url + "/v1", api_key="unused", max_retries=0, timeout=180)
+            return await asyncio.gather(*[aclient.completions.create(
+                model=MODEL, prompt=PROMPTS[i], max_tokens=10, temperature=0,
+                extra_body={"return_token_ids": True, "ignore_eos": True}) for i in indices])
+
+        for i, got in zip((0, 1, 3), asyncio.run(concurrent((0, 1, 3)))):
+            one = client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=10, temperature=0,
+                                            extra_body={"return_token_ids": True, "ignore_eos": True})
+            assert got.choices[0].model_extra["token_ids"] == one.choices[0].model_extra["token_ids"]
+        body = {"model": MODEL, "prompt": "w1 w2", "max_tokens": 100, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        with httpx.Client(timeout=60) as http, http.stream("POST", pd.url + "/v1/completions", json=body) as r:
+            next(line for line in r.iter_lines() if line.startswith("data: "))
+        h = pd.wait_idle(timeout=60)
+        assert h["free_blocks"] == h["total_blocks"]
+        assert h["prefill"]["free_blocks"] == h["prefill"]["total_blocks"]
+    finally:
+        assert pd.stop() in CLEAN_EXIT, pd.output()[-3000:]
+
+
 def test_kvp_dcp8_server_across_two_processes_equals_one_device(server, client):
     """A KVP = DCP = 8 server over two processes (`jax.distributed` on 127.0.0.1, 4 devices each; rank 0 serves
     HTTP and broadcasts each iteration's submits / cancels, rank 1 follows) answers what the one-device server
     answers, concurrent requests included; a client that disconnects cancels its request on both ranks (the next
     requests still agree); on SIGTERM a request in flight gets an error event and [DONE] (no hang), and both
     processes exit cleanly."""
-    # (a 64-row prefill budget: three span-prefill buckets to compile at warm-up across the two processes, not seven)
+    # (a 16-row prefill budget: one span-prefill bucket to compile at warm-up across the two processes, not seven)
     dcp = ServerProcess("--max-batch", "8", "--max-context", str(CAPACITY), "--kv-parallel-size", "8",
-                        "--decode-context-parallel-size", "8", "--max-prefill-tokens", "64", devices=4, nnodes=2)
+                        "--decode-context-parallel-size", "8", "--max-prefill-tokens", "16", devices=4, nnodes=2)
     try:
         dclient = openai.OpenAI(base_url=dcp.url + "/v1", api_key="unused", max_retries=0, timeout=180)
 

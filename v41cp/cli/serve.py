@@ -1,5 +1,6 @@
 """``v41cp serve``: the OpenAI-compatible HTTP server (`v41cp.serving.api.server`) over the serving engine; with
-``--nnodes > 1`` rank 0 serves HTTP and the other ranks follow its broadcast commands."""
+``--nnodes > 1`` rank 0 serves HTTP and the other ranks follow its broadcast commands (one global mesh, or with
+``--prefill-devices`` PD across processes: the prefill role in process 0, the decode role in process 1)."""
 
 from __future__ import annotations
 
@@ -24,13 +25,6 @@ def add_arguments(parser) -> None:
         flags.add(parser, group)
     flags.add(parser, flags.ModelFlags, "no_fake_quant", "keep_quantized", "dequantize")
     flags.add(parser, flags.CompileCacheFlags)
-
-
-def check(args) -> str | None:
-    if args.nnodes > 1 and args.prefill_devices is not None:
-        return ("serve with --prefill-devices across processes (--nnodes > 1) is not supported yet: PD across "
-                "processes runs `generate` (prefill in process 0, decode in process 1)")
-    return None
 
 
 def run(args) -> int:

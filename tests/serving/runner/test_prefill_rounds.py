@@ -10,9 +10,9 @@ others decode — with the pass's rows padded to a fixed ladder of buckets that 
 
 import dataclasses
 
-import jax
 import numpy as np
 import pytest
+from helpers import compile_events
 
 from v41cp.checkpoint import default_checkpoint, load
 from v41cp.serving.capacity import Capacity
@@ -110,23 +110,15 @@ def test_budgeted_rounds_equal_the_token_serial_reference(tiny):
 def test_after_warm_up_random_arrivals_compile_nothing(tiny):
     """`Engine.warm_up` runs every program of the rounds on idle batches; then 300 random arrivals — counts per step,
     prompt lengths below and over the budget, greedy and sampled settings, cancellations, tight pages forcing
-    preemptions — trigger no XLA compilation at all (jax's compile events, every function counted)."""
+    preemptions — trigger no XLA compilation at all (jax's compile events, every function counted; under model-wide
+    QCP, whose passes are fresh or continued programs: test_qcp_engine)."""
     cfg, params = tiny
     eng = Engine(params, cfg, dataclasses.replace(CAP, num_blocks=14, max_waiting=300))
     warm = eng.warm_up()
     assert warm["programs"] == len(CAP.prefill_buckets) + 1
-    compiled, listening = [], [True]
-
-    def on_event(event: str, seconds: float, **kw) -> None:
-        if listening[0] and "compile" in event and "cache" not in event:
-            compiled.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(on_event)
-    try:
+    with compile_events() as compiled:
         work = _arrivals(cfg, 300, seed=9, greedy_only=False, pace=6)
         outputs, _ = _drive(eng, work, cancel={rid for rid, *_ in work if rid % 17 == 0})
-    finally:
-        listening[0] = False
     assert compiled == [], sorted(set(compiled))
     assert eng.load()["preemptions"] > 0
     assert all(len(outputs[rid]) == sp.max_new_tokens for rid, _, sp, _ in work if rid % 17)

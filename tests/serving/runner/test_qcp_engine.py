@@ -9,7 +9,7 @@ equal to the token-serial single-device engine (tokens, logits, cache records).
 import jax
 import numpy as np
 import pytest
-from helpers import TOKEN_MAP, assert_same_records, cache_by_virtual_block, perturbed, rel_err
+from helpers import TOKEN_MAP, assert_same_records, cache_by_virtual_block, compile_events, perturbed, rel_err
 
 from v41cp import model
 from v41cp.config import preset
@@ -20,12 +20,23 @@ from v41cp.sharding.topology import ParallelConfig
 ENGINE_PROMPTS = (21, 2, 16)
 
 
-def _engine_run(params, cfg, cap, parallel=None):
+def _engine_run(params, cfg, cap, parallel=None, warm=False):
     """Round 1: prefill + one decode round of each prompt (2 tokens, then done); round 2: the same prompts again
-    for 4 tokens. Returns the engine and (round-1 outputs, last logits, cache after round 1, round-2 outputs)."""
+    for 4 tokens. Returns the engine and (round-1 outputs, last logits, cache after round 1, round-2 outputs).
+    ``warm``: `Engine.warm_up` first, and assert that the traffic compiles nothing."""
     rng = np.random.default_rng(2)
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in ENGINE_PROMPTS]
     eng = Engine(params, cfg, cap, parallel=parallel, record_logits=True)
+    if warm:
+        eng.warm_up()
+        with compile_events() as compiled:
+            out = _traffic(eng, prompts, parallel)
+        assert compiled == [], sorted(set(compiled))
+        return out
+    return _traffic(eng, prompts, parallel)
+
+
+def _traffic(eng, prompts, parallel):
     for i, p in enumerate(prompts):
         eng.submit(i, p, SamplingParams(max_new_tokens=2, stop_on_eos=False))
     while any(eng.requests[i].active for i in range(len(prompts))):         # (a prompt may span rounds)
@@ -75,11 +86,13 @@ def test_span_prefill_equals_token_serial_prefill_and_forward(serial_run):
 
 def test_engine_with_qcp_and_dcp_decode_equals_single_device(serial_run):
     """QCP 4 prefill (CED on, passes of 8 rows) hands its caches to DCP decode over KVP 4 pages: the same tokens
-    as the single-device token-serial engine, logits ≤ 1e-5."""
+    as the single-device token-serial engine, logits ≤ 1e-5. Warmed up first (the fresh and continued passes of
+    the one 8-row bucket, decode): the traffic compiles nothing."""
     cfg, params, cap, _, _, (out, last, _, gen) = serial_run
     par = ParallelConfig(tp_size=4, query_context_parallel_size=4, kv_parallel_size=4, decode_context_parallel_size=4)
     eng, _, (q_out, q_last, _, q_gen) = _engine_run(params, cfg, Capacity(**{**cap.__dict__, "ced": True,
-                                                                              "span_prefill": None, "prefill_tokens": 8}), par)
+                                                                              "span_prefill": None, "prefill_tokens": 8}),
+                                                    par, warm=True)
     assert q_out == out and q_gen == gen
     assert max(rel_err(a, b) for a, b in zip(q_last, last)) <= 1e-5
     assert eng.span and eng.plan is not None

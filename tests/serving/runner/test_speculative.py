@@ -134,20 +134,19 @@ def test_disaggregated_dspark_equals_plain_greedy(setup, transport):
     assert pd.prefill.dcache is not None and pd.decode.dcache is not None
     window = slot_state_bytes(pd.prefill.cache, pd.prefill.dcache) - slot_state_bytes(pd.prefill.cache)
     assert window == int(np.prod(pd.prefill.dcache.keys.shape)) // CAP.max_batch * pd.prefill.dcache.keys.dtype.itemsize
-    out = {rid: r["output_ids"] for rid, r in _run(pd, prompts).items()}
-    assert out == want
+    for rid, p in prompts.items():
+        pd.submit(rid, p, SamplingParams(max_new_tokens=NEW, stop_on_eos=False))
+    pd.decode.decode_round = lambda: None      # the first step: prefill and hand-over only
+    pd.step()
+    del pd.decode.decode_round
+    assert set(pd.decode.requests) == set(prompts)
+    for rid in prompts:                        # the context windows the decode role received: the prompts' last rows
+        _check_draft_cache(pd.decode, cfg, params, drafter, pd.decode.alloc.slot(rid), prompts[rid], f"pd {rid}")
+    pd.run()
+    assert {rid: pd.result(rid)["output_ids"] for rid in prompts} == want
     assert pd.speculative_stats()["target_steps"] > 0
     for x in pd.transfers:
         assert x["bytes"] == x["planned_bytes"] > window, x
-    # the context windows the decode role received (before its first round wrote more): the prompts' last rows
-    pd2 = DisaggregatedEngine(params, cfg, CAP, kvp2, kvp2, transport=transport, speculative=Speculative(drafter, N))
-    for rid, p in prompts.items():
-        pd2.submit(rid, p, SamplingParams(max_new_tokens=NEW, stop_on_eos=False))
-    pd2.decode.decode_round = lambda: None     # prefill and hand-over only
-    pd2.step()
-    assert set(pd2.decode.requests) == set(prompts)
-    for rid in prompts:
-        _check_draft_cache(pd2.decode, cfg, params, drafter, pd2.decode.alloc.slot(rid), prompts[rid], f"pd {rid}")
 
 
 def _check_draft_cache(eng, cfg, params, drafter, slot, fed, tag):

@@ -46,7 +46,7 @@ def warm_up(engine: EngineLike, progress: bool = True) -> dict:
         stages = engine.warm_up(step)
         bar.set_postfix_str("one request through every stage")
         n = max(1, min(4, engine.capacity.max_tokens - 2))
-        rid = ("warm-up", time.time())
+        rid = "v41cp-warm-up"                            # (the same on every process of a multi-process server)
         engine.submit(rid, [0] * n, SamplingParams(max_new_tokens=2, stop_on_eos=False))
         while engine.requests[rid].status in ("waiting", "running"):
             engine.step()

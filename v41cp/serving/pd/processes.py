@@ -16,9 +16,10 @@ the same order (SPMD host control, as every multi-process command does); each `s
    moved and planned) and its counters.
 
 Every process keeps a view of every request (``requests``: prompt, output so far, status), so rank 0 prints the
-results, and each role's `load`; `cancel` frees the request where its role holds it. Refused: prefix caching,
-speculative decoding (as in one program), `serve` (rank 0's HTTP requests would need broadcasting to this protocol,
-`v41cp.serving.multihost.control_plane`), and more or fewer than two processes.
+results, and each role's `load`; `cancel` frees the request where its role holds it. ``serve`` runs it with the
+multi-process control plane (`v41cp.serving.multihost.control_plane`): rank 0 — the prefill process — serves HTTP
+and broadcasts each iteration's submits and cancels, process 1 applies them and steps with it. Refused: prefix
+caching, speculative decoding (in one program both roles run DSpark), and more or fewer than two processes.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class RequestView:
     output: list[int] = field(default_factory=list)
     status: str = "waiting"
     finish_reason: str | None = None
+    cached: int = 0                     # prompt tokens reused from a prefix cache (none here: refused across processes)
 
 
 def _bcast(obj, source: bool):

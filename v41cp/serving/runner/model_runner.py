@@ -174,7 +174,8 @@ class ModelRunner:
             else:
                 logits, self.cache = prefill_chunk(self.params, self.cache, metas, cfg, encoder_only, self.step_plan)
             if not encoder_only:
-                last = logits[m - 1, 0][None]                                   # [1, vocab], on the device
+                # [1, vocab], on the device (the row index as data: one program for every chunk length)
+                last = jax.lax.dynamic_index_in_dim(logits[:, 0], np.int32(m - 1), keepdims=True)
             if end in req.cuts:
                 at_cut(req, end)
         if self.record_logits:
@@ -307,7 +308,8 @@ class ModelRunner:
                                                   features=True)
         else:
             logits, self.cache = prefill_chunk(self.params, self.cache, metas, cfg, False, self.step_plan)
-        fetch(sample_tokens(logits[0, :1], SamplingRows.build([], [], 1), whole=self.whole))
+        last = jax.lax.dynamic_index_in_dim(logits[:, 0], np.int32(0), keepdims=True)      # as `prefill_serial`
+        fetch(sample_tokens(last, SamplingRows.build([], [], 1), whole=self.whole))
 
     def _idle_decode(self) -> None:
         b = self.capacity.max_batch
