@@ -396,6 +396,22 @@ def test_add_generation_prompt_is_honoured(server, codec):
     assert len(codec.chat_ids(messages, True)) == len(codec.chat_ids(messages, False)) + 1
 
 
+def _concurrent_equal_one_device(url: str, client, indices, max_tokens: int) -> None:
+    """Concurrent greedy completions of ``PROMPTS[indices]`` against the server at ``url`` give the one-device
+    server's (``client``) token ids and text."""
+    async def concurrent():
+        aclient = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=180)
+        return await asyncio.gather(*[aclient.completions.create(
+            model=MODEL, prompt=PROMPTS[i], max_tokens=max_tokens, temperature=0,
+            extra_body={"return_token_ids": True, "ignore_eos": True}) for i in indices])
+
+    for i, got in zip(indices, asyncio.run(concurrent())):
+        one = client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=max_tokens, temperature=0,
+                                        extra_body={"return_token_ids": True, "ignore_eos": True})
+        assert got.choices[0].model_extra["token_ids"] == one.choices[0].model_extra["token_ids"]
+        assert got.choices[0].text == one.choices[0].text
+
+
 def test_pd_server_across_two_processes_equals_one_device(server, client):
     """``serve --prefill-devices 4`` over two processes (4 devices each): the prefill role and HTTP in process 0, the
     decode role in process 1 following rank 0's broadcast submits / cancels; every request's pages and slot state
@@ -404,16 +420,7 @@ def test_pd_server_across_two_processes_equals_one_device(server, client):
     pd = ServerProcess("--max-batch", "4", "--max-context", str(CAPACITY), "--prefill-devices", "4",
                        "--max-prefill-tokens", "16", devices=4, nnodes=2)
     try:
-        async def concurrent(indices):
-            aclient = openai.AsyncOpenAI(base_url=pd.url + "/v1", api_key="unused", max_retries=0, timeout=180)
-            return await asyncio.gather(*[aclient.completions.create(
-                model=MODEL, prompt=PROMPTS[i], max_tokens=10, temperature=0,
-                extra_body={"return_token_ids": True, "ignore_eos": True}) for i in indices])
-
-        for i, got in zip((0, 1, 3), asyncio.run(concurrent((0, 1, 3)))):
-            one = client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=10, temperature=0,
-                                            extra_body={"return_token_ids": True, "ignore_eos": True})
-            assert got.choices[0].model_extra["token_ids"] == one.choices[0].model_extra["token_ids"]
+        _concurrent_equal_one_device(pd.url, client, (0, 1, 3), max_tokens=10)
         body = {"model": MODEL, "prompt": "w1 w2", "max_tokens": 100, "temperature": 0, "ignore_eos": True,
                 "stream": True}
         with httpx.Client(timeout=60) as http, http.stream("POST", pd.url + "/v1/completions", json=body) as r:
@@ -442,17 +449,7 @@ def test_kvp_dcp8_server_across_two_processes_equals_one_device(server, client):
                         extra_body={"return_token_ids": True, "ignore_eos": True})
             return client.completions.create(**args), dclient.completions.create(**args)
 
-        async def concurrent(indices):
-            aclient = openai.AsyncOpenAI(base_url=dcp.url + "/v1", api_key="unused", max_retries=0, timeout=180)
-            return await asyncio.gather(*[aclient.completions.create(
-                model=MODEL, prompt=PROMPTS[i], max_tokens=12, temperature=0,
-                extra_body={"return_token_ids": True, "ignore_eos": True}) for i in indices])
-
-        for i, got in zip((0, 3, 4), asyncio.run(concurrent((0, 3, 4)))):
-            one = client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=12, temperature=0,
-                                            extra_body={"return_token_ids": True, "ignore_eos": True})
-            assert got.choices[0].model_extra["token_ids"] == one.choices[0].model_extra["token_ids"]
-            assert got.choices[0].text == one.choices[0].text
+        _concurrent_equal_one_device(dcp.url, client, (0, 3, 4), max_tokens=12)
         body = {"model": MODEL, "prompt": "w1 w2", "max_tokens": 100, "temperature": 0, "ignore_eos": True,
                 "stream": True}
         with httpx.Client(timeout=60) as http, http.stream("POST", dcp.url + "/v1/completions", json=body) as r:

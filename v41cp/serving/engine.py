@@ -221,13 +221,18 @@ class Engine:
         sched, admitted = self.scheduler, []
         left = self.capacity.round_tokens
         chunks = []                                                       # (request, start, end) of the pass
+
+        def take(req: Request) -> None:                                   # the rest of its history, or of the rows
+            nonlocal left
+            rows = min(req.prefill_to - req.filled, left)
+            chunks.append((req, req.filled, req.filled + rows))
+            left -= rows
+
         if self.span:
             for req in sched.prefilling():
                 if left <= 0:
                     break
-                take = min(req.prefill_to - req.filled, left)
-                chunks.append((req, req.filled, req.filled + take))
-                left -= take
+                take(req)
         for req in sched.waiting():
             if self.span and left <= 0:
                 break                                                     # the round's rows are taken
@@ -239,9 +244,7 @@ class Engine:
             req.status = "running"
             admitted.append(req)
             if self.span:
-                take = min(req.prefill_to - req.filled, left)
-                chunks.append((req, req.filled, req.filled + take))
-                left -= take
+                take(req)
             else:
                 self.runner.prefill_serial(req, self.alloc.slot(req.rid), sched.table(req.rid), sched.finish_if_done,
                                            self._store_prefix)

@@ -24,7 +24,7 @@ from v41cp.engram_hash import engram_hash_ids
 from v41cp.serving.step_batch import CEDRows, QCPLayout, StepBatch
 from v41cp.sharding.query_shard import QueryShardPlan
 
-__all__ = ["build_span_batch", "row_capacities", "round_up"]
+__all__ = ["build_span_batch", "round_up"]
 
 
 def round_up(x: int, m: int) -> int:
@@ -39,18 +39,6 @@ def _retained(cfg: ModelConfig, plan: QueryShardPlan, starts: np.ndarray, totals
     req, pos = plan.request_of_slot(), plan.positions()
     r = np.maximum(req, 0)
     return (req >= 0) & (starts[r] + pos >= totals[r] - ced_rows(cfg))
-
-
-def row_capacities(cfg: ModelConfig, lengths, n: int, ced: bool = False, starts=None,
-                   totals=None) -> tuple[int, int]:
-    """The smallest (per-rank rows, per-rank CED decoder rows) buckets that fit chunks of ``lengths`` rows
-    (starting at ``starts`` of prompts of ``totals`` tokens; default: whole prompts)."""
-    lengths = np.asarray(lengths, np.int32)
-    starts = np.zeros_like(lengths) if starts is None else np.asarray(starts, np.int32)
-    totals = starts + lengths if totals is None else np.asarray(totals, np.int32)
-    plan = QueryShardPlan.build(lengths, n)
-    keep = _retained(cfg, plan, starts, totals, ced)
-    return plan.capacity, plan.capacity if keep is None else max(int(keep.sum(axis=1).max()), 1)
 
 
 def build_span_batch(cfg: ModelConfig, prompts, n: int = 1, *, query_parallel: bool | None = None, starts=None,
