@@ -21,6 +21,7 @@ did not add keep their defaults); the group's methods build the library object i
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import sys
@@ -292,7 +293,7 @@ class PrefillFlags(_Group):
 
     token_serial_prefill: bool = flag(
         "--token-serial-prefill", default=False, action="store_true",
-        help="prefill token by token in chunks of --prefill-chunk (the exactness reference; prefix caching's path) "
+        help="prefill token by token in chunks of --prefill-chunk (the exactness reference) "
              "instead of the default span prefill (not with --query-context-parallel-size > 1)")
     max_prefill_tokens: int | None = flag(
         "--max-prefill-tokens", type=int,
@@ -301,9 +302,9 @@ class PrefillFlags(_Group):
              "min(8192, max batch × max context)")
     ced: bool = flag("--ced", default=False, action="store_true", help="CED narrowing of prefill (exact)")
     enable_prefix_caching: bool = flag(
-        "--enable-prefix-caching", default=False, action="store_true",
-        help="reuse the cached pages and stored state of a prompt's longest cached whole-block prefix (exact: "
-             "bit-identical to a cold prefill; prefills token-serially: not with the span prefill yet)")
+        "--enable-prefix-caching", default=True, action=argparse.BooleanOptionalAction,
+        help="reuse the cached pages and stored slot state of a prompt's longest cached whole-block prefix (on by "
+             "default, as in vLLM; every prefill path and topology, PD included; --no-enable-prefix-caching: off)")
     prefix_states: int | None = flag("--prefix-states", type=int,
                                      help="slot states the prefix cache stores at most (default: 4 per batch row)")
 

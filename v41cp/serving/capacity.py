@@ -22,8 +22,10 @@ class Capacity:
     pass continuing from its cached history, while the running requests keep decoding. The pass's rows are padded
     to one of `prefill_buckets` (a fixed ladder: every program is compiled at warm-up, nothing on the request path).
     ``span_prefill=False`` selects the token-serial prefill (chunks of ``prefill_chunk`` tokens fed one at a time: the
-    exactness reference); ``None`` (default) is the span prefill unless ``prefix_caching`` is on, whose bit-identical
-    hits are built on the token-serial prefill."""
+    exactness reference); ``None`` (default) is the span prefill (True: the same).
+
+    Prefix caching (``prefix_caching``, `v41cp.serving.cache.prefix`): a prompt that starts with cached whole blocks
+    reuses their pages and the slot state stored at the deepest of them, and prefills only the rest."""
 
     max_batch: int = 4
     max_tokens: int = 256
@@ -31,14 +33,14 @@ class Capacity:
     num_blocks: int | None = None          # default: enough for max_batch full requests
     prefill_chunk: int = 32                # token-serial prefill: tokens per scanned chunk
     ced: bool = False                      # CED narrowing of prefill (exact; off by default)
-    span_prefill: bool | None = None       # None: span prefill unless prefix caching (see the class docstring)
+    span_prefill: bool | None = None       # None / True: span prefill; False: token-serial (the reference)
     prefill_tokens: int | None = None      # span prefill rows per round (default: DEFAULT_PREFILL_TOKENS, capped)
     max_waiting: int = 64                  # queued requests beyond this are rejected at submit
     # admission reserves each request's whole output budget (no request is ever preempted, fewer run at once)
     # instead of pages on demand
     reserve_output: bool = False
-    # exact prefix caching (token-serial prefill; `v41cp.serving.cache.prefix`) and its stored slot states at most
-    prefix_caching: bool = False
+    # prefix caching (`v41cp.serving.cache.prefix`) and its stored slot states at most
+    prefix_caching: bool = True
     prefix_states: int | None = None       # default: 4 per batch slot
 
     def __post_init__(self):
@@ -64,7 +66,7 @@ class Capacity:
     @property
     def by_span(self) -> bool:
         """Whether admissions prefill by span-prefill passes (else token-serial; QCP layouts always span)."""
-        return (not self.prefix_caching) if self.span_prefill is None else self.span_prefill
+        return self.span_prefill is not False
 
     @property
     def round_tokens(self) -> int:

@@ -7,10 +7,10 @@ record_logits=False)`:
   when ``max_waiting`` requests already wait (`v41cp.serving.scheduler`);
 * every `step` runs a prefill round — the scheduler admits waiting requests that fit (FIFO; pages on demand: each
   takes the blocks of its history and next token) and the runner prefills up to `Capacity.round_tokens` prompt rows
-  in one span-prefill pass (requests whose prefill continues first; a long prompt spans rounds), or, as the
-  reference and with prefix caching, token-serial chunks — then a decode round of every running request (`v41cp.serving.runner.model_runner`), each grown to the
-  tokens the round writes; where pages run out the newest running requests are preempted and later recomputed
-  (`v41cp.serving.scheduler.scheduler`);
+  by span-prefill passes (requests whose prefill continues first; a long prompt spans rounds), or, as the
+  reference, token-serial chunks — then a decode round of every running request
+  (`v41cp.serving.runner.model_runner`), each grown to the tokens the round writes; where pages run out the newest
+  running requests are preempted and later recomputed (`v41cp.serving.scheduler.scheduler`);
 * sampling is greedy, or temperature with top-k / top-p / min-p and a per-request seed, on the device inside the
   steps (`v41cp.serving.runner.sampling`): only token ids come to the host (``record_logits=True`` also keeps the
   FP32 logits of each request's latest token in ``Request.last_logits``, for tests); a request stops on EOS
@@ -18,8 +18,9 @@ record_logits=False)`:
 * with ``speculative`` (`v41cp.serving.runner.speculative`: the DSpark drafter, or injected proposals) a decode
   round drafts ``n`` tokens per request, verifies them in one ``n + 1``-row step and keeps the accepted ones
   (greedy tokens as without it; sampling lossless);
-* with ``Capacity(prefix_caching=True)`` a prompt that starts with cached whole blocks reuses their pages and the
-  stored slot state and prefills only the rest (`v41cp.serving.cache.prefix`): bit-identical to a cold prefill;
+* prefix caching (on by default, ``Capacity.prefix_caching``): a prompt that starts with cached whole blocks reuses
+  their pages and the slot state stored at the deepest of them and prefills only the rest
+  (`v41cp.serving.cache.prefix`), on every prefill path and layout (tested equal to a cold prefill);
 * `warm_up` compiles every program the rounds can run (a fixed ladder of prefill buckets, decode / speculative)
   before traffic (`serve` does, before it opens its port);
 * ``role`` ``"prefill"`` / ``"decode"``: one side of prefill / decode disaggregation (`v41cp.serving.pd`).
@@ -95,16 +96,6 @@ class Engine:
                                  "or a proposer")
         self.cfg, self.capacity, self.role, self.parallel, self.speculative = cfg, capacity, role, parallel, speculative
         self.runner = ModelRunner(params, cfg, capacity, mesh, parallel, speculative, devices, record_logits)
-        if capacity.prefix_caching:
-            lay = self.runner.span_layout
-            if self.runner.span:
-                raise ValueError("prefix caching resumes the token-serial prefill from a stored boundary (bit-identical "
-                                 "to a cold prefill); it does not combine with span prefill / query context "
-                                 f"parallelism (span_prefill={capacity.span_prefill}, "
-                                 f"query-parallel={lay.query_parallel}, operator QCP={lay.operator is not None})")
-            if capacity.ced:
-                raise ValueError("prefix caching does not combine with CED narrowing (capacity ced=True): a narrowed "
-                                 "prefill leaves the decoder layers' window rows of a mid-prompt boundary unwritten")
         self.scheduler = Scheduler(cfg, capacity, self.runner.kv_parallel_size, role)
 
     # ------------------------------------------------------------------ the parts' state, by name
@@ -213,48 +204,66 @@ class Engine:
         self.stats["step_s"].append(time.perf_counter() - t0)
 
     def prefill_round(self) -> list:
-        """Admit waiting requests that fit (FIFO) and prefill; returns the admitted ids. Span prefill: one pass of at
-        most `Capacity.round_tokens` rows — the requests whose prefill continues first (oldest first), then new
-        admissions while rows are left — each request taking what remains of its history or of the budget.
-        Token-serial: each admission is prefilled whole as it is admitted (so the next may hit the prefix it
-        stored)."""
-        sched, admitted = self.scheduler, []
-        left = self.capacity.round_tokens
-        chunks = []                                                       # (request, start, end) of the pass
-
-        def take(req: Request) -> None:                                   # the rest of its history, or of the rows
-            nonlocal left
-            rows = min(req.prefill_to - req.filled, left)
-            chunks.append((req, req.filled, req.filled + rows))
-            left -= rows
-
-        if self.span:
-            for req in sched.prefilling():
-                if left <= 0:
-                    break
-                take(req)
+        """Admit waiting requests that fit (FIFO) and prefill; returns the admitted ids. Span prefill: at most
+        `Capacity.round_tokens` rows — the requests whose prefill continues first (oldest first), then new admissions
+        while rows are left — each request taking what remains of its history or of the rows, in one pass; with
+        prefix caching the pass is split where a request's chunk crosses one of its cache boundaries
+        (`Request.cuts`): the blocks up to there join the cache and the slot state there is stored between the passes
+        (the round's schedule is the same as without prefix caching). Token-serial: each admission is prefilled
+        whole as it is admitted (so the next may hit the prefix it stored)."""
+        if not self.span:
+            return self._serial_round()
+        sched, admitted, left = self.scheduler, [], self.capacity.round_tokens
+        plan = []                                                         # [request, the end of its chunk]
+        for req in sched.prefilling():
+            if left <= 0:
+                break
+            plan.append([req, min(req.prefill_to, req.filled + left)])
+            left -= plan[-1][1] - req.filled
         for req in sched.waiting():
-            if self.span and left <= 0:
+            if left <= 0:
                 break                                                     # the round's rows are taken
-            got = sched.admit(req)
-            if got is False:
+            if not self._admit(req):
                 break                                                     # FIFO: wait for capacity
-            if got is not True:                                           # a prefix hit: its stored slot state
-                self.runner.put_slot_state(self.alloc.slot(req.rid), got)
-            req.status = "running"
             admitted.append(req)
-            if self.span:
-                take(req)
-            else:
-                self.runner.prefill_serial(req, self.alloc.slot(req.rid), sched.table(req.rid), sched.finish_if_done,
-                                           self._store_prefix)
+            plan.append([req, min(req.prefill_to, req.filled + left)])
+            left -= plan[-1][1] - req.filled
         if not admitted:
             sched.check_progress()
-        if chunks:
-            reqs = [c[0] for c in chunks]
+        while plan:                                   # one pass; more only where a chunk crosses a cache boundary
+            reqs = [r for r, _ in plan]
+            starts = [r.filled for r in reqs]
+            ends = [min([c for c in r.cuts if c > r.filled] + [end]) for r, end in plan]
             self.runner.prefill_span(reqs, [self.alloc.slot(r.rid) for r in reqs], [sched.table(r.rid) for r in reqs],
-                                     [c[1] for c in chunks], [c[2] for c in chunks], sched.finish_if_done)
+                                     starts, ends, sched.finish_if_done)
+            for req, end in zip(reqs, ends):
+                if end in req.cuts:
+                    self._store_prefix(req, end)
+            plan = [p for p, end in zip(plan, ends) if end < p[1]]
         return [r.rid for r in admitted]
+
+    def _serial_round(self) -> list:
+        """The token-serial prefill round (the reference): each admission prefilled whole as it is admitted."""
+        sched, admitted = self.scheduler, []
+        for req in sched.waiting():
+            if not self._admit(req):
+                break
+            admitted.append(req)
+            self.runner.prefill_serial(req, self.alloc.slot(req.rid), sched.table(req.rid), sched.finish_if_done,
+                                       self._store_prefix)
+        if not admitted:
+            sched.check_progress()
+        return [r.rid for r in admitted]
+
+    def _admit(self, req: Request) -> bool:
+        """Admit waiting ``req`` if it fits (a prefix hit: its stored slot state put into its slot)."""
+        got = self.scheduler.admit(req)
+        if got is False:
+            return False
+        if got is not True:
+            self.runner.put_slot_state(self.alloc.slot(req.rid), got)
+        req.status = "running"
+        return True
 
     def warm_up(self, progress=None) -> dict:
         """Compile (or load from the compilation cache) every program this engine's rounds can run (a prefill-role

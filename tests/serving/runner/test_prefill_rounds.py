@@ -34,11 +34,12 @@ def test_the_default_engine_prefills_by_span_and_warms_every_bucket(tiny):
     assert cap.prefill_buckets == (16, 32, 64, 128, 256, 512, 1024)
     eng = Engine(params, cfg, cap)
     names = [name for name, _ in eng.runner.warm_up_programs()]
-    assert eng.span and names == [f"prefill {r} rows" for r in cap.prefill_buckets] + ["decode"]
-    # the token-serial prefill: asked for, or prefix caching's path (its bit-identical hits)
-    for serial in (Capacity(span_prefill=False), Capacity(prefix_caching=True)):
-        e = Engine(params, cfg, serial)
-        assert not e.span and [n for n, _ in e.runner.warm_up_programs()][0] == "token-serial prefill"
+    assert cap.prefix_caching and eng.prefix is not None                   # on by default, on the span prefill
+    assert eng.span and names == [f"prefill {r} rows" for r in cap.prefill_buckets] + ["prefix-cache slot state",
+                                                                                         "decode"]
+    # the token-serial prefill (the reference) when asked for
+    e = Engine(params, cfg, Capacity(span_prefill=False, prefix_caching=False))
+    assert not e.span and [n for n, _ in e.runner.warm_up_programs()] == ["token-serial prefill", "decode"]
     with pytest.raises(ValueError, match="prefill_tokens"):
         Capacity(prefill_tokens=0)
     with pytest.raises(ValueError, match="exceeds the round's budget"):
@@ -115,7 +116,7 @@ def test_after_warm_up_random_arrivals_compile_nothing(tiny):
     cfg, params = tiny
     eng = Engine(params, cfg, dataclasses.replace(CAP, num_blocks=14, max_waiting=300))
     warm = eng.warm_up()
-    assert warm["programs"] == len(CAP.prefill_buckets) + 1
+    assert warm["programs"] == len(CAP.prefill_buckets) + 2                    # + the prefix cache's slot state
     with compile_events() as compiled:
         work = _arrivals(cfg, 300, seed=9, greedy_only=False, pace=6)
         outputs, _ = _drive(eng, work, cancel={rid for rid, *_ in work if rid % 17 == 0})

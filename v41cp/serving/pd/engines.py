@@ -7,13 +7,16 @@ Every `step`: the prefill role admits and prefills (reserving only the prompt's 
 the decode role can take (FIFO) gets its decode slot and blocks, its cache moves by the page-owner transfer plan
 (`v41cp.serving.pd.transfer`: rank-matched when the KVP sizes are equal, relayout from prefill KVP 1), and the
 prefill role frees it; then the decode role runs one decode round. A request whose first token already ends it
-finishes on the prefill role. The interface is the `Engine`'s (``submit / step / run / result / cancel / load``).
+finishes on the prefill role. With prefix caching the prefill role holds the cache (a hit prefills the rest of the
+prompt; its reused pages move like its own). The interface is the `Engine`'s (``submit / step / run / result / cancel / load``).
 ``transport``: ``"copy"`` (`pd_transfer.execute`: per-device gathers, copies and scatters) or ``"collective"`` (the
 transfer PD across processes runs, `v41cp.serving.pd.wire`: one ppermute over both roles' devices, which need equal
 counts).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 
@@ -69,15 +72,15 @@ class DisaggregatedEngine(TwoRoles):
         if p + d > len(devices):
             raise ValueError(f"disaggregation: {p} prefill + {d} decode devices, but only {len(devices)} are given")
         check_sizes(prefill.kv_parallel_size, decode.kv_parallel_size)
-        if capacity.prefix_caching:
-            raise ValueError("disaggregation with prefix caching (capacity prefix_caching=True) is not supported yet")
         self.cfg, self.capacity = cfg, capacity
-        # with DSpark both roles run the drafter: the prefill writes its context window, the transfer carries it
+        # with DSpark both roles run the drafter: the prefill writes its context window, the transfer carries it;
+        # with prefix caching the prefill role keeps the cache (a hit's pages and state move like a cold prefill's)
         self.prefill = Engine(params, cfg, capacity, parallel=prefill, devices=devices[:p], role="prefill",
                               record_logits=record_logits, speculative=speculative)
-        self.decode = Engine(params, cfg, capacity, parallel=decode, devices=devices[p:p + d], role="decode",
-                             record_logits=record_logits, speculative=speculative)
-        self.speculative, self.prefix = speculative, None
+        self.decode = Engine(params, cfg, dataclasses.replace(capacity, prefix_caching=False), parallel=decode,
+                             devices=devices[p:p + d], role="decode", record_logits=record_logits,
+                             speculative=speculative)
+        self.speculative, self.prefix = speculative, self.prefill.prefix
         self._finished: dict = {}                      # rid -> (request, result): ended by its first token
         self.transfers: list[dict] = []
         leaf = jax.tree.leaves(self.decode.cache.swa)[0]
@@ -147,6 +150,10 @@ class DisaggregatedEngine(TwoRoles):
                 "prefill": p, "decode": d, "transfers": self.transfer_stats()}
 
     compile_counts = staticmethod(Engine.compile_counts)
+
+    def prefix_stats(self) -> dict:
+        """The prefill role's prefix-cache counters (`Engine.prefix_stats`): it admits and prefills."""
+        return self.prefill.prefix_stats()
 
     def speculative_stats(self) -> dict:
         """The decode role's speculative counters (`Engine.speculative_stats`): it drafts and verifies."""

@@ -18,8 +18,9 @@ the same order (SPMD host control, as every multi-process command does); each `s
 Every process keeps a view of every request (``requests``: prompt, output so far, status), so rank 0 prints the
 results, and each role's `load`; `cancel` frees the request where its role holds it. ``serve`` runs it with the
 multi-process control plane (`v41cp.serving.multihost.control_plane`): rank 0 — the prefill process — serves HTTP
-and broadcasts each iteration's submits and cancels, process 1 applies them and steps with it. Refused: prefix
-caching, speculative decoding (in one program both roles run DSpark), and more or fewer than two processes.
+and broadcasts each iteration's submits and cancels, process 1 applies them and steps with it. With prefix caching
+the prefill process holds the cache (its admission round alone decides what a prompt reuses). Refused: speculative
+decoding (in one program both roles run DSpark) and more or fewer than two processes.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from __future__ import annotations
 import base64
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import jax
 import numpy as np
@@ -54,7 +55,7 @@ class RequestView:
     output: list[int] = field(default_factory=list)
     status: str = "waiting"
     finish_reason: str | None = None
-    cached: int = 0                     # prompt tokens reused from a prefix cache (none here: refused across processes)
+    cached: int = 0                     # prompt tokens reused from the prefill role's prefix cache
 
 
 def _bcast(obj, source: bool):
@@ -76,20 +77,19 @@ class CrossProcessDisaggregatedEngine(TwoRoles):
                              f"(--prefill-devices must equal --devices {n_local}); got {prefill.num_devices} prefill "
                              f"and {decode.num_devices} decode devices")
         check_sizes(prefill.kv_parallel_size, decode.kv_parallel_size)
-        if capacity.prefix_caching:
-            raise ValueError("disaggregation with prefix caching (capacity prefix_caching=True) is not supported yet")
         self.cfg, self.capacity = cfg, capacity
         self.is_prefill = jax.process_index() == 0
         self.role = "prefill" if self.is_prefill else "decode"
         self.prefill_kvp, self.decode_kvp = prefill.kv_parallel_size, decode.kv_parallel_size
         mine = prefill if self.is_prefill else decode
-        self.engine = Engine(params, cfg, capacity, parallel=mine, devices=local, role=self.role,
-                             record_logits=record_logits)
+        # with prefix caching the prefill role (process 0) holds the cache: its admissions alone decide what it reuses
+        self.engine = Engine(params, cfg, capacity if self.is_prefill else replace(capacity, prefix_caching=False),
+                             parallel=mine, devices=local, role=self.role, record_logits=record_logits)
         # the other role's allocator (host only): a request is accepted when it fits both roles, on both processes
         other_kvp = decode.kv_parallel_size if self.is_prefill else prefill.kv_parallel_size
         self._other_alloc = BlockAllocator(Engine.block_count(capacity, other_kvp), capacity.block_tokens,
                                            capacity.max_batch, capacity.max_blocks, other_kvp)
-        self.speculative = self.prefix = None
+        self.speculative, self.prefix = None, self.engine.prefix
         self.requests: dict[object, RequestView] = {}
         self.transfers: list[dict] = []
         self._pending = False
@@ -144,7 +144,7 @@ class CrossProcessDisaggregatedEngine(TwoRoles):
     def result(self, rid) -> dict:
         r = self.requests[rid]
         return {"id": rid, "prompt_ids": r.prompt, "output_ids": r.output, "status": r.status,
-                "finish_reason": r.finish_reason, "cached_tokens": 0}
+                "finish_reason": r.finish_reason, "cached_tokens": r.cached}
 
     def cancel(self, rid) -> None:
         """Cancel active request ``rid``. Both processes call it between steps, in the same order (as every method):
@@ -188,6 +188,12 @@ class CrossProcessDisaggregatedEngine(TwoRoles):
         return {"prefill_tokens": 0, "prefill_s": 0.0, "ced_encoder_only_rows": 0, **prefill, **self._decode_stats,
                 "step_s": list(self._step_s), "transfers": self.transfer_stats()}
 
+    def prefix_stats(self) -> dict:
+        """The prefill process's prefix-cache counters (`Engine.prefix_stats`; process 0 only: it holds the cache)."""
+        if self.prefix is None:
+            raise ValueError("the prefix cache is held by the prefill process (0), with prefix caching on")
+        return self.engine.prefix_stats()
+
     def compile_counts(self) -> dict[str, int]:
         """This process's compiles plus the decode process's (as of the last step): both roles' programs."""
         mine = Engine.compile_counts()
@@ -200,9 +206,10 @@ class CrossProcessDisaggregatedEngine(TwoRoles):
         for res in offered["ended"]:
             view = self.requests[res["id"]]
             view.output, view.status, view.finish_reason = res["output_ids"], res["status"], res["finish_reason"]
+            view.cached = res["cached_tokens"]
         for cand in offered["candidates"]:                # prefilled: running with its first token, adopted or not
             view = self.requests[cand["rid"]]
-            view.output, view.status = list(cand["output"]), "running"
+            view.output, view.status, view.cached = list(cand["output"]), "running", cand["cached"]
         accepted = _bcast(None if self.is_prefill else self._adopt(offered["candidates"]), not self.is_prefill)
         by_id = {c["rid"]: c for c in offered["candidates"]}
         records = [self._transfer(by_id[acc["rid"]], acc["blocks"]) for acc in accepted]
@@ -230,7 +237,8 @@ class CrossProcessDisaggregatedEngine(TwoRoles):
                 logits = None if req.last_logits is None else base64.b64encode(
                     np.asarray(req.last_logits, np.float32).tobytes()).decode()
                 candidates.append({"rid": rid, "prompt": req.prompt, "sampling": asdict(req.sampling),
-                                   "output": req.output, "logits": logits, "blocks": pre.alloc.blocks(rid)})
+                                   "output": req.output, "logits": logits, "blocks": pre.alloc.blocks(rid),
+                                   "cached": req.cached})
         held = sum(r.status in ("waiting", "running") for r in pre.requests.values())
         return {"ended": ended, "candidates": candidates, "held": held, "load": pre.load()}
 

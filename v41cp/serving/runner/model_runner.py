@@ -150,11 +150,17 @@ class ModelRunner:
         n = len(tokens)
         eng = (engram_hash_ids(cfg, np.asarray([tokens]))[0] if cfg.engram_layer_ids
                else np.zeros((n, 0, 0), np.int32))
-        # CED narrowing: rows before the decoder's dependency halo run the encoder (+ boundary prepass) only
-        encoder_rows = max(0, n - ced_rows(cfg)) if self.capacity.ced and ced_boundary(cfg) is not None else 0
-        spans = [(a, min(a + c, encoder_rows), True) for a in range(0, encoder_rows, c)]
-        bounds = sorted({*range(max(encoder_rows, req.cached), n, c), *req.cuts, n})
-        spans += [(a, end, False) for a, end in zip(bounds, bounds[1:])]
+        # CED narrowing: rows before the decoder's dependency halo (of the history's end, and of each prefix-cache
+        # boundary, so the state stored there is complete) run the encoder (+ boundary prepass) only
+        full = np.ones(n, bool)
+        if self.capacity.ced and ced_boundary(cfg) is not None:
+            full[:] = False
+            for e in (*req.cuts, n):
+                full[max(0, e - ced_rows(cfg)):e] = True
+        edges = [i for i in range(req.cached + 1, n) if full[i] != full[i - 1]]
+        bounds = sorted({*range(req.cached, n, c), *edges, *req.cuts, n})
+        spans = [(a, end, not full[a]) for a, end in zip(bounds, bounds[1:])]
+        encoder_rows = int((~full[req.cached:]).sum())
         last = None
         for a, end, encoder_only in spans:
             m = end - a
@@ -208,19 +214,23 @@ class ModelRunner:
         """One span-prefill pass: rows ``[starts[i], ends[i])`` of each of ``reqs``' histories (their prompts; a
         preempted request's outputs too) in batch ``slots`` with block ``tables [len(reqs), max_blocks]``, continuing
         from the cached history below ``starts[i]``; each request whose history ends in the pass gets its next token
-        (``done``); ``Request.filled`` advances to ``ends[i]``. Batch rows past ``reqs`` are idle."""
+        (``done``); ``Request.filled`` advances to ``ends[i]``. Batch rows past ``reqs`` are idle. A chunk that ends at
+        one of its request's prefix-cache boundaries (``Request.cuts``) is CED-narrowed as if the history ended there,
+        so the slot state stored there is complete."""
         t0 = time.perf_counter()
         cfg, b, k = self.cfg, self.capacity.max_batch, len(reqs)
         histories = [r.history for r in reqs] + [[]] * (b - k)
         totals = np.array([len(h) for h in histories], np.int32)
         starts = np.concatenate([np.asarray(starts, np.int32), np.zeros(b - k, np.int32)])
         ends = np.concatenate([np.asarray(ends, np.int32), np.zeros(b - k, np.int32)])
+        decoder_ends = np.array([int(ends[i]) if i < k and int(ends[i]) in reqs[i].cuts else int(totals[i])
+                                 for i in range(b)], np.int32)
         slots = list(slots) + [0] * (b - k)
         full = np.full((b, self.capacity.max_blocks), -1, np.int32)
         full[:k] = tables
         batch = build_span_batch(cfg, histories, self.span_layout.n, query_parallel=self.span_layout.query_parallel,
                                  starts=starts, ends=ends, slots=slots, block_tables=full, ced=self.capacity.ced,
-                                 **self.span_buckets(int((ends - starts).sum())))
+                                 decoder_ends=decoder_ends, **self.span_buckets(int((ends - starts).sum())))
         logits = self._span_pass(batch, slots)
         last = [i for i in range(k) if starts[i] < ends[i] == totals[i]]          # whose history ends in the pass
         if last:
@@ -232,7 +242,7 @@ class ModelRunner:
             req.filled = int(ends[i])
             self.stats["prefill_tokens"] += int(ends[i] - starts[i])
             if self.capacity.ced and ced_boundary(cfg) is not None:      # rows that ran the encoder layers only
-                self.stats["ced_encoder_only_rows"] += max(0, min(int(ends[i]), int(totals[i]) - ced_rows(cfg))
+                self.stats["ced_encoder_only_rows"] += max(0, min(int(ends[i]), int(decoder_ends[i]) - ced_rows(cfg))
                                                           - int(starts[i]))
         for i in last:
             reqs[i].output.append(int(tokens[i]))
@@ -257,9 +267,9 @@ class ModelRunner:
         """Every program this runner's rounds can run (``prefill`` / ``decode``: those of each round), as ``(name,
         run)`` pairs: each ``run()`` executes it once on an idle batch (nothing is written), so it is compiled (or
         loaded from the compilation cache) before traffic. Span prefill: one per `Capacity.prefill_buckets` entry
-        (model-wide QCP: fresh and continued passes), each with the first-token sampler on its logits; decode with its
-        sampling, or the
-        speculative draft / verify / commit programs."""
+        (model-wide QCP: fresh and continued passes), each with the first-token sampler on its logits; with prefix
+        caching the slot-state store / resume; decode with its sampling, or the speculative draft / verify / commit
+        programs."""
         out = []
         if prefill and self.span:
             for r in self.capacity.prefill_buckets:
@@ -268,6 +278,8 @@ class ModelRunner:
                                 partial(self._idle_pass, r, continued)))
         elif prefill:
             out.append(("token-serial prefill", self._idle_chunk))
+        if prefill and self.capacity.prefix_caching:
+            out.append(("prefix-cache slot state", self._idle_slot_state))
         if decode:
             out.append(("decode", self._idle_decode) if self.speculative is None else
                        ("speculative round", self._idle_speculative))
@@ -310,6 +322,10 @@ class ModelRunner:
             logits, self.cache = prefill_chunk(self.params, self.cache, metas, cfg, False, self.step_plan)
         last = jax.lax.dynamic_index_in_dim(logits[:, 0], np.int32(0), keepdims=True)      # as `prefill_serial`
         fetch(sample_tokens(last, SamplingRows.build([], [], 1), whole=self.whole))
+
+    def _idle_slot_state(self) -> None:
+        """Take slot 0's state and put it back (unchanged): the prefix cache's store and resume programs."""
+        self.put_slot_state(0, self.take_slot_state(0))
 
     def _idle_decode(self) -> None:
         b = self.capacity.max_batch

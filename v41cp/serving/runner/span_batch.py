@@ -31,19 +31,19 @@ def round_up(x: int, m: int) -> int:
     return -(-max(int(x), 1) // m) * m
 
 
-def _retained(cfg: ModelConfig, plan: QueryShardPlan, starts: np.ndarray, totals: np.ndarray, ced: bool):
-    """CED decoder rows of each local slot ``[N, C]`` bool: the last `ced_rows` rows of each prompt of ``totals``
-    tokens (this chunk starts at ``starts``). None without a CED boundary / CED off."""
+def _retained(cfg: ModelConfig, plan: QueryShardPlan, starts: np.ndarray, decoder_ends: np.ndarray, ced: bool):
+    """CED decoder rows of each local slot ``[N, C]`` bool: the rows of each chunk (starting at ``starts``) among
+    the last `ced_rows` rows before its request's ``decoder_ends``. None without a CED boundary / CED off."""
     if not ced or ced_boundary(cfg) is None:
         return None
     req, pos = plan.request_of_slot(), plan.positions()
     r = np.maximum(req, 0)
-    return (req >= 0) & (starts[r] + pos >= totals[r] - ced_rows(cfg))
+    return (req >= 0) & (starts[r] + pos >= decoder_ends[r] - ced_rows(cfg))
 
 
 def build_span_batch(cfg: ModelConfig, prompts, n: int = 1, *, query_parallel: bool | None = None, starts=None,
                      ends=None, slots=None, block_tables=None, span=None, capacity=None, dec_capacity=None,
-                     ced: bool = False) -> StepBatch:
+                     ced: bool = False, decoder_ends=None) -> StepBatch:
     """The `StepBatch` of prefilling ``prompts`` (token-id lists; an empty list is an idle batch row): rows
     ``[starts[b], ends[b])`` of prompt ``b`` (default: all of it). ``starts > 0`` continues a prefill whose first
     ``starts[b]`` tokens are already in the caches (a later chunk; `QCPLayout.continued`). ``query_parallel``
@@ -51,7 +51,9 @@ def build_span_batch(cfg: ModelConfig, prompts, n: int = 1, *, query_parallel: b
     rank (``n`` must be 1). ``slots [B]`` / ``block_tables [B, MB]`` locate the caches (default: slot ``b``, no
     pages); ``span`` (the chunk length bucket of the QCP layout's span order), ``capacity`` (rows per rank) and
     ``dec_capacity`` (CED decoder rows per rank) are the static buckets (default: the smallest that fit, ``span``
-    a multiple of 8). CED retains the last `ced_rows` rows of each whole prompt. Errors name the offending value."""
+    a multiple of 8). CED retains the last `ced_rows` rows before ``decoder_ends[b]`` (default: the prompt's end;
+    a chunk that ends where prefix caching stores the slot state gives its own end, so that the decoder layers'
+    window rows there are complete). Errors name the offending value."""
     query_parallel = n > 1 if query_parallel is None else bool(query_parallel)
     if not query_parallel and n != 1:
         raise ValueError(f"span prefill: packed rows are one rank's, but n={n} ranks were asked for")
@@ -66,6 +68,10 @@ def build_span_batch(cfg: ModelConfig, prompts, n: int = 1, *, query_parallel: b
             or (ends > totals).any():
         raise ValueError(f"span prefill: chunk bounds starts={starts.tolist()} ends={ends.tolist()} do not fit "
                          f"prompts of {totals.tolist()} tokens")
+    decoder_ends = totals if decoder_ends is None else np.asarray(decoder_ends, np.int32)
+    if decoder_ends.shape != (b,) or (decoder_ends < ends).any() or (decoder_ends > totals).any():
+        raise ValueError(f"span prefill: CED decoder ends {decoder_ends.tolist()} must lie between the chunk ends "
+                         f"{ends.tolist()} and the prompts' lengths {totals.tolist()}")
     lengths = (ends - starts).astype(np.int32)
     for i, p in enumerate(prompts):
         bad = cfg.out_of_vocabulary(p)
@@ -105,7 +111,7 @@ def build_span_batch(cfg: ModelConfig, prompts, n: int = 1, *, query_parallel: b
         return out
 
     span_index = span_map(plan.restore, n * c)
-    keep = _retained(cfg, plan, starts, totals, ced)
+    keep = _retained(cfg, plan, starts, decoder_ends, ced)
     if keep is None:
         dec_slots = np.where(ok, np.arange(c)[None], -1).astype(np.int32)
         cd, dec_span_index = c, span_index
