@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     bt = args.block_tokens
     longest = args.system_tokens + args.question_tokens + args.new_tokens
     cap = Capacity(max_batch=args.batch, max_tokens=-(-longest // bt) * bt, block_tokens=bt, prefill_chunk=16)
-    engines = {"cold": lambda: Engine(params, cfg, cap),
+    engines = {"cold": lambda: Engine(params, cfg, Capacity(**{**cap.__dict__, "prefix_caching": False})),
                "warm": lambda: Engine(params, cfg, Capacity(**{**cap.__dict__, "prefix_caching": True}))}
     out, tokens = {}, {}
     for name, factory in engines.items():

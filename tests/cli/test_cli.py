@@ -113,10 +113,11 @@ def test_generate_with_dspark_speculative_decoding():
 
 
 def test_generate_with_prefix_caching():
-    """``generate --enable-prefix-caching``: the second prompt starts with the first one's two whole 4-token blocks
-    and reuses them (``cached_tokens`` in its JSON row, the counters in the timings); tokens as the full forward."""
+    """``generate`` (prefix caching on by default): the second prompt starts with the first one's two whole 4-token
+    blocks; both arrive together, so it waits a round for the first to cache them and reuses them (``cached_tokens``
+    in its JSON row, the counters in the timings); tokens as the full forward."""
     first = [5, 17, 42, 9, 8, 7, 6, 11, 12, 13]
-    res = _cli("generate", "--json", "--enable-prefix-caching", "--block-tokens", "4", "--max-new-tokens", "3",
+    res = _cli("generate", "--json", "--block-tokens", "4", "--max-new-tokens", "3",
                "--prompt-ids", ",".join(map(str, first)), "--prompt-ids", ",".join(map(str, first[:9] + [99, 98])))
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)

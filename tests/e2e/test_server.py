@@ -25,8 +25,7 @@ PROMPTS = ["w1 w2 w3", "W4 w9 w30 W31 w2", "w7", "x200 w5 W5 w6 w6 w100", "w3 w3
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess("--max-batch", "8", "--max-context", str(CAPACITY), "--max-waiting", "8",
-                        "--enable-prefix-caching")
+    srv = ServerProcess("--max-batch", "8", "--max-context", str(CAPACITY), "--max-waiting", "8")
     yield srv
     assert srv.stop() in CLEAN_EXIT, srv.output()[-3000:]
 
@@ -99,7 +98,7 @@ def test_chat_plain_and_streamed(server, client, codec):
 
 
 def test_repeated_prompt_reuses_the_prefix_cache(server, client):
-    """With ``--enable-prefix-caching`` a prompt sent again reuses its whole 16-token blocks (all but the block
+    """With prefix caching (the default) a prompt sent again reuses its whole 16-token blocks (all but the block
     holding its last token): ``usage.prompt_tokens_details.cached_tokens`` says how many, the text is the same."""
     prompt = " ".join(f"w{i}" for i in range(10, 50))
     args = dict(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)

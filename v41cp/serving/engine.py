@@ -80,6 +80,14 @@ def _spec_stats(spec: dict) -> dict:
             "emitted_tokens": spec["emitted"], **_ratios(spec["steps"], spec["accepted"], spec["emitted"])}
 
 
+def _common_blocks(a: list, b: list, bt: int, most: int) -> int:
+    """Leading whole blocks of ``bt`` tokens that token lists ``a`` and ``b`` share (at most ``most``)."""
+    k = 0
+    while k < most and a[k * bt:(k + 1) * bt] == b[k * bt:(k + 1) * bt] and len(b) >= (k + 1) * bt:
+        k += 1
+    return k
+
+
 class Engine:
     """See the module docstring. ``scheduler`` (`Scheduler`: requests, pages, slots, prefix cache) and ``runner``
     (`ModelRunner`: weights, cache, steps, sampling, statistics) are its two parts."""
@@ -223,6 +231,8 @@ class Engine:
         for req in sched.waiting():
             if left <= 0:
                 break                                                     # the round's rows are taken
+            if self._shares_with(req, admitted):
+                continue                                                  # next round, when it can hit
             if not self._admit(req):
                 break                                                     # FIFO: wait for capacity
             admitted.append(req)
@@ -254,6 +264,24 @@ class Engine:
         if not admitted:
             sched.check_progress()
         return [r.rid for r in admitted]
+
+    def _shares_with(self, req: Request, admitted: list) -> bool:
+        """With prefix caching: whether waiting ``req`` shares more whole blocks with a request admitted this round
+        than the cache holds for it now. Then it waits a round and reuses them instead of computing them again
+        beside it (in-batch prefix deferral, as SGLang's scheduler does): the admitted request also stores its slot
+        state where the two part (a cache boundary added to its ``cuts``)."""
+        if self.prefix is None or not admitted:
+            return False
+        bt, hist = self.capacity.block_tokens, req.history
+        usable = (len(hist) - 1) // bt                                    # a hit leaves a token to prefill
+        shared, other = max((_common_blocks(hist, o.history, bt, usable), i) for i, o in enumerate(admitted))
+        other = admitted[other]
+        cut = shared * bt
+        if shared == 0 or shared <= len(self.prefix.match(hist, usable).nodes) or not \
+                other.filled < cut < len(other.history):
+            return False
+        other.cuts = tuple(sorted({*other.cuts, cut}))
+        return True
 
     def _admit(self, req: Request) -> bool:
         """Admit waiting ``req`` if it fits (a prefix hit: its stored slot state put into its slot)."""

@@ -307,8 +307,8 @@ def cold_tokens(tiny_tp8):
     cfg, params = tiny_tp8
     out = {}
     for n in (1, 2):
-        eng = Engine(params, cfg, Capacity(max_batch=3, max_tokens=32, block_tokens=BT, prefill_chunk=8),
-                     parallel=_parallel(n))
+        eng = Engine(params, cfg, Capacity(max_batch=3, max_tokens=32, block_tokens=BT, prefill_chunk=8,
+                                           prefix_caching=False), parallel=_parallel(n))
         for rid, prompt, new in _tight_workload(cfg):
             eng.submit(rid, prompt, SamplingParams(max_new_tokens=new, stop_on_eos=False))
         out[n] = {r["id"]: r["output_ids"] for r in eng.run(max_steps=40)}

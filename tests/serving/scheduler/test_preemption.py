@@ -104,13 +104,14 @@ def ample(tiny):
     return work, want
 
 
-@pytest.mark.parametrize("capacity,parallel", [(TIGHT, None), (dataclasses.replace(TIGHT, prefix_caching=True), None),
+@pytest.mark.parametrize("capacity,parallel", [(dataclasses.replace(TIGHT, prefix_caching=False), None), (TIGHT, None),
                                                (dataclasses.replace(AMPLE, max_batch=1, num_blocks=12), None),
                                                (TIGHT, KVP2)],
-                         ids=["tight", "tight-prefix-caching", "one-slot", "tight-kvp2"])
+                         ids=["tight-no-prefix-caching", "tight", "one-slot", "tight-kvp2"])
 def test_preempted_outputs_equal_ample_pages_and_every_page_comes_back(tiny, ample, capacity, parallel):
-    """Against one device with ample pages: tight pages (two requests, blocks for 14 · 4 tokens; with prefix
-    caching; under KVP = DCP 2, each rank holding 7 pages) and one batch slot."""
+    """Against one device with ample pages: tight pages (two requests, blocks for 14 · 4 tokens; without prefix
+    caching; under KVP = DCP 2, each rank holding 7 pages) and one batch slot (prefix caching on, the default, unless
+    said)."""
     cfg, params = tiny
     work, want = ample
     eng = Engine(params, cfg, capacity, parallel=parallel)
