@@ -59,8 +59,8 @@ class Block(nn.Module):
         role = cfg.layer_roles[self.layer]
         dt = dtype_of(cfg.dtype)
         if role.engram_slot >= 0:
-            streams = Engram(cfg, role.engram_slot, self.shard, name="engram")(streams,
-                                                                                engram_ids[:, :, role.engram_slot])
+            streams = Engram(cfg, role.engram_slot, self.shard, name="engram")(
+                streams, engram_ids[:, :, role.engram_slot], columns=getattr(rows, "columns", None))
         attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="attn_norm")
         attention = Attention(cfg, role, self.shard, name="attn")
         if cache_only:

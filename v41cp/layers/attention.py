@@ -26,7 +26,7 @@ from v41cp.layers.compressor import Compressor, pool_group
 from v41cp.layers.indexer import Indexer
 from v41cp.layers.rope import apply_rope, rope_angles
 from v41cp.sharding.operator_qcp import rows_island
-from v41cp.sharding.rules import ShardingContext, constrain
+from v41cp.sharding.rules import ShardingContext, constrain, split_columns_einsum
 
 __all__ = ["CSAState", "Attention", "attention_weights", "query_projection", "window_kv", "output_projection"]
 
@@ -131,10 +131,14 @@ def query_projection(w: dict, q_norm, x: jax.Array, angles: jax.Array) -> tuple[
     return qr, apply_rope(jnp.einsum("bsr,rnd->bsnd", qr, weight_for(w["wq_b"], qr)), angles)
 
 
-def window_kv(wkv: jax.Array, kv_norm, x: jax.Array, angles: jax.Array) -> jax.Array:
+def window_kv(wkv: jax.Array, kv_norm, x: jax.Array, angles: jax.Array,
+              columns: ShardingContext | None = None) -> jax.Array:
     """The window key (= value) of rows ``x [..., H]``: ``kv_norm(x · wkv)`` rotated at ``angles`` →
-    ``[..., D]`` (before the cache's FP8 fake-quant)."""
-    return apply_rope(kv_norm(jnp.einsum("...h,hd->...d", x, weight_for(wkv, x))), angles)
+    ``[..., D]`` (before the cache's FP8 fake-quant). One KV head: with ``columns`` (the rows backend's) the
+    projection's columns split over attention TP on few rows (`split_columns_einsum`), else every rank computes it
+    whole."""
+    kv = split_columns_einsum("...h,hd->...d", x, weight_for(wkv, x), columns, ("batch",) + (None,) * (x.ndim - 1))
+    return apply_rope(kv_norm(kv), angles)
 
 
 def output_projection(cfg: ModelConfig, w: dict, o: jax.Array, angles: jax.Array) -> jax.Array:
@@ -175,7 +179,7 @@ class Attention(nn.Module):
         angles = rope_angles(cfg, rows.pos, compressed)
         qr, q = query_projection(w, q_norm, x, angles)
         q = constrain(q, ("batch", None, "heads", None), self.shard)
-        kv = window_kv(w["wkv"], kv_norm, x, angles)
+        kv = window_kv(w["wkv"], kv_norm, x, angles, rows.columns)
         compressor = Compressor(cfg, role.ratio, name="compressor") if role.is_kv_source else None
         indexer = Indexer(cfg, role, name="indexer") if role.is_index_source else None
 

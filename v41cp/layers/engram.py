@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from v41cp.config import ModelConfig
 from v41cp.kernels.stored_weights import decode_fp8_rows
 from v41cp.layers.common import declare, dtype_of, ones_init, weight_for, zeros_init
+from v41cp.sharding.rules import ShardingContext, split_columns_einsum
 
 __all__ = ["Engram", "engram_lookup", "engram_mix"]
 
@@ -24,12 +25,14 @@ def engram_lookup(cfg: ModelConfig, table: dict, hash_ids: jax.Array, dtype) -> 
 
 
 def engram_mix(cfg: ModelConfig, streams: jax.Array, gathered: jax.Array, wkv: jax.Array, q_w: jax.Array,
-               k_w: jax.Array, token_mask: jax.Array | None = None) -> jax.Array:
+               k_w: jax.Array, token_mask: jax.Array | None = None,
+               columns: ShardingContext | None = None) -> jax.Array:
     """Fused key/value projection of the gathered rows ``[B,S,hash_heads,dim]`` and the signed-sqrt gate applied
-    to ``streams [B,S,hc,H]`` → updated streams (the part of `Engram` after the table lookup)."""
+    to ``streams [B,S,hc,H]`` → updated streams (the part of `Engram` after the table lookup). ``columns``: the
+    rows backend's context for splitting the projection's columns over attention TP (`split_columns_einsum`)."""
     hc, h = cfg.hc_mult, cfg.hidden_size
     emb = gathered.reshape(*gathered.shape[:2], gathered.shape[2] * cfg.engram_head_dim).astype(streams.dtype)
-    kv = jnp.einsum("bsi,io->bso", emb, weight_for(wkv, emb))
+    kv = split_columns_einsum("bsi,io->bso", emb, weight_for(wkv, emb), columns, ("batch", None, None))
     key = kv[..., :hc * h].astype(jnp.float32).reshape(*kv.shape[:2], hc, h)
     value = kv[..., hc * h:].astype(jnp.float32)
     x = streams.astype(jnp.float32)
@@ -56,8 +59,10 @@ class Engram(nn.Module):
     shard: object = None            # a RowGroup inside model-wide QCP (the table rows split over it)
 
     @nn.compact
-    def __call__(self, streams: jax.Array, hash_ids: jax.Array, token_mask: jax.Array | None = None):
-        """``streams [B,S,hc,H]``, ``hash_ids [B,S,hash_heads]`` int32 → updated streams."""
+    def __call__(self, streams: jax.Array, hash_ids: jax.Array, token_mask: jax.Array | None = None,
+                 columns: ShardingContext | None = None):
+        """``streams [B,S,hc,H]``, ``hash_ids [B,S,hash_heads]`` int32 → updated streams (``columns``: as
+        `engram_mix`)."""
         cfg = self.cfg
         dt = dtype_of(cfg.dtype)
         hc, h = cfg.hc_mult, cfg.hidden_size
@@ -81,4 +86,4 @@ class Engram(nn.Module):
             gathered = got.reshape(b, s, *got.shape[1:])
         else:
             gathered = lookup(hash_ids)
-        return engram_mix(cfg, streams, gathered, wkv, q_w, k_w, token_mask)
+        return engram_mix(cfg, streams, gathered, wkv, q_w, k_w, token_mask, columns)

@@ -47,6 +47,7 @@ class FullSequence(RowsBackend):
         self.pos = jnp.broadcast_to(jnp.arange(length), (batch, length))
         self.valid = jnp.ones((batch, length), bool)
         self.narrows = False
+        self.columns = None                 # (no `split_columns_einsum`: the forward computes them as declared)
 
     def ced_split(self):
         raise ValueError("a full-sequence forward runs every row through every layer: it has no CED narrowing")

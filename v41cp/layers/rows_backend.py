@@ -43,6 +43,7 @@ class RowsBackend(Protocol):
     pos: jax.Array
     valid: jax.Array
     narrows: bool
+    columns: Any            # ShardingContext of `split_columns_einsum` (the cached rows of a sharded step) or None
 
     def ced_split(self) -> tuple["RowsBackend", "RowsBackend", object]:
         """CED narrowing at the boundary: ``(encoder rows' backend, decoder rows' backend, take)`` — ``take`` gathers

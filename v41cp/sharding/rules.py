@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -47,7 +48,7 @@ _AT = ("tp", "cp")
 TP_RULES = AxisRules((
     ("batch", "dp"), ("heads", _AT), ("o_groups", _AT), ("index_heads", _AT), ("moe_mlp", _AT),
     ("mlp", _AT), ("vocab", _AT), ("engram_rows", _AT), ("q_latent", _AT),
-    ("router_out", _AT),
+    ("router_out", _AT), ("split_columns", _AT),
 ))
 # DCP with replicated query projections: the query heads of attention and indexer are split over the
 # outer ``tp`` part only, so every rank of a context-parallel group computes its group's query heads
@@ -117,6 +118,32 @@ def param_shardings(boxed_params: Any, mesh: Mesh, rules: AxisRules) -> Any:
             return logical_sharding(leaf.value.shape, leaf.names, mesh, rules)
         return NamedSharding(mesh, P())
     return jax.tree.map(one, boxed_params, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+
+
+# `split_columns_einsum`: at most this many rows (batch × rows of a call) split their output columns
+SPLIT_COLUMNS_MAX_ROWS = 1024
+
+
+def split_columns_einsum(eq: str, x: jax.Array, w: jax.Array, ctx: ShardingContext | None,
+                         out_axes: Sequence[str | None]) -> jax.Array:
+    """``einsum(eq, x, w)`` for a projection whose weight is replicated (the window-KV and Engram key / value
+    projections, whose split outputs the partitioner would reshard through the cache writes and the stream
+    reshape): on calls of at most `SPLIT_COLUMNS_MAX_ROWS` rows (decode, verification) each attention-TP rank
+    computes ``w``'s own slice of output columns (its last axis, ``split_columns``) and the result is gathered to
+    ``out_axes`` — one all-gather instead of every rank computing the whole projection; each column is the same dot
+    over the whole contraction, so the values do not change. Larger calls, no context, or inside a map: the plain
+    einsum."""
+    rows = int(np.prod(x.shape[:-1]))
+    if ctx is None or getattr(ctx, "in_map", False) or rows > SPLIT_COLUMNS_MAX_ROWS:
+        return jnp.einsum(eq, x, w)
+    split = logical_sharding(w.shape, (None,) * (w.ndim - 1) + ("split_columns",), ctx.mesh, ctx.rules)
+    if all(a is None for a in split.spec):
+        return jnp.einsum(eq, x, w)
+    y = jnp.einsum(eq, x, jax.lax.with_sharding_constraint(w, split))
+    # the output's columns split first (else the partitioner gathers the weight and computes it whole), then gathered
+    y = jax.lax.with_sharding_constraint(y, logical_sharding(y.shape, (*out_axes[:-1], "split_columns"), ctx.mesh,
+                                                             ctx.rules))
+    return jax.lax.with_sharding_constraint(y, logical_sharding(y.shape, out_axes, ctx.mesh, ctx.rules))
 
 
 def constrain(x: jax.Array, axes: Sequence[str | None], ctx: ShardingContext | None) -> jax.Array:

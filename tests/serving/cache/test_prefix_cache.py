@@ -1,6 +1,6 @@
 """Exact prefix caching (`v41cp.serving.cache.prefix`): the block tree with the allocator under random operations, and
 engines whose prefix hits give the cold engine's tokens and logits (the token-serial reference: and cache bytes, bit
-for bit): the span prefill under KVP = DCP 8, with CED (token-serial, model-wide QCP + KVP, DSpark)."""
+for bit), with CED: token-serial, the span prefill under model-wide QCP 8 + KVP = DCP 8, DSpark."""
 
 from __future__ import annotations
 
@@ -236,36 +236,24 @@ def test_prefix_hits_equal_cold_prefill_on_one_device(tiny_tp8):
     assert st["states"] == 6 and st["state_bytes"] == 6 * CacheSpec(cfg, BT, quantized=cfg.fake_quant).prefix_state_bytes
 
 
-@pytest.mark.parametrize("n", [8])
-def test_prefix_hits_equal_cold_prefill_under_kvp(tiny_tp8, n):
-    """The default span prefill under KVP = DCP over n ranks: cached pages stay with their owners (a hit's own blocks
-    continue the chain's page cycle); short prompts leave most of the 8 ranks owning none of a request's pages."""
-    from v41cp.serving.engine import Capacity
-    from v41cp.sharding.topology import ParallelConfig
-
-    cfg, params = tiny_tp8
-    cap = Capacity(max_batch=3, max_tokens=32, block_tokens=BT, prefill_chunk=8)
-    par = ParallelConfig(tp_size=8, kv_parallel_size=n, decode_context_parallel_size=n)
-    _, warm = _lockstep(params, cfg, cap, par)
-    assert warm.alloc.n == n and warm.prefix_stats()["hits"] == 4
-
-
-@pytest.mark.parametrize("layout", ["serial", "qcp4-kvp4", "dspark"])
+@pytest.mark.parametrize("layout", ["serial", "qcp8-kvp8", "dspark"])
 def test_prefix_hits_with_ced_equal_cold_prefill(tiny_tp8, layout):
     """CED narrowing with a branch point far before the prompt's end: a chunk that ends at a cache boundary runs
     the decoder layers over the halo before it (so the stored window rows are complete). The token-serial reference
-    on one device; the span prefill under model-wide QCP 4 + KVP = DCP 4; the span prefill on one device with DSpark
-    (the stored state holds the drafter's context window), against the cold engine."""
+    on one device; the span prefill under model-wide QCP 8 + KVP = DCP 8 (cached pages stay with their owners, a
+    hit's own blocks continue the chain's page cycle; short prompts leave ranks owning none of a request's pages and
+    ranks without rows); the span prefill on one device with DSpark (the stored state holds the drafter's context
+    window), against the cold engine. A 48-row budget: every prompt in one round, so the two engines stay in step."""
     from v41cp.serving.engine import Capacity
     from v41cp.sharding.topology import ParallelConfig
 
     cfg, params = tiny_tp8
-    cap = Capacity(max_batch=3, max_tokens=48, block_tokens=BT, prefill_chunk=8, ced=True,
+    cap = Capacity(max_batch=3, max_tokens=48, block_tokens=BT, prefill_chunk=8, ced=True, prefill_tokens=48,
                    span_prefill=False if layout == "serial" else None)
     par = spec = None
-    if layout == "qcp4-kvp4":
-        par = ParallelConfig(tp_size=4, query_context_parallel_size=4, kv_parallel_size=4,
-                             decode_context_parallel_size=4)
+    if layout == "qcp8-kvp8":
+        par = ParallelConfig(tp_size=8, query_context_parallel_size=8, kv_parallel_size=8,
+                             decode_context_parallel_size=8)
     if layout == "dspark":
         from v41cp.checkpoint import default_checkpoint, load, open_drafter
         from v41cp.serving.runner.speculative import Speculative
@@ -277,6 +265,7 @@ def test_prefix_hits_with_ced_equal_cold_prefill(tiny_tp8, layout):
     assert ced_rows(cfg) == 15                                   # y's boundary at 12 is before its halo (25 .. 40)
     cold, warm = _lockstep(params, cfg, cap, par, LONG, LONG_CACHED, spec)
     assert warm.stats["ced_encoder_only_rows"] > 0
+    assert warm.alloc.n == (8 if par else 1) and warm.prefix_stats()["hits"] == 2
 
 
 # ------------------------------------------------------------------------------------------ tight capacity

@@ -91,7 +91,7 @@ def test_disaggregated_equals_aggregated(tiny_tp8, aggregated, prefill_kvp, tran
 
     _drive(pd, prompts, compare)
     assert not pd.prefill.requests
-    assert pd.prefill.alloc.free_blocks == pd.prefill.num_blocks
+    assert pd.prefill.load()["free_blocks"] == pd.prefill.num_blocks     # free, or cached and reclaimable
     t = pd.transfers
     assert [x["id"] for x in t] == list(PROMPTS)
     for x in t:

@@ -44,6 +44,7 @@ from v41cp.serving.cache import paged as pc
 from v41cp.serving.cache.device_cache import PagedCache, kv_groups
 from v41cp.serving.cache.undo import EntriesUndo, OpenPairUndo, VerifyUndo
 from v41cp.serving.step_batch import StepBatch
+from v41cp.sharding.rules import TP_RULES, ShardingContext
 
 __all__ = ["PagedRows"]
 
@@ -59,6 +60,8 @@ class PagedRows(CachedRows):
                  operator=None):
         split = plan is not None and plan.replicated_pages
         self.cfg, self.op = cfg, operator
+        # a sharded step's replicated projections split their output columns over attention TP on few rows
+        self.columns = ShardingContext(plan.mesh, TP_RULES) if plan is not None else None
         self.plan = None if split else plan                         # KVP: the pages are split over cp
         xla = cfg.indexer_backend == "xla" and cfg.attention_backend == "xla"
         self.split = plan if split and xla else None

@@ -54,6 +54,7 @@ class QCPRows(CachedRows):
         self.n_slots = pc.cache_slots(cache)
         self.slot_r = jnp.clip(batch.slots, 0, self.n_slots - 1)
         self.narrows = batch.ced is not None
+        self.columns = None                 # (no `split_columns_einsum`: inside the map each rank has its rows)
         q = batch.qcp
         self._bind(q.positions[0], q.requests[0], q.span_index, grp.n * batch.rows, batch.starts, batch.lengths,
                    q.continued)
