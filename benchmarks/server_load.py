@@ -6,9 +6,10 @@ greedy, EOS ignored), and prints JSON: per level the output tokens per second ov
 time to first token (p50 / p90 over requests) and the per-request decode rate. Requests are bounded in number
 and time; the server is stopped at the end. ``python benchmarks/server_load.py --concurrency 1,16``
 
-``--modes default,token-serial`` runs the levels against one server per prefill mode, one after the other in this
-run (the default span prefill under its per-round row budget, and ``--token-serial-prefill``), and reports each
-level's time to first token relative to one client and the token-serial / default ratio.
+``--modes default,token-serial,no-prefix-caching`` runs the levels against one server per configuration, one after
+the other in this run (the defaults: span prefill under its per-round row budget with prefix caching;
+``--token-serial-prefill``; ``--no-enable-prefix-caching``), and reports each level's time to first token relative to
+one client and the other / default ratios. ``--prompt-words``: prompt length (each client repeats its prompt).
 """
 
 from __future__ import annotations
@@ -35,11 +36,11 @@ async def _one(client, model: str, prompt: str, max_tokens: int) -> dict:
     return {"ttft_s": first, "tokens": tokens, "seconds": time.perf_counter() - t0}
 
 
-async def _level(url: str, model: str, clients: int, requests: int, max_tokens: int) -> dict:
+async def _level(url: str, model: str, clients: int, requests: int, max_tokens: int, words: int = 8) -> dict:
     import openai
 
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
-    prompts = [" ".join(f"w{(7 * c + j) % 100}" for j in range(8)) for c in range(clients)]
+    prompts = [" ".join(f"w{(7 * c + j) % 100}" for j in range(words)) for c in range(clients)]
 
     async def worker(c):
         return [await _one(client, model, prompts[c], max_tokens) for _ in range(requests)]
@@ -63,8 +64,10 @@ def main() -> None:
     p.add_argument("--concurrency", default="1,16")
     p.add_argument("--requests", type=int, default=3, help="requests per client")
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--modes", default="default", help="prefill modes to compare, each with its own server: "
-                   "default (span prefill), token-serial")
+    p.add_argument("--prompt-words", type=int, default=8, help="words per prompt (each client sends its own prompt "
+                   "--requests times: with prefix caching the later ones reuse its whole blocks)")
+    p.add_argument("--modes", default="default", help="server configurations to compare, each with its own server: "
+                   "default (span prefill, prefix caching), token-serial, no-prefix-caching")
     a = p.parse_args()
     levels = [int(x) for x in a.concurrency.split(",")]
     modes = a.modes.split(",")
@@ -75,14 +78,15 @@ def main() -> None:
         if mode not in MODES:
             p.error(f"--modes: unknown mode {mode!r} (choose from {sorted(MODES)})")
         out["modes"][mode] = _run_mode(a, levels, MODES[mode])
-    if "default" in out["modes"] and "token-serial" in out["modes"]:
-        d, t = out["modes"]["default"]["levels"], out["modes"]["token-serial"]["levels"]
-        out["ttft_p50_token_serial_over_default"] = {lv["clients"]: round(b["ttft_ms_p50"] / lv["ttft_ms_p50"], 2)
-                                                     for lv, b in zip(d, t)}
+    for other in ("token-serial", "no-prefix-caching"):
+        if "default" in out["modes"] and other in out["modes"]:
+            d, t = out["modes"]["default"]["levels"], out["modes"][other]["levels"]
+            out[f"ttft_p50_{other.replace('-', '_')}_over_default"] = {
+                lv["clients"]: round(b["ttft_ms_p50"] / lv["ttft_ms_p50"], 2) for lv, b in zip(d, t)}
     print(json.dumps(out, indent=1))
 
 
-MODES = {"default": (), "token-serial": ("--token-serial-prefill",)}
+MODES = {"default": (), "token-serial": ("--token-serial-prefill",), "no-prefix-caching": ("--no-enable-prefix-caching",)}
 
 
 def _run_mode(a, levels: list[int], flags: tuple[str, ...]) -> dict:
@@ -91,11 +95,14 @@ def _run_mode(a, levels: list[int], flags: tuple[str, ...]) -> dict:
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
         from server_harness import ServerProcess
 
-        server = ServerProcess("--max-batch", str(max(levels)), "--max-context", "64", "--max-waiting", "256", *flags)
+        context = max(64, 2 * (a.prompt_words + a.max_tokens))
+        server = ServerProcess("--max-batch", str(max(levels)), "--max-context", str(context), "--max-waiting", "256",
+                               *flags)
         url = server.url
     try:
         out = {"url": url, "flags": list(flags),
-               "levels": [asyncio.run(_level(url, a.model, c, a.requests, a.max_tokens)) for c in levels]}
+               "levels": [asyncio.run(_level(url, a.model, c, a.requests, a.max_tokens, a.prompt_words))
+                          for c in levels]}
     finally:
         if server is not None:
             server.stop()

@@ -128,7 +128,8 @@ def split_columns_einsum(eq: str, x: jax.Array, w: jax.Array, ctx: ShardingConte
                          out_axes: Sequence[str | None]) -> jax.Array:
     """``einsum(eq, x, w)`` for a projection whose weight is replicated (the window-KV and Engram key / value
     projections, whose split outputs the partitioner would reshard through the cache writes and the stream
-    reshape): on calls of at most `SPLIT_COLUMNS_MAX_ROWS` rows (decode, verification) each attention-TP rank
+    reshape): on calls of at most `SPLIT_COLUMNS_MAX_ROWS` rows (the decode and verification steps give a context:
+    `PagedRows.columns`) each attention-TP rank
     computes ``w``'s own slice of output columns (its last axis, ``split_columns``) and the result is gathered to
     ``out_axes`` — one all-gather instead of every rank computing the whole projection; each column is the same dot
     over the whole contraction, so the values do not change. Larger calls, no context, or inside a map: the plain

@@ -88,13 +88,13 @@ TOPOLOGIES = {
 }
 
 
-@pytest.mark.parametrize("variant", ["serial", "span-ced", *TOPOLOGIES])
+# Not run: DSpark with the token-serial prefill (the reference path; the engine prefills by span) — left out for the
+# suite's 30-minute budget.
+@pytest.mark.parametrize("variant", ["span-ced", *TOPOLOGIES])
 def test_greedy_speculative_equals_plain_greedy(setup, variant):
     cfg, params, drafter, prompts, want, _ = setup
     cap, kw = CAP, {}
-    if variant == "serial":
-        cap = dataclasses.replace(CAP, span_prefill=False)       # the token-serial prefill's features
-    elif variant == "span-ced":
+    if variant == "span-ced":
         cap = dataclasses.replace(CAP, ced=True)
     elif variant in TOPOLOGIES:
         kw = {"parallel": TOPOLOGIES[variant]}

@@ -60,8 +60,9 @@ class PagedRows(CachedRows):
                  operator=None):
         split = plan is not None and plan.replicated_pages
         self.cfg, self.op = cfg, operator
-        # a sharded step's replicated projections split their output columns over attention TP on few rows
-        self.columns = ShardingContext(plan.mesh, TP_RULES) if plan is not None else None
+        # a sharded decode / verification step's replicated projections split their output columns over attention
+        # TP (not a span-prefill pass's packed rows: their programs stay as a prefill on any topology computes them)
+        self.columns = ShardingContext(plan.mesh, TP_RULES) if plan is not None and not meta.packed else None
         self.plan = None if split else plan                         # KVP: the pages are split over cp
         xla = cfg.indexer_backend == "xla" and cfg.attention_backend == "xla"
         self.split = plan if split and xla else None
