@@ -36,7 +36,7 @@ from v41cp.serving.runner.span_batch import build_span_batch
 from v41cp.serving.runner.span_prefill import SpanLayout, lower_prefill_span
 from v41cp.serving.runner.steps import decode_and_sample
 from v41cp.serving.step_batch import StepBatch
-from v41cp.sharding.hlo_stats import collectives, dot_flops_by_op, program_cost
+from v41cp.sharding.hlo_stats import collectives, data_dependent_loops, dot_flops_by_op, program_cost
 from v41cp.sharding.rules import param_shardings
 
 __all__ = ["plan_program", "floor_flops", "abstract_sharded_params"]
@@ -181,6 +181,7 @@ def plan_program(cfg: ModelConfig, mode: str, batch: int, context: int, parallel
     text = compiled.as_text()
     coll = collectives(text)
     dots = dot_flops_by_op(text)
+    once = data_dependent_loops(text)
     floor = floor_flops(cfg, mode, batch, context, ced)
     per = {
         "flops_per_device": float(cost.get("flops", 0.0)),
@@ -201,6 +202,8 @@ def plan_program(cfg: ModelConfig, mode: str, batch: int, context: int, parallel
         "ced": ced, "parallel": ({**dataclasses.asdict(parallel), "dcp_merge": parallel.dcp_merge_for(cfg)}
                                  if parallel is not None else None), **per,
         "collectives": {op: sum(c["bytes"] for c in coll if c["op"] == op) for op in sorted({c["op"] for c in coll})},
+        # while loops of data-dependent length (the Reindex scan's overflow tiles): their bodies counted once
+        "loops_counted_once": {name: once.count(name) for name in sorted(set(once))},
         "dot_flops_per_device": sum(dots.values()),
         "dot_flops_per_device_by_op": dict(list(dots.items())[:top_ops]),
         "floor_flops_per_device": floor_dev,

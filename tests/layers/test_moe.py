@@ -183,6 +183,24 @@ def test_program_cost_counts_every_loop_iteration():
     assert abs(got - want) <= 0.02 * want and got >= 6 * 2 * 32 ** 3
 
 
+@pytest.mark.fast
+def test_a_loop_of_data_dependent_length_is_counted_once_and_listed():
+    """A ``while`` loop with no known trip count (the Reindex scan's overflow tiles) is counted once, as XLA counts
+    it, and `data_dependent_loops` names it; a known-count loop beside it is counted per iteration."""
+    from v41cp.sharding.hlo_stats import data_dependent_loops
+
+    x = jnp.ones((32, 32), jnp.float32)
+
+    def f(x, n):
+        x = jax.lax.fori_loop(0, 4, lambda i, a: a @ x, x)
+        return jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, c[1] @ x), (0, x))[1]
+
+    compiled = jax.jit(f).lower(x, jnp.int32(3)).compile()
+    got = program_cost(compiled)["flops"]
+    assert 5 * 2 * 32 ** 3 <= got <= 1.05 * 5 * 2 * 32 ** 3
+    assert len(data_dependent_loops(compiled.as_text())) == 1
+
+
 def test_model_sparse_equals_dense_backend():
     """The whole tiny model (FP32) with the sparse default and with the dense reference dispatch."""
     cfg = preset("tiny", dtype="float32", engram_token_map=TOKEN_MAP)

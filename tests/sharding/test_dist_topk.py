@@ -108,3 +108,31 @@ def test_scan_topk_equals_topk_of_the_whole_row(tile):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want_i))
     np.testing.assert_array_equal(np.asarray(vals), np.asarray(want_v))
     np.testing.assert_array_equal(np.asarray(maxima), np.asarray(masked.reshape(rows, -1, cbs).max(-1)))
+
+
+@pytest.mark.parametrize("static,more", [(0, 5), (2, 3), (16, 1)])
+def test_scan_topk_continued_over_data_dependent_tiles_equals_topk_of_the_whole_row(static, more):
+    """`scan_topk_more` continues a running top-k over a traced number of tiles (the Reindex scan's overflow): a
+    static part then the rest in a loop equals `lax.top_k` of the whole row, ties included."""
+    from v41cp.layers.topk_scan import scan_topk, scan_topk_more
+
+    rng = np.random.default_rng(static + more)
+    rows, n, k, tile = 5, 48, 7, 3
+    scores = jnp.asarray(rng.integers(0, 4, (rows, n)).astype(np.float32))
+    ids = jnp.where(jnp.asarray(rng.random((rows, n)) < 0.2), -1, jnp.arange(n)[None])
+    head = min(static * tile, n)
+    pad = head + -(-(n - head) // more) * more - n
+    sp, ip = jnp.pad(scores, ((0, 0), (0, pad))), jnp.pad(ids, ((0, 0), (0, pad)), constant_values=-1)
+    part = lambda start, size: (jax.lax.dynamic_slice_in_dim(sp, start, size, 1),
+                                jax.lax.dynamic_slice_in_dim(ip, start, size, 1))
+
+    def run(count):
+        state = scan_topk(lambda j: part(j * tile, tile), head // tile, rows, k) if head else \
+            (jnp.full((rows, k), -jnp.inf), jnp.full((rows, k), -1, jnp.int32), None)
+        return scan_topk_more(lambda j: part(head + j * more, more), count, state, k)[:2]
+
+    vals, got = jax.jit(run)(jnp.int32(-(-(n - head) // more)))
+    masked = jnp.where(ids >= 0, scores, -jnp.inf)
+    want_v, want_i = jax.lax.top_k(masked, k)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.where(want_v > -jnp.inf, want_i, -1)))
+    np.testing.assert_array_equal(np.asarray(vals), np.asarray(want_v))

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from v41cp.kernels import match_varying
 from v41cp.sharding.dist_topk import local_block_maxima
 
-__all__ = ["scan_topk", "tile_count", "SCAN_TILE_BYTES"]
+__all__ = ["scan_topk", "scan_topk_more", "tile_count", "SCAN_TILE_BYTES"]
 
 SCAN_TILE_BYTES = 256 << 20          # temporaries of one tile (decoded keys + per-head scores), all rows
 
@@ -76,3 +76,22 @@ def scan_topk(score_tile, tiles: int, rows: int, k: int, *, num_blocks: int | No
     else:
         state = jax.lax.fori_loop(0, tiles, step, state)
     return state
+
+
+def scan_topk_more(score_tile, tiles: jax.Array, state, k: int):
+    """Continue a running top-``k`` state of `scan_topk` (``(vals, ids, None)``) over ``tiles`` more tiles, a
+    data-dependent count (an int32 scalar; 0: the state unchanged) — a ``lax.while_loop``, whose body XLA's cost
+    analysis (and `v41cp.sharding.hlo_stats.program_cost`) counts once. The tiles continue the ascending id order."""
+    vals, gid, maxima = state
+    if maxima is not None:
+        raise ValueError("scan_topk_more: block maxima are not continued")
+    j0, tiles = match_varying([jnp.int32(0), jnp.asarray(tiles, jnp.int32), vals])[0][:2]
+
+    def body(c):
+        j, vals, gid = c
+        scores, ids = score_tile(j)
+        vals, gid = _merge(vals, gid, scores, ids, k)
+        return j + 1, vals, gid
+
+    _, vals, gid = jax.lax.while_loop(lambda c: c[0] < tiles, body, (j0, vals, gid))
+    return vals, gid, None

@@ -10,7 +10,9 @@ over given groups (`mesh_axis_groups`). Byte counts are of each op's result on o
 ``while`` loop counted ``known_trip_count`` times — XLA's own analysis counts a loop body once (measured on jax
 0.10: a 10-step ``fori_loop`` of a matmul reports one matmul), so a body's cost is re-analysed on its own and
 added for the remaining iterations. Where XLA already multiplies by the trip count (probed once per backend,
-`_xla_counts_trips`) its figures are used as they are.
+`_xla_counts_trips`) its figures are used as they are. A loop whose trip count depends on the data (no
+``known_trip_count``: e.g. the Reindex scan's overflow tiles, `v41cp.serving.attention.dcp.select`) is counted
+once, as XLA counts it; `data_dependent_loops` lists them.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import re
 import numpy as np
 
 __all__ = ["collectives", "collective_bytes", "replica_groups", "mesh_axis_groups", "ALL_DEVICES", "program_cost",
-           "loop_multipliers", "dot_flops_by_op"]
+           "loop_multipliers", "dot_flops_by_op", "data_dependent_loops"]
 
 ALL_DEVICES = "all"        # replica_groups={}: one group of every device
 
@@ -119,10 +121,20 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
 
 
 def _trip_count(line: str) -> int:
+    """A while loop's ``known_trip_count``; 1 (counted once, as XLA does) where the count depends on the data."""
     m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
-    if not m:
-        raise ValueError(f"hlo_stats: a while loop without a known trip count: {line[:200]}")
-    return int(m.group(1))
+    return int(m.group(1)) if m else 1
+
+
+def data_dependent_loops(hlo_text: str) -> list[str]:
+    """The bodies of the while loops with no known trip count (each counted once), by their op names."""
+    out = []
+    for lines in _computations(hlo_text)[0].values():
+        for line in lines:
+            if _WHILE.search(line) and '"known_trip_count"' not in line:
+                name = _OP_NAME.search(line)
+                out.append(re.sub(r"layers_\d+", "layers_*", name.group("name")) if name else "(unnamed)")
+    return out
 
 
 def _reach(comps: dict, name: str) -> tuple[list[str], list[tuple[str, int]]]:

@@ -23,6 +23,7 @@ History is never gathered: the per-step collectives are the query gathers, ``N·
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import jax
@@ -35,7 +36,7 @@ from v41cp.kernels import interpret_mode
 from v41cp.kernels.indexer_topk import index_block_maxima, indexer_topk
 from v41cp.kernels.indexer_topk.reference import index_scores
 from v41cp.kernels.sparse_attention import flatten_store, sparse_attention
-from v41cp.layers.topk_scan import SCAN_TILE_BYTES, scan_topk, tile_count
+from v41cp.layers.topk_scan import SCAN_TILE_BYTES, scan_topk, scan_topk_more, tile_count
 from v41cp.serving.cache.records import record_bytes
 from v41cp.sharding.dist_topk import (
     distributed_blocks,
@@ -49,7 +50,12 @@ from v41cp.sharding.mesh import ATTN_TP, CP
 from v41cp.sharding.ownership import owned_positions
 from v41cp.sharding.topology import ParallelConfig
 
-__all__ = ["DCPPlan", "select", "attend", "gather_history", "gather_owned_records", "collective_plan"]
+__all__ = ["DCPPlan", "select", "attend", "gather_history", "gather_owned_records", "collective_plan", "KEPT_SHARE"]
+
+# A rank's static capacity for the kept candidate entries it owns (Reindex layers), × an even share: page-cyclic
+# ownership spreads the contiguous runs the candidate blocks form evenly, so 1.5× leaves the data-dependent overflow
+# loop to short histories and unusual score patterns
+KEPT_SHARE = 1.5
 
 
 @dataclass(frozen=True)
@@ -60,7 +66,10 @@ class DCPPlan:
     over owned entries, LSE merge) | ``heads`` (selected records gathered, each rank its own heads);
     q_mode: ``gather`` | ``replicate``; heads_sharded: whether the query heads are split over attention TP
     (else replicated: the merge all-reduces instead of reduce-scattering); scan_tile_bytes: the temporaries
-    of one tile of the XLA selection's scan over owned pages (`v41cp.layers.topk_scan`).
+    of one tile of the XLA selection's scan over owned pages (`v41cp.layers.topk_scan`); kept_share: the static
+    capacity of a rank's scan of the kept candidate entries it owns (Reindex layers), as a multiple of an even
+    share (``candidate_topk_blocks · candidate_block_size / n``) — a rank owning more scans the rest in a loop of
+    data-dependent length, so the result never depends on it.
     """
 
     mesh: Mesh
@@ -68,6 +77,7 @@ class DCPPlan:
     q_mode: str = "gather"
     heads_sharded: bool = True
     scan_tile_bytes: int = SCAN_TILE_BYTES
+    kept_share: float = KEPT_SHARE
     axis: str | tuple[str, ...] = CP
     replicated_pages: bool = False
 
@@ -245,28 +255,43 @@ def select(plan: DCPPlan, cfg: ModelConfig, role: LayerRole, read, ikey_pool, q:
         return topk, out_cand
 
     def kept_body(pool, q, weights, tables, positions, cand):
-        # a Reindex layer inside the candidate blocks scores only the kept blocks' entries it owns — not its whole
-        # history: the kept block ids (replicated, ascending) are cut into tiles of whole blocks for the running
-        # top-k, each entry read from this rank's pool where its page is owned (−1 elsewhere)
+        # a Reindex layer inside the candidate blocks scores only the kept blocks' entries this rank owns — not its
+        # whole history, nor the other ranks' kept entries: the kept entries (replicated) are cut down to this
+        # rank's, in ascending id; a static share of them (`DCPPlan.kept_share` × an even share) runs in tiles of
+        # the running top-k, the rest (a rank that owns more, e.g. a short history on one rank) in a loop of as
+        # many more tiles as the rank's largest row needs
         b, kb = cand.shape
         cbs = cfg.candidate_block_size
         visible = (positions + 1) // role.ratio
-        kept = jnp.sort(jnp.where(cand >= 0, cand, jnp.iinfo(jnp.int32).max), axis=1)     # ascending, padding last
+        real = (cand >= 0) & (cand < -(-g // cbs))
+        ids = (jnp.where(real, cand, 0)[..., None] * cbs + jnp.arange(cbs)).reshape(b, -1)   # [B, kb·cbs]
+        ids = jnp.where(jnp.repeat(real, cbs, axis=1) & (ids < visible[:, None]) & (ids < g), ids, -1)
+        own = _entry_owners(plan, tables, ids, epb)[1]
+        total = kb * cbs
         hi, di = q.shape[1], q.shape[2]
-        per, tiles = tile_count(kb * cbs, cbs, b * 4 * (2 * di + 3 * hi), plan.scan_tile_bytes)
-        kept = jnp.pad(kept, ((0, 0), (0, per * tiles - kb)), constant_values=jnp.iinfo(jnp.int32).max)
+        cap = min(total, -(-math.ceil(plan.kept_share * total / plan.n) // cbs) * cbs)
+        per, tiles = tile_count(cap, cbs, b * 4 * (2 * di + 3 * hi), plan.scan_tile_bytes)
+        cap = per * cbs * tiles
+        more = max(cbs, -(-cap // (4 * cbs)) * cbs)        # the overflow loop's tile (a quarter of the share)
+        rest = max(0, total - cap)
+        width = cap + -(-rest // more) * more
+        big = jnp.iinfo(jnp.int32).max
+        mine = jnp.sort(jnp.where(own, ids, big), axis=1)                                # owned first, ascending
+        mine = jnp.pad(mine, ((0, 0), (0, width - total)), constant_values=big)
+        owned = jnp.max(jnp.sum(own, axis=1))                                             # this rank's largest row
 
-        def score_tile(j):
-            blocks = jax.lax.dynamic_slice_in_dim(kept, j * per, per, axis=1)             # [B, per]
-            real = blocks < -(-g // cbs)
-            ids = (jnp.where(real, blocks, 0)[..., None] * cbs + jnp.arange(cbs)).reshape(b, -1)
-            ids = jnp.where(jnp.repeat(real, cbs, axis=1) & (ids < visible[:, None]) & (ids < g), ids, -1)
-            _, own, local, off = _entry_owners(plan, tables, ids, epb)
-            keys = read(pool, lambda a: a[local, off])                                  # [B, per·cbs, Di]
-            return index_scores(q[:, None], weights[:, None], keys)[:, 0], jnp.where(own, ids, -1)
+        def score_at(start, size):
+            i = jax.lax.dynamic_slice_in_dim(mine, start, size, axis=1)
+            i = jnp.where(i == big, -1, i)
+            _, ok, local, off = _entry_owners(plan, tables, i, epb)
+            keys = read(pool, lambda a: a[local, off])                                  # [B, size, Di]
+            return index_scores(q[:, None], weights[:, None], keys)[:, 0], jnp.where(ok, i, -1)
 
-        vals, gid, _ = scan_topk(score_tile, tiles, b, k, carry_like=plan.rank())
-        topk, _ = gather_merge_topk(vals, gid, k, plan.axis)
+        state = scan_topk(lambda j: score_at(j * per * cbs, per * cbs), tiles, b, k, carry_like=plan.rank())
+        if rest:
+            extra = jnp.maximum(owned - cap, 0)
+            state = scan_topk_more(lambda j: score_at(cap + j * more, more), -(-extra // more), state, k)
+        topk, _ = gather_merge_topk(state[0], state[1], k, plan.axis)
         return topk, cand
 
     if cand_blocks is None:
