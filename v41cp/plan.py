@@ -36,7 +36,7 @@ from v41cp.serving.runner.span_batch import build_span_batch
 from v41cp.serving.runner.span_prefill import SpanLayout, lower_prefill_span
 from v41cp.serving.runner.steps import decode_and_sample
 from v41cp.serving.step_batch import StepBatch
-from v41cp.sharding.hlo_stats import collectives, data_dependent_loops, dot_flops_by_op, program_cost
+from v41cp.sharding.hlo_stats import collectives, data_dependent_loops, dot_flops_by_op, flops_by_op, program_cost
 from v41cp.sharding.rules import param_shardings
 
 __all__ = ["plan_program", "floor_flops", "abstract_sharded_params"]
@@ -159,7 +159,7 @@ def plan_program(cfg: ModelConfig, mode: str, batch: int, context: int, parallel
                  tile_bytes: int | None = None) -> dict:
     """Compile the ``mode`` step (see the module docstring) and report its per-device structure. ``parallel``: a
     `v41cp.sharding.topology.ParallelConfig` (None: one device). ``top_ops``: how many source operations the
-    dot-FLOP breakdown lists (`v41cp.sharding.hlo_stats.dot_flops_by_op`, largest first); ``tile_bytes``: the
+    dot-FLOP and all-FLOP breakdowns list (`v41cp.sharding.hlo_stats.dot_flops_by_op` / `flops_by_op`, largest first); ``tile_bytes``: the
     prefill's selection / attention tile budget (default `v41cp.layers.tiled_select.ROW_TILE_BYTES`)."""
     if mode not in ("decode", "prefill"):
         raise ValueError(f"plan: mode must be 'decode' or 'prefill', got {mode!r}")
@@ -181,6 +181,7 @@ def plan_program(cfg: ModelConfig, mode: str, batch: int, context: int, parallel
     text = compiled.as_text()
     coll = collectives(text)
     dots = dot_flops_by_op(text)
+    every = flops_by_op(text)
     once = data_dependent_loops(text)
     floor = floor_flops(cfg, mode, batch, context, ced)
     per = {
@@ -206,6 +207,8 @@ def plan_program(cfg: ModelConfig, mode: str, batch: int, context: int, parallel
         "loops_counted_once": {name: once.count(name) for name in sorted(set(once))},
         "dot_flops_per_device": sum(dots.values()),
         "dot_flops_per_device_by_op": dict(list(dots.items())[:top_ops]),
+        # every FLOP (dots, elementwise, reductions) by source operation: where the FLOPs above the floor go
+        "flops_per_device_by_op": dict(list(every.items())[:top_ops]),
         "floor_flops_per_device": floor_dev,
         "floor_parts_per_device": {k: v / devices for k, v in floor.items() if k != "total"},
         "flops_over_floor": per["flops_per_device"] / floor_dev if floor_dev else None,

@@ -184,6 +184,22 @@ def test_program_cost_counts_every_loop_iteration():
 
 
 @pytest.mark.fast
+def test_flops_by_op_attributes_the_index_scores_channel_loops():
+    """`flops_by_op` attributes every FLOP to its source operation: the index scores' channel loop is one multiply
+    and one add per (row, head, key, channel), every iteration counted; the total is XLA's within a few per cent (XLA also counts the loops' counters)."""
+    from v41cp.kernels.indexer_topk.reference import index_scores
+    from v41cp.sharding.hlo_stats import flops_by_op
+
+    b, h, d, g = 2, 8, 128, 512
+    args = (jax.ShapeDtypeStruct((b, 1, h, d), jnp.bfloat16), jax.ShapeDtypeStruct((b, 1, h), jnp.float32),
+            jax.ShapeDtypeStruct((b, g, d), jnp.float8_e4m3fn))
+    compiled = jax.jit(index_scores).lower(*args).compile()
+    got = flops_by_op(compiled.as_text())
+    assert got["mul"] >= b * h * g * d and got["add"] >= b * h * g * (d - 1)
+    assert abs(sum(got.values()) - program_cost(compiled)["flops"]) <= 0.05 * program_cost(compiled)["flops"]
+
+
+@pytest.mark.fast
 def test_a_loop_of_data_dependent_length_is_counted_once_and_listed():
     """A ``while`` loop with no known trip count (the Reindex scan's overflow tiles) is counted once, as XLA counts
     it, and `data_dependent_loops` names it; a known-count loop beside it is counted per iteration."""

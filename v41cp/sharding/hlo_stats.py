@@ -23,7 +23,7 @@ import re
 import numpy as np
 
 __all__ = ["collectives", "collective_bytes", "replica_groups", "mesh_axis_groups", "ALL_DEVICES", "program_cost",
-           "loop_multipliers", "dot_flops_by_op", "data_dependent_loops"]
+           "loop_multipliers", "dot_flops_by_op", "flops_by_op", "data_dependent_loops"]
 
 ALL_DEVICES = "all"        # replica_groups={}: one group of every device
 
@@ -300,14 +300,16 @@ def _dims(shape: str) -> list[int]:
     return [int(d) for d in m.group(2).split(",") if d] if m else []
 
 
-def dot_flops_by_op(hlo_text: str, depth: int = 3) -> dict[str, float]:
-    """FLOPs of every ``dot`` of a compiled program (2 · result elements · contracted elements, each loop body
-    counted once per iteration: `loop_multipliers`), summed by the source operation's name — the jit / shard_map
-    name stack with ``layers_<i>`` as ``layers_*`` and its last ``depth`` components kept, so the same operation
-    of every layer adds up. Sorted by FLOPs, largest first. (Dots only: elementwise work is not in it.)"""
+# what XLA's cost analysis counts as one FLOP per output element (transcendentals are counted apart, not as FLOPs)
+_ELEMENTWISE = frozenset("""add subtract multiply divide maximum minimum abs negate compare select and or xor not
+    shift-left shift-right-logical shift-right-arithmetic clamp convert remainder sign floor ceil round-nearest-even
+    round-nearest-afz is-finite popcnt count-leading-zeros atan2""".split())
+
+
+def _flops_by_op(hlo_text: str, depth: int, dots_only: bool) -> dict[str, float]:
     comps, _ = _computations(hlo_text)
     mult = loop_multipliers(hlo_text)
-    caller = {}                                 # a fused computation's dots carry their fusion's name
+    caller = {}                                 # a fused computation's ops carry their fusion's name
     for lines in comps.values():
         for line in lines:
             name = _OP_NAME.search(line)
@@ -325,20 +327,50 @@ def dot_flops_by_op(hlo_text: str, depth: int = 3) -> dict[str, float]:
             if m is None:
                 continue
             shapes[m.group("name")] = m.group("shape")
-            if m.group("op") != "dot":
-                continue
+            op = m.group("op")
             operands = re.findall(r"%([\w.\-]+)", m.group("args"))
-            contract = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", line)
-            lhs_dims = _dims(shapes.get(operands[0], ""))
-            k = int(np.prod([lhs_dims[int(i)] for i in contract.group(1).split(",") if i])) if contract else 1
-            flops = 2.0 * float(np.prod(_dims(m.group("shape")))) * k * times
+            if op == "dot":
+                contract = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", line)
+                lhs_dims = _dims(shapes.get(operands[0], ""))
+                k = int(np.prod([lhs_dims[int(i)] for i in contract.group(1).split(",") if i])) if contract else 1
+                flops = 2.0 * float(np.prod(_dims(m.group("shape")))) * k * times
+            elif dots_only or m.group("shape").startswith("("):
+                continue
+            elif op in _ELEMENTWISE:
+                flops = float(np.prod(_dims(m.group("shape")))) * times
+            elif op == "reduce" and operands:
+                flops = float(np.prod(_dims(shapes.get(operands[0], "")))) * times
+            else:
+                continue
             name = _OP_NAME.search(line)
             name = name.group("name") if name else caller.get(comp)
             if name is None:         # the CPU backend's library fusions carry no name: labelled by their shapes
-                label = "(unnamed) " + " x ".join(shapes.get(o, "?") for o in operands[:2])
+                label = "(unnamed) " + " x ".join(shapes.get(o, "?") for o in operands[:2]) if op == "dot" else \
+                    f"(unnamed) {op} {m.group('shape')}"
             else:
                 parts = [p for p in re.sub(r"layers_\d+", "layers_*", name).split("/")
-                         if not p.startswith(("jit(", "shard_map", "dot_general"))]
+                         if not p.startswith(("jit(", "shard_map", "dot_general")) and p not in _PLUMBING]
                 label = "/".join(parts[-depth:])
             out[label] = out.get(label, 0.0) + flops
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+_PLUMBING = frozenset(("while", "body", "cond", "closed_call", "checkpoint", "remat"))   # name-stack levels that say
+# nothing of the operation
+
+
+def dot_flops_by_op(hlo_text: str, depth: int = 3) -> dict[str, float]:
+    """FLOPs of every ``dot`` of a compiled program (2 · result elements · contracted elements, each loop body
+    counted once per iteration: `loop_multipliers`), summed by the source operation's name — the jit / shard_map
+    name stack with ``layers_<i>`` as ``layers_*`` and its last ``depth`` components kept, so the same operation
+    of every layer adds up. Sorted by FLOPs, largest first. (Dots only: elementwise work is in `flops_by_op`.)"""
+    return _flops_by_op(hlo_text, depth, dots_only=True)
+
+
+def flops_by_op(hlo_text: str, depth: int = 4) -> dict[str, float]:
+    """Every FLOP of a compiled program by source operation, as `dot_flops_by_op` labels them: the dots, the
+    elementwise operations (one per output element, as XLA's cost analysis counts them: arithmetic, compares,
+    selects, converts, bit operations; transcendentals apart, not counted) and reductions (one per input element).
+    Totals within a few per cent of `program_cost`'s (XLA's own per-op rules differ in details): where the FLOPs
+    above a floor go."""
+    return _flops_by_op(hlo_text, depth, dots_only=False)
