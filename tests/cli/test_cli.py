@@ -174,6 +174,21 @@ def test_pd_across_two_processes_equals_one_process(pd_one_process):
     assert two["timings"]["compiles"] == pd_one_process["timings"]["compiles"]
 
 
+def test_bench_with_pd_across_two_processes():
+    """``bench decode`` with PD across two processes (prefill on process 0's 4 devices, decode on process 1's): rank 0
+    reports the rows with the prefill rate and every request's transfer, rank 1 prints nothing; both exit cleanly."""
+    (rc0, out0, err0), (rc1, out1, err1) = two_processes("bench", "decode", "--json", "--devices", "4",
+                                                          "--prefill-devices", "4", "--kv-parallel-size", "4",
+                                                          "--lengths", "9,20", "--steps", "2")
+    assert rc0 == 0 and rc1 == 0, (err0[-3000:], err1[-3000:])
+    assert out1 == ""
+    out = json.loads(out0)
+    assert [r["context"] for r in out["rows"]] == [9, 20]
+    assert all(r["prefill_tokens_per_s"] > 0 and r["decode_step_ms_p50"] > 0 for r in out["rows"])
+    assert out["transfers"]["requests"] == 2 and out["transfers"]["bytes"] == out["transfers"]["planned_bytes"] > 0
+    assert out["topology"]["prefill_devices"] == 4 and "kvp1" not in out
+
+
 def test_generate_without_a_chat_format_says_so(tmp_path):
     (tmp_path / "tokenizer.json").write_bytes((Path(default_checkpoint()) / "tokenizer.json").read_bytes())
     res = _cli("generate", "--checkpoint", str(tmp_path), "--prompt", "w1", "--chat")

@@ -39,7 +39,7 @@ def bench_rows(eng, cfg: ModelConfig, lengths, batch: int, steps: int) -> list[d
     rows = []
     for n in lengths:
         for i in range(batch):
-            eng.submit((n, i), rng.integers(3, cfg.vocab_size, n).tolist(),
+            eng.submit(f"{n}-{i}", rng.integers(3, cfg.vocab_size, n).tolist(),
                        SamplingParams(max_new_tokens=steps + 1, stop_on_eos=False))
         before = dict(eng.stats)
         eng.step()                                              # prefill round (+ first decode round)
@@ -52,7 +52,8 @@ def bench_rows(eng, cfg: ModelConfig, lengths, batch: int, steps: int) -> list[d
             lat.append(time.perf_counter() - t0)
             emitted.append(sum(len(r.output) for r in eng.requests.values()) - done)
         lat, emitted = np.asarray(lat[1:] or lat), np.asarray(emitted[1:] or emitted)   # the first round may compile
-        row = {"context": n, "batch": batch, "prefill_tokens_per_s": round(n * batch / prefill_s, 1),
+        # (PD across processes: the decode process prefills nothing, its prefill rate is the prefill process's)
+        row = {"context": n, "batch": batch, "prefill_tokens_per_s": round(n * batch / prefill_s, 1) if prefill_s else None,
                "decode_step_ms_p50": round(float(np.percentile(lat, 50)) * 1e3, 3),
                "decode_step_ms_p90": round(float(np.percentile(lat, 90)) * 1e3, 3),
                "decode_step_ms_p99": round(float(np.percentile(lat, 99)) * 1e3, 3),
@@ -106,10 +107,14 @@ def offline_bench(eng, cfg: ModelConfig, cap: Capacity, kind: str, lengths, *, b
         out["speculative"] = eng.speculative_stats()
     if eng.prefix is not None:
         out["prefix_cache"] = eng.prefix_stats()
+    if hasattr(eng, "transfer_stats"):          # PD: the requests' pages moved from the prefill role to the decode role
+        out["transfers"] = eng.transfer_stats()
     if kind == "prefill":
         for r in out["rows"]:
             for k in [k for k in r if k.startswith("decode")]:
                 r.pop(k)
+        return out
+    if not isinstance(eng, Engine):             # PD: two roles, each its own layout (`transfers` above)
         return out
     out.update(kvp_structure(eng, cfg, cap, cache_budget_bytes))
     if kvp1_parallel is not None:               # KVP = 1 on the same mesh, side by side, for the step-time ratio

@@ -289,20 +289,26 @@ def _parallel(n):
 
 @pytest.fixture(scope="module")
 def cold_tokens(tiny_tp8):
-    """Each layout's greedy tokens of the tight workload from a cold engine (no prefix caching) with the pages of
-    3 requests (the lock-step tests' programs)."""
+    """Each layout's greedy tokens of the tight workload from a cold engine (no prefix caching) with ample pages: on one
+    device one slot with a whole request's pages (every request alone: the programs of the tight engine below), under
+    KVP 2 the pages of 3 requests. Computed on first use, per layout."""
     from v41cp.serving.engine import Capacity, Engine, SamplingParams
 
     cfg, params = tiny_tp8
     out = {}
-    for n in (1, 2):
-        eng = Engine(params, cfg, Capacity(max_batch=3, max_tokens=32, block_tokens=BT, prefill_chunk=8,
-                                           prefix_caching=False), parallel=_parallel(n))
-        for rid, prompt, new in _tight_workload(cfg):
-            eng.submit(rid, prompt, SamplingParams(max_new_tokens=new, stop_on_eos=False))
-        out[n] = {r["id"]: r["output_ids"] for r in eng.run(max_steps=40)}
-        assert not eng.pending
-    return out
+
+    def tokens(n):
+        if n not in out:
+            batch = 1 if n == 1 else 3
+            eng = Engine(params, cfg, Capacity(max_batch=batch, max_tokens=32, block_tokens=BT, prefill_chunk=8,
+                                               prefix_caching=False), parallel=_parallel(n))
+            for rid, prompt, new in _tight_workload(cfg):
+                eng.submit(rid, prompt, SamplingParams(max_new_tokens=new, stop_on_eos=False))
+            out[n] = {r["id"]: r["output_ids"] for r in eng.run(max_steps=60)}
+            assert not eng.pending
+        return out[n]
+
+    return tokens
 
 
 @pytest.mark.parametrize("batch, n", [(1, 1), (2, 2)], ids=["batch1", "batch2-kvp2"])
@@ -330,7 +336,7 @@ def test_tight_capacity_admits_every_request_and_returns_every_page(tiny_tp8, co
         eng.step()                                                               # raises if it cannot progress
         eng.check()
     assert not eng.pending, f"requests still pending after {bound} steps: {eng.load()}"
-    assert {rid: eng.result(rid)["output_ids"] for rid, _, _ in work} == cold_tokens[n]
+    assert {rid: eng.result(rid)["output_ids"] for rid, _, _ in work} == cold_tokens(n)
     st = eng.prefix_stats()
     assert eng.alloc.free_blocks + st["cached_blocks"] == eng.num_blocks and eng.alloc.free_slots == batch
     assert eng.load()["free_blocks"] == eng.num_blocks
