@@ -23,6 +23,7 @@ pair partner from the step or the cache).
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from typing import Any, Protocol, runtime_checkable
 
 import jax
@@ -88,13 +89,13 @@ class CachedRows(RowsBackend):
     partner is the request's previous row of the step or, at the step's first row, the cached open pair
     (`group_first`, ratio 2) — and the group is written when the row closes it; selection projects every row."""
 
+    @abstractmethod
     def group_first(self, cache: Any, src: str, c: jax.Array, z: jax.Array):
         """Ratio-2 pair partners of every row (``c / z [B,R,D]``) → ``(cache, c0, z0)``; the open pair is written."""
-        raise NotImplementedError
 
+    @abstractmethod
     def select_queries(self, cache: Any, role: LayerRole, q: jax.Array, weights: jax.Array, state: CSAState):
         """Index selection of projected rows ``q [B,R,Hi,Di]`` / ``weights [B,R,Hi]`` → ``(topk, candidates)``."""
-        raise NotImplementedError
 
     def groups(self, cache: Any, role: LayerRole, c: jax.Array, z: jax.Array):
         r = role.ratio
