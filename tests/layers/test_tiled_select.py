@@ -9,7 +9,7 @@ import pytest
 from v41cp.config import preset
 from v41cp.kernels.sparse_attention.reference import sink_attention
 from v41cp.layers.indexer import select_scored
-from v41cp.layers.tiled_select import attend_rows, select_rows
+from v41cp.layers.tiled_select import attend_rows, causal_steps, select_rows
 from v41cp.sharding.dist_topk import candidate_mask
 
 pytestmark = pytest.mark.fast           # the developer tier (`pytest -m fast`)
@@ -30,8 +30,11 @@ def _inputs(rng, b, g, r, ties: bool):
     return q, w, keys, req, pos
 
 
+@pytest.mark.parametrize("bound", ["none", "sum", "short"])
 @pytest.mark.parametrize("b,budget,rows", [(1, 1 << 12, 7), (1, 1 << 30, 256), (3, 1 << 12, 1), (3, 1, 16)])
-def test_select_rows_equals_whole_matrix_selection(b, budget, rows):
+def test_select_rows_equals_whole_matrix_selection(b, budget, rows, bound):
+    """``bound``: no causal schedule (every row tile × key tile); the rows' visible entries summed (the schedule's
+    static steps cover every needed tile); a bound of 0 (the static steps run out: the continuation finishes)."""
     rng = np.random.default_rng(b + budget % 7)
     g, r = 24, 40
     q, w, keys, req, pos = _inputs(rng, b, g, r, ties=True)
@@ -44,8 +47,9 @@ def test_select_rows_equals_whole_matrix_selection(b, budget, rows):
 
     for role in (plain, src):
         want, want_cand = reference(role, None)
+        total = {"none": None, "sum": int(np.sum(np.maximum(pos + 1, 0) // role.ratio)), "short": 0}[bound]
         got, blocks = select_rows(CFG, role, jnp.asarray(q), jnp.asarray(w), jnp.asarray(keys), jnp.asarray(req),
-                                  jnp.asarray(pos), None, budget=budget, rows_per_tile=rows)
+                                  jnp.asarray(pos), None, budget=budget, rows_per_tile=rows, visible_total=total)
         np.testing.assert_array_equal(np.asarray(got), want, err_msg=role.kind)
         if role.candidate_source:
             mask = candidate_mask(blocks, jnp.broadcast_to(jnp.arange(g), (r, g)), CFG.candidate_block_size, g)
@@ -57,6 +61,22 @@ def test_select_rows_equals_whole_matrix_selection(b, budget, rows):
                                          rows_per_tile=rows)
             np.testing.assert_array_equal(np.asarray(got_user), want_user)
             assert same is blocks
+
+
+def test_causal_steps_cover_every_row_tiles_visible_key_tiles():
+    """The causal schedule's static step count bounds what ascending row tiles need (random visibility patterns:
+    uniform, a fresh pass's triangle, all rows at the end, padding rows seeing nothing)."""
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        g, r = int(rng.integers(1, 300)), int(rng.integers(1, 200))
+        rt, per = int(rng.integers(1, r + 1)), int(rng.integers(1, g + 1))
+        kind = rng.integers(0, 3)
+        vis = {0: rng.integers(0, g + 1, r), 1: np.minimum(np.arange(r) * g // r + 1, g), 2: np.full(r, g)}[kind]
+        vis = np.where(rng.random(r) < 0.1, 0, vis)
+        row_tiles, tiles = -(-r // rt), -(-g // per)
+        s = np.pad(np.sort(vis), (row_tiles * rt - r, 0)).reshape(row_tiles, rt)        # padding rows first
+        need = np.clip(-(-s.max(axis=1) // per), 1, tiles)
+        assert need.sum() <= causal_steps(int(vis.sum()), rt, per, tiles, row_tiles)
 
 
 def test_attend_rows_equals_gathered_attention():

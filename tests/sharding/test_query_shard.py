@@ -6,7 +6,7 @@ import itertools
 import numpy as np
 import pytest
 
-from v41cp.sharding.query_shard import QueryShardPlan, zigzag_blocks
+from v41cp.sharding.query_shard import QueryShardPlan, fresh_visible_total, zigzag_blocks
 
 pytestmark = pytest.mark.fast           # the developer tier (`pytest -m fast`)
 
@@ -62,3 +62,20 @@ def test_zigzag_blocks_and_capacity_errors():
         QueryShardPlan.build([10], 2, capacity=4)
     with pytest.raises(ValueError, match="negative extend length"):
         QueryShardPlan.build([3, -1], 2)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 8])
+def test_fresh_visible_total_bounds_every_rank_of_a_fresh_pass(n):
+    """The static bound the row-tiled selection schedules a fresh pass's key tiles by: for every request length
+    to 2,000 (and packed batches), no rank's rows see more entries in total, at ratios 1, 2 and 4."""
+    rng = np.random.default_rng(n)
+    batches = [(length,) for length in range(2000)] + [tuple(rng.integers(0, 300, 4)) for _ in range(50)]
+    for lengths in batches:
+        plan = QueryShardPlan.build(lengths, n)
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        for r in range(n):
+            rows = plan.local_rows[r][plan.local_rows[r] >= 0]
+            pos = rows - offsets[np.searchsorted(offsets, rows, side="right") - 1]     # each row's position
+            for ratio in (1, 2, 4):
+                assert ((pos + 1) // ratio).sum() <= fresh_visible_total(plan.capacity, max(lengths), n, ratio), \
+                    (lengths, r, ratio)

@@ -24,10 +24,10 @@ from v41cp.config import LayerRole, ModelConfig
 from v41cp.kernels.indexer_topk.reference import index_scores
 from v41cp.kernels.sparse_attention.reference import sink_attention
 from v41cp.layers.common import stacked_loop
-from v41cp.layers.topk_scan import scan_topk, tile_count
+from v41cp.layers.topk_scan import scan_topk, scan_topk_rows, tile_count
 from v41cp.sharding.dist_topk import merge_blocks
 
-__all__ = ["select_rows", "attend_rows", "ROW_TILE_BYTES", "ROWS_PER_TILE"]
+__all__ = ["select_rows", "attend_rows", "causal_steps", "ROW_TILE_BYTES", "ROWS_PER_TILE"]
 
 ROW_TILE_BYTES = 512 << 20        # temporaries of one (row tile × key tile) step
 ROWS_PER_TILE = 256               # query rows per selection tile (their running top-k and block maxima)
@@ -46,7 +46,7 @@ def _pad_rows(a: jax.Array, total: int, value=0) -> jax.Array:
 
 def select_rows(cfg: ModelConfig, role: LayerRole, q: jax.Array, weights: jax.Array, keys: jax.Array,
                 req: jax.Array, pos: jax.Array, cand_blocks: jax.Array | None, budget: int = ROW_TILE_BYTES,
-                rows_per_tile: int = ROWS_PER_TILE):
+                rows_per_tile: int = ROWS_PER_TILE, visible_total: int | None = None):
     """Index selection of query rows.
 
     Args:
@@ -55,6 +55,9 @@ def select_rows(cfg: ModelConfig, role: LayerRole, q: jax.Array, weights: jax.Ar
       req / pos ``[R]``: each row's request and position (rows of a padding request: any value; their result is
         unused). cand_blocks ``[R, kb]``: the candidate source's kept blocks (uses_candidates layers) or None.
       budget: temporaries of one (row tile × key tile) step in bytes; rows_per_tile: query rows per tile.
+      visible_total: a static bound on the rows' visible entries summed (``Σ (pos + 1) // ratio``, e.g. a fresh
+        pass's causal triangle) — the whole-history layers then run only the key tiles the rows can see, in a
+        schedule of that many steps (exact beyond it: `scan_topk_rows`); None: every row tile × every key tile.
     Returns ``(topk [R, min(index_topk, G)] int32 (−1 padding), kept blocks [R, kb] of the candidate source, or
     the input)`` — equal to `select_scored`'s selection (and its candidate mask as blocks).
     """
@@ -72,35 +75,17 @@ def select_rows(cfg: ModelConfig, role: LayerRole, q: jax.Array, weights: jax.Ar
     rt = min(r, rows_per_tile)
     if role.candidate_source:              # running block maxima and their selection: ~24 B per (row, block)
         rt = min(rt, max(1, budget // (24 * nb)))
+    if not uses:
+        topk, blocks = _select_history(cfg, role, q, weights, keys, req, visible, k, nb, pair, rt, budget,
+                                       visible_total)
+        return topk, blocks if role.candidate_source else cand_blocks
     row_tiles = -(-r // rt)
     rp = rt * row_tiles
     tiles_q = _pad_rows(q, rp).reshape(row_tiles, rt, hi, di)
     tiles_w = _pad_rows(weights, rp).reshape(row_tiles, rt, hi)
     tiles_req = _pad_rows(jnp.clip(req, 0, b - 1), rp).reshape(row_tiles, rt)
     tiles_vis = _pad_rows(visible, rp).reshape(row_tiles, rt)
-    tiles_cand = _pad_rows(cand_blocks, rp, -1).reshape(row_tiles, rt, kb) if uses else None
-
-    def history_tile(qt, wt, rq, vis):
-        per, tiles = tile_count(g, 1, pair * rt, budget)
-
-        def score_tile(j):
-            ids = j * per + jnp.arange(per)                                             # [T]
-            if shared:
-                kt = jnp.take(keys[0], jnp.minimum(ids, g - 1), axis=0)                    # [T, Di]
-                scores = index_scores(qt[None], wt[None], kt[None])[0]                 # [rt, T]
-            else:
-                kt = keys[rq[:, None], jnp.minimum(ids, g - 1)[None]]                  # [rt, T, Di]
-                scores = index_scores(qt[:, None], wt[:, None], kt)[:, 0]
-            ok = (ids[None] < vis[:, None]) & (ids[None] < g)
-            return scores, jnp.where(ok, ids[None], -1)
-
-        vals, gid, maxima = scan_topk(score_tile, tiles, rt, k, num_blocks=nb if role.candidate_source else None,
-                                      block_size=cbs, carry_like=(qt, wt, rq, vis, keys))
-        blocks = None
-        if role.candidate_source:
-            blocks = merge_blocks(maxima, jnp.broadcast_to(jnp.arange(nb), maxima.shape), vis,
-                                  cfg.candidate_topk_blocks, cbs, nb)
-        return gid, blocks
+    tiles_cand = _pad_rows(cand_blocks, rp, -1).reshape(row_tiles, rt, kb)
 
     def kept_tile(qt, wt, rq, vis, cand):
         # only the kept blocks' entries, in tiles of whole blocks in ascending order (the running top-k's order)
@@ -119,20 +104,71 @@ def select_rows(cfg: ModelConfig, role: LayerRole, q: jax.Array, weights: jax.Ar
         vals, gid, _ = scan_topk(score_tile, tiles, rt, k, carry_like=(qt, wt, rq, vis, cand, keys))
         return gid
 
-    if uses:
-        topk = stacked_loop(lambda t: (kept_tile(*t),), row_tiles,
-                            (tiles_q, tiles_w, tiles_req, tiles_vis, tiles_cand), (jnp.full((rt, k), -1, jnp.int32),),
-                            like=(keys,))[0]
-        return topk.reshape(rp, k)[:r], cand_blocks
+    topk = stacked_loop(lambda t: (kept_tile(*t),), row_tiles,
+                        (tiles_q, tiles_w, tiles_req, tiles_vis, tiles_cand), (jnp.full((rt, k), -1, jnp.int32),),
+                        like=(keys,))[0]
+    return topk.reshape(rp, k)[:r], cand_blocks
+
+
+def causal_steps(visible_total: int, rt: int, per: int, tiles: int, row_tiles: int) -> int:
+    """The static (row tile, key tile) steps that cover rows seeing ``visible_total`` entries in all, in ascending
+    visible count, ``rt`` rows per tile, ``per`` keys per tile (``tiles`` of them): row tile ``i`` needs
+    ``⌈max_vis_i / per⌉ ≤ max_vis_i / per + 1`` key tiles, and ascending rows make ``Σ_i max_vis_i ≤ Σ_i
+    min_vis_{i+1} + g ≤ visible_total / rt + per · tiles``."""
+    return min(row_tiles * tiles, -(-visible_total // (rt * per)) + tiles + row_tiles)
+
+
+def _select_history(cfg: ModelConfig, role: LayerRole, q, weights, keys, req, visible, k: int, nb: int, pair: int,
+                    rt: int, budget: int, visible_total: int | None):
+    """`select_rows` of a layer scoring its whole visible history: rows in ascending visible count, in row tiles,
+    each row tile over the key tiles up to its last visible key (`scan_topk_rows`)."""
+    r = q.shape[0]
+    b, g = keys.shape[:2]
+    cbs = cfg.candidate_block_size
+    shared = b == 1
+    per, tiles = tile_count(g, 1, pair * rt, budget)
+    row_tiles = -(-r // rt)
+    rp = rt * row_tiles
+    # rows in ascending visible count, the padding rows (−1) first: every tile's last row is its maximum
+    order = jnp.argsort(_pad_rows(visible, rp, -1), stable=True)                    # [rp]
+    tile_rows = lambda a, fill=0: _pad_rows(a, rp, fill)[order].reshape(row_tiles, rt, *a.shape[1:])
+    tiles_q, tiles_w = tile_rows(q), tile_rows(weights)
+    tiles_req, tiles_vis = tile_rows(jnp.clip(req, 0, b - 1)), tile_rows(visible, -1)
+    need = jnp.clip(-(-jnp.max(tiles_vis, axis=1) // per), 1, tiles).astype(jnp.int32)          # [I]
+    steps = row_tiles * tiles if visible_total is None else causal_steps(visible_total, rt, per, tiles, row_tiles)
+
+    def score_tile(i, j):
+        qt, wt, rq, vis = (jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False)
+                           for a in (tiles_q, tiles_w, tiles_req, tiles_vis))
+        ids = j * per + jnp.arange(per)                                                 # [T]
+        if shared:
+            kt = jnp.take(keys[0], jnp.minimum(ids, g - 1), axis=0)                        # [T, Di]
+            scores = index_scores(qt[None], wt[None], kt[None])[0]                     # [rt, T]
+        else:
+            kt = keys[rq[:, None], jnp.minimum(ids, g - 1)[None]]                      # [rt, T, Di]
+            scores = index_scores(qt[:, None], wt[:, None], kt)[:, 0]
+        ok = (ids[None] < vis[:, None]) & (ids[None] < g)
+        return scores, jnp.where(ok, ids[None], -1)
+
     kb_src = min(cfg.candidate_topk_blocks, nb)
+
+    def finish(i, vals, gid, maxima):
+        if not role.candidate_source:
+            return (gid,)
+        vis = jax.lax.dynamic_index_in_dim(tiles_vis, i, 0, keepdims=False)
+        return gid, merge_blocks(maxima, jnp.broadcast_to(jnp.arange(nb), maxima.shape), vis,
+                                 cfg.candidate_topk_blocks, cbs, nb)
+
     outs = (jnp.full((rt, k), -1, jnp.int32),) + ((jnp.full((rt, kb_src), -1, jnp.int32),) if role.candidate_source
                                                   else ())
-    got = stacked_loop(lambda t: tuple(x for x in history_tile(*t) if x is not None), row_tiles,
-                       (tiles_q, tiles_w, tiles_req, tiles_vis), outs, like=(keys,))
-    topk = got[0].reshape(rp, k)[:r]
+    got = scan_topk_rows(score_tile, need, tiles, steps, rt, k, finish, outs,
+                         num_blocks=nb if role.candidate_source else None, block_size=cbs,
+                         carry_like=(tiles_q, tiles_w, tiles_req, tiles_vis, keys))
+    back = jnp.argsort(order)[:r]                                                      # sorted → caller's order
+    topk = got[0].reshape(rp, k)[back]
     if role.candidate_source:
-        return topk, got[1].reshape(rp, -1)[:r]
-    return topk, cand_blocks
+        return topk, got[1].reshape(rp, -1)[back]
+    return topk, None
 
 
 def attend_rows(q: jax.Array, window_keys, window_valid: jax.Array, ckv: jax.Array | None, req: jax.Array,

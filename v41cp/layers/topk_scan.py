@@ -19,9 +19,10 @@ import jax
 import jax.numpy as jnp
 
 from v41cp.kernels import match_varying
+from v41cp.layers.common import full_after
 from v41cp.sharding.dist_topk import local_block_maxima
 
-__all__ = ["scan_topk", "scan_topk_more", "tile_count", "SCAN_TILE_BYTES"]
+__all__ = ["scan_topk", "scan_topk_more", "scan_topk_rows", "tile_count", "SCAN_TILE_BYTES"]
 
 SCAN_TILE_BYTES = 256 << 20          # temporaries of one tile (decoded keys + per-head scores), all rows
 
@@ -95,3 +96,51 @@ def scan_topk_more(score_tile, tiles: jax.Array, state, k: int):
 
     _, vals, gid = jax.lax.while_loop(lambda c: c[0] < tiles, body, (j0, vals, gid))
     return vals, gid, None
+
+
+def scan_topk_rows(score_tile, need: jax.Array, max_need: int, steps: int, rows: int, k: int, finish, outs: tuple, *,
+                   num_blocks: int | None = None, block_size: int = 1, carry_like=None) -> tuple:
+    """Running top-``k`` of several row tiles, each over only the key tiles it needs: row tile ``i`` scans key
+    tiles ``0 … need[i] − 1`` (``need [I]`` int32, each in ``1 … max_need``: a causal prefix of the history), as `scan_topk`
+    would over those tiles. ``score_tile(i, j)`` → ``(scores [R, T], ids [R, T])`` of row tile ``i``'s key tile
+    ``j``; ``finish(i, vals, ids, maxima)`` → row tile ``i``'s outputs (shaped as ``outs``, one tile's zero value
+    each) → stacked ``[I, …]``.
+
+    The (row tile, key tile) pairs run in one flat schedule of ``steps`` static iterations (a ``fori_loop``:
+    `v41cp.sharding.hlo_stats.program_cost` counts every one) — the caller's bound on ``Σ need``; pairs past it
+    (a history longer than the bound assumed) run in a ``while_loop`` of data-dependent length (counted once), so
+    the result is exact for any ``need``. With ``steps ≥ I · max_need`` no continuation is compiled."""
+    n_tiles = need.shape[0]
+    steps = min(steps, n_tiles * max_need)
+    vals0 = jnp.full((rows, k), -jnp.inf, jnp.float32)
+    gid0 = jnp.full((rows, k), -1, jnp.int32)
+    max0 = None if num_blocks is None else jnp.full((rows, num_blocks), -jnp.inf, jnp.float32)
+    likes = list(carry_like) if isinstance(carry_like, (list, tuple)) else ([] if carry_like is None else
+                                                                              [carry_like])
+    dep = next((d for d in likes if jnp.issubdtype(d.dtype, jnp.floating)), need)
+    # the stacked outputs are allocated with this layer's data (`full_after`: never hoisted to the program start)
+    bufs = tuple(full_after((n_tiles, *o.shape), 0, o.dtype, dep) + o for o in outs)
+    leaves, tree = jax.tree.flatten((jnp.int32(0), jnp.int32(0), vals0, gid0, max0, bufs))
+    state = jax.tree.unflatten(tree, match_varying(leaves + likes + [need])[0][:len(leaves)])
+    init = state[2:5]
+
+    def step(c):
+        i, j, vals, gid, maxima, bufs = c
+        live = i < n_tiles
+        ic = jnp.minimum(i, n_tiles - 1)
+        scores, ids = score_tile(ic, j)
+        ids = jnp.where(live, ids, -1)
+        if maxima is not None:
+            maxima = jnp.maximum(maxima, local_block_maxima(scores, ids, block_size, num_blocks))
+        vals, gid = _merge(vals, gid, scores, ids, k)
+        done = live & (j + 1 >= need[ic])
+        got = jax.lax.cond(done, lambda: tuple(finish(ic, vals, gid, maxima)),
+                           lambda: tuple(jax.lax.dynamic_index_in_dim(b, ic, 0, keepdims=False) for b in bufs))
+        bufs = tuple(jax.lax.dynamic_update_index_in_dim(b, g.astype(b.dtype), ic, 0) for b, g in zip(bufs, got))
+        vals, gid, maxima = jax.tree.map(lambda a, a0: jnp.where(done, a0, a), (vals, gid, maxima), init)
+        return i + done.astype(jnp.int32), jnp.where(done, 0, j + 1), vals, gid, maxima, bufs
+
+    state = jax.lax.fori_loop(0, steps, lambda s, c: step(c), state)
+    if steps < n_tiles * max_need:
+        state = jax.lax.while_loop(lambda c: c[0] < n_tiles, step, state)
+    return state[5]

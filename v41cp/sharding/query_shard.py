@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["zigzag_blocks", "QueryShardPlan"]
+__all__ = ["zigzag_blocks", "fresh_visible_total", "QueryShardPlan"]
 
 
 def zigzag_blocks(length: int, n: int) -> list[tuple[int, int]]:
@@ -38,6 +38,15 @@ def zigzag_blocks(length: int, n: int) -> list[tuple[int, int]]:
     sizes = [base + (b < extra) for b in range(2 * n)]
     starts = np.concatenate([[0], np.cumsum(sizes)]).tolist()
     return [(starts[b], starts[b + 1]) for b in range(2 * n)]
+
+
+def fresh_visible_total(rows: int, span: int, n: int, ratio: int) -> int:
+    """A static bound on ``Σ (pos + 1) // ratio`` over one rank's ``rows`` local rows of a fresh pass (every request
+    from position 0, at most ``span`` rows each) under the zigzag plan over ``n`` ranks: a rank's ``m`` rows of a
+    request of ``L`` rows (blocks ``r`` and ``2n − 1 − r``) sum their positions + 1 to at most ``m · (L + n) / 2``
+    (the mirrored blocks average ``(L + 1) / 2``; the first ``L mod 2n`` blocks' extra row shifts it by at most
+    ``(n − 1) / 2`` per row — `tests/sharding/test_query_shard.py` checks it for every length to 2,000)."""
+    return rows * (span + n) // (2 * ratio)
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from v41cp.layers.tiled_select import ROW_TILE_BYTES, attend_rows, select_rows
 from v41cp.serving.cache import paged as pc
 from v41cp.serving.cache.device_cache import PagedCache
 from v41cp.serving.step_batch import StepBatch
+from v41cp.sharding.query_shard import fresh_visible_total
 from v41cp.sharding.row_group import RowGroup
 
 __all__ = ["QCPRows"]
@@ -197,9 +198,13 @@ class QCPRows(CachedRows):
     def select_queries(self, cache: PagedCache, role: LayerRole, q: jax.Array, weights: jax.Array,
                        state: CSAState):
         """Each local row scores its request's index keys in tiles (`v41cp.layers.tiled_select.select_rows`):
-        ``q [1,C,Hi,Di]`` → ``(topk [1,C,K], candidates as kept block ids [C, kb])``."""
+        ``q [1,C,Hi,Di]`` → ``(topk [1,C,K], candidates as kept block ids [C, kb])``. A fresh pass's rows see
+        only the pass's own entries: its static bound on their sum (`fresh_visible_total`) lets the selection
+        scan only the key tiles each row tile can see."""
+        total = None if self.continued else fresh_visible_total(self.pos_c.shape[0], self.index.shape[1],
+                                                                 self.grp.n, role.ratio)
         topk, cand = select_rows(self.cfg, role, q[0], weights[0], state.ikeys, self.rq, self.pos_c,
-                                 state.candidates, budget=self.tile_bytes)
+                                 state.candidates, budget=self.tile_bytes, visible_total=total)
         return topk[None], cand
 
     def attend(self, cache: PagedCache, role: LayerRole, q: jax.Array, keys: "WindowKeys", valid: jax.Array,
