@@ -128,10 +128,12 @@ def test_generate_with_prefix_caching():
     _assert_greedy_of_forward(out)
 
 
-# PD with relayout (prefill KVP 1 -> decode KVP = DCP 4); a prompt shorter than a page and one of 19 tokens (two
-# pages, the last partial): one process, then two (the prefill role in process 0, the decode role in process 1)
+# PD with relayout (prefill KVP 1 -> decode KVP = DCP 4) and DSpark (both roles run the drafter; the transfer carries
+# its context window); a prompt shorter than a page and one of 19 tokens (two pages, the last partial): one process,
+# then two (the prefill role in process 0, the decode role in process 1)
 PD = ("generate", "--json", "--prefill-devices", "4", "--kv-parallel-size", "4", "--prefill-kv-parallel-size", "1",
-      "--prompt-ids", "5,17,42", "--prompt-ids", "9,8,7,6,5,4,3,2,1,2,3,4,5,6,7,8,9,10,11", "--max-new-tokens", "3")
+      "--prompt-ids", "5,17,42", "--prompt-ids", "9,8,7,6,5,4,3,2,1,2,3,4,5,6,7,8,9,10,11", "--max-new-tokens", "5",
+      "--speculative-algorithm", "dspark", "--speculative-num-draft-tokens", "2")
 
 
 @pytest.fixture(scope="module")
@@ -142,14 +144,18 @@ def pd_one_process():
 
 
 def test_generate_disaggregated_prefill_and_decode(pd_one_process):
-    """``generate --devices 8 --prefill-devices 4 --kv-parallel-size 4 --prefill-kv-parallel-size 1``: prefill on
-    devices 0-3 (KVP 1), decode on 4-7 (KVP = DCP 4), each request's pages relaid out to their decode owners; the
-    greedy tokens of the full forward; the bytes moved are the plans' count. A prefill KVP that can feed neither way
-    is refused naming both sizes."""
+    """``generate --devices 8 --prefill-devices 4 --kv-parallel-size 4 --prefill-kv-parallel-size 1`` with DSpark:
+    prefill on devices 0-3 (KVP 1), decode on 4-7 (KVP = DCP 4), each request's pages relaid out to their decode
+    owners and its drafter context window moved with its slot state; the decode role drafts and verifies; the greedy
+    tokens of the full forward; the bytes moved are the plans' count. A prefill KVP that can feed neither way is
+    refused naming both sizes."""
     out = pd_one_process
     t = out["timings"]["transfers"]
     assert t["requests"] == 2 and t["modes"] == ["relayout"] and t["pages"] == 3
     assert t["bytes"] == t["planned_bytes"]
+    spec = out["timings"]["speculative"]
+    assert spec["target_steps"] >= 1 and spec["drafts_proposed"] > 0
+    assert out["timings"]["compiles"]["verify_step"] == 1 and out["timings"]["compiles"]["decode_step"] == 0
     _assert_greedy_of_forward(out)
     res = _cli("generate", "--devices", "8", "--prefill-devices", "4", "--kv-parallel-size", "4",
                "--prefill-kv-parallel-size", "2")
@@ -158,9 +164,9 @@ def test_generate_disaggregated_prefill_and_decode(pd_one_process):
 
 def test_pd_across_two_processes_equals_one_process(pd_one_process):
     """PD across processes: the prefill role on process 0's 4 devices, the decode role on process 1's; each
-    request's pages and slot state cross in one transfer collective (a ppermute over both processes' devices) as
-    stored bytes. Tokens, transfer counts, bytes moved (= the plans' count) and compiles equal the one-process run;
-    rank 0 prints, rank 1 prints nothing."""
+    request's pages and slot state (with DSpark's context window) cross in one transfer collective (a ppermute over
+    both processes' devices) as stored bytes. Tokens, each request's speculative counters, transfer counts, bytes
+    moved (= the plans' count) and compiles equal the one-process run; rank 0 prints, rank 1 prints nothing."""
     (rc0, out0, err0), (rc1, out1, err1) = two_processes(*PD, "--devices", "4")
     assert rc0 == 0 and rc1 == 0, (err0[-3000:], err1[-3000:])
     assert out1 == ""
@@ -172,6 +178,7 @@ def test_pd_across_two_processes_equals_one_process(pd_one_process):
     assert load["waiting"] == load["running"] == 0
     assert all(load[r]["free_blocks"] == load[r]["total_blocks"] for r in ("prefill", "decode"))
     assert two["timings"]["compiles"] == pd_one_process["timings"]["compiles"]
+    assert two["timings"]["speculative"] == pd_one_process["timings"]["speculative"]
 
 
 def test_bench_with_pd_across_two_processes():

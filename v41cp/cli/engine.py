@@ -34,15 +34,14 @@ def _disaggregated_engine(args, capacity: Capacity):
     ``--prefill-kv-parallel-size``), decode on the rest (``--kv-parallel-size`` = DCP)."""
     nnodes = flags.DistributedFlags.from_args(args).nnodes
     prefill, decode = flags.DisaggregationFlags.from_args(args).parallel(
-        flags.TopologyFlags.from_args(args), flags.QueryParallelFlags.from_args(args),
-        flags.SpeculativeFlags.from_args(args), nnodes)
+        flags.TopologyFlags.from_args(args), flags.QueryParallelFlags.from_args(args), nnodes)
     model = flags.ModelFlags.from_args(args)
     cfg, params = open_checkpoint(model.path, fake_quant=model.fake_quant,
                                   progress=flags.OutputFlags.from_args(args).progress(), **model.storage(),
                                   **flags.BackendFlags.from_args(args).overrides())
-    if nnodes > 1:                                # prefill in process 0, decode in process 1
-        return cfg, CrossProcessDisaggregatedEngine(params, cfg, capacity, prefill, decode)
     speculative = flags.SpeculativeFlags.from_args(args).speculative(cfg, model.path)
+    if nnodes > 1:                                # prefill in process 0, decode in process 1
+        return cfg, CrossProcessDisaggregatedEngine(params, cfg, capacity, prefill, decode, speculative=speculative)
     return cfg, DisaggregatedEngine(params, cfg, capacity, prefill, decode, speculative=speculative)
 
 

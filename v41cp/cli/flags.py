@@ -409,7 +409,7 @@ class DisaggregationFlags(_Group):
         help="the prefill's KVP: 1 (relayout to the decode owners) or equal to the decode's (rank-matched); default: "
              "the decode's when it divides --prefill-devices, else 1")
 
-    def parallel(self, topology: TopologyFlags, qcp: QueryParallelFlags, speculative: SpeculativeFlags,
+    def parallel(self, topology: TopologyFlags, qcp: QueryParallelFlags,
                  nnodes: int = 1) -> tuple[ParallelConfig, ParallelConfig]:
         """The prefill role's `ParallelConfig` (attention TP ``--prefill-devices``, the QCP flags,
         ``--prefill-kv-parallel-size``) and the decode role's (the other devices, KVP = DCP)."""
@@ -420,9 +420,6 @@ class DisaggregationFlags(_Group):
         if topology.tp_size is not None:
             raise ValueError("topology: --tp-size does not apply with --prefill-devices (each role's attention TP is "
                              "its device count)")
-        if speculative.speculative_algorithm is not None and nnodes > 1:
-            raise ValueError("speculative decoding with --prefill-devices across processes (--nnodes) is not "
-                             "supported yet (in one process both roles run DSpark)")
         kvp = topology.kv_parallel_size
         dcp = topology.decode_context_parallel_size or kvp
         pre_kvp = self.prefill_kv_parallel_size

@@ -74,7 +74,7 @@ def _ratios(steps: int, accepted: int, emitted: int) -> dict:
             "target_steps_per_token": steps / emitted if emitted else 0.0}
 
 
-def _spec_stats(spec: dict) -> dict:
+def spec_stats(spec: dict) -> dict:
     """A request's speculative counters (``emitted``: the tokens of its decode steps, after EOS / length cuts)."""
     return {"target_steps": spec["steps"], "drafts_proposed": spec["proposed"], "drafts_accepted": spec["accepted"],
             "emitted_tokens": spec["emitted"], **_ratios(spec["steps"], spec["accepted"], spec["emitted"])}
@@ -195,7 +195,7 @@ class Engine:
         out = {"id": rid, "prompt_ids": r.prompt, "output_ids": r.output, "status": r.status,
                "finish_reason": r.finish_reason, "cached_tokens": r.cached}
         if self.speculative is not None:
-            out["speculative"] = _spec_stats(r.spec)
+            out["speculative"] = spec_stats(r.spec)
         return out
 
     @property

@@ -19,8 +19,10 @@ Every process keeps a view of every request (``requests``: prompt, output so far
 results, and each role's `load`; `cancel` frees the request where its role holds it. ``serve`` runs it with the
 multi-process control plane (`v41cp.serving.multihost.control_plane`): rank 0 — the prefill process — serves HTTP
 and broadcasts each iteration's submits and cancels, process 1 applies them and steps with it. With prefix caching
-the prefill process holds the cache (its admission round alone decides what a prompt reuses). Refused: speculative
-decoding (in one program both roles run DSpark) and more or fewer than two processes.
+the prefill process holds the cache (its admission round alone decides what a prompt reuses). With DSpark both roles
+run the drafter, as in one program: the prefill writes each request's drafter context window, the transfer carries
+it with the slot state, the decode role drafts and verifies (its counters reach every process with the tokens).
+Refused: more or fewer than two processes.
 """
 
 from __future__ import annotations
@@ -36,11 +38,12 @@ import numpy as np
 from v41cp.config import ModelConfig
 from v41cp.serving.cache.allocator import BlockAllocator
 from v41cp.serving.cache.slot_state import slot_state_bytes, take_slot_state
-from v41cp.serving.engine import Capacity, Engine, RequestError, SamplingParams
+from v41cp.serving.engine import Capacity, Engine, RequestError, SamplingParams, spec_stats
 from v41cp.serving.multihost.control_plane import broadcast_json
 from v41cp.serving.pd.engines import TwoRoles
 from v41cp.serving.pd.transfer import check_sizes, plan_transfer, ratios_of
 from v41cp.serving.pd.wire import Wire, WireLayout, check_pairing, device_ranks
+from v41cp.serving.runner.speculative import Speculative
 from v41cp.sharding.topology import ParallelConfig
 
 __all__ = ["CrossProcessDisaggregatedEngine"]
@@ -56,6 +59,7 @@ class RequestView:
     status: str = "waiting"
     finish_reason: str | None = None
     cached: int = 0                     # prompt tokens reused from the prefill role's prefix cache
+    spec: dict | None = None            # DSpark: the decode role's counters of the request (`Engine.result`'s)
 
 
 def _bcast(obj, source: bool):
@@ -66,7 +70,7 @@ class CrossProcessDisaggregatedEngine(TwoRoles):
     """See the module docstring."""
 
     def __init__(self, params, cfg: ModelConfig, capacity: Capacity, prefill: ParallelConfig,
-                 decode: ParallelConfig, record_logits: bool = False):
+                 decode: ParallelConfig, record_logits: bool = False, speculative: Speculative | None = None):
         if jax.process_count() != 2:
             raise ValueError(f"PD across processes runs the prefill role in process 0 and the decode role in process "
                              f"1: it needs exactly 2 processes, got {jax.process_count()}")
@@ -84,17 +88,19 @@ class CrossProcessDisaggregatedEngine(TwoRoles):
         mine = prefill if self.is_prefill else decode
         # with prefix caching the prefill role (process 0) holds the cache: its admissions alone decide what it reuses
         self.engine = Engine(params, cfg, capacity if self.is_prefill else replace(capacity, prefix_caching=False),
-                             parallel=mine, devices=local, role=self.role, record_logits=record_logits)
+                             parallel=mine, devices=local, role=self.role, record_logits=record_logits,
+                             speculative=speculative)
         # the other role's allocator (host only): a request is accepted when it fits both roles, on both processes
         other_kvp = decode.kv_parallel_size if self.is_prefill else prefill.kv_parallel_size
         self._other_alloc = BlockAllocator(Engine.block_count(capacity, other_kvp), capacity.block_tokens,
                                            capacity.max_batch, capacity.max_blocks, other_kvp)
-        self.speculative, self.prefix = None, self.engine.prefix
+        self.speculative, self.prefix = speculative, self.engine.prefix
         self.requests: dict[object, RequestView] = {}
         self.transfers: list[dict] = []
         self._pending = False
         self._sent: dict = {}                        # decode process: tokens reported so far, by request
         self._decode_stats: dict = {"decode_steps": 0, "decode_tokens": 0, "decode_s": 0.0}
+        self._spec_stats: dict = {}                  # the decode role's `speculative_stats`, as of the last step
         self._remote_compiles: dict = {}
         self._step_s: list[float] = []
         # the other role's load as of its last report: here, then each step's offer (prefill) or decode report
@@ -109,7 +115,8 @@ class CrossProcessDisaggregatedEngine(TwoRoles):
         by_process = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
         self.wire = Wire(by_process[:n_local], by_process[n_local:], src_ranks, dst_ranks)
         self._ratios = ratios_of(self.engine.cache, capacity.block_tokens)
-        self._state_shapes = jax.eval_shape(lambda c: take_slot_state(c, 0), self.engine.cache)
+        self._state_shapes = jax.eval_shape(lambda c, dc: take_slot_state(c, 0, dc), self.engine.cache,
+                                            self.engine.dcache)
         leaf = jax.tree.leaves(self.engine.cache.ckv)
         self._dst_replicas = 1 if not leaf else n_local // self.decode_kvp
 
@@ -143,8 +150,17 @@ class CrossProcessDisaggregatedEngine(TwoRoles):
 
     def result(self, rid) -> dict:
         r = self.requests[rid]
-        return {"id": rid, "prompt_ids": r.prompt, "output_ids": r.output, "status": r.status,
-                "finish_reason": r.finish_reason, "cached_tokens": r.cached}
+        out = {"id": rid, "prompt_ids": r.prompt, "output_ids": r.output, "status": r.status,
+               "finish_reason": r.finish_reason, "cached_tokens": r.cached}
+        if self.speculative is not None:
+            out["speculative"] = spec_stats(r.spec or {"steps": 0, "proposed": 0, "accepted": 0, "emitted": 0})
+        return out
+
+    def speculative_stats(self) -> dict:
+        """The decode role's speculative counters (`Engine.speculative_stats`, reported by process 1 each step)."""
+        if self.speculative is None:
+            raise ValueError("speculative decoding is off")
+        return dict(self._spec_stats) if self._spec_stats else self.engine.speculative_stats()
 
     def cancel(self, rid) -> None:
         """Cancel active request ``rid``. Both processes call it between steps, in the same order (as every method):
@@ -215,12 +231,13 @@ class CrossProcessDisaggregatedEngine(TwoRoles):
         records = [self._transfer(by_id[acc["rid"]], acc["blocks"]) for acc in accepted]
         report = _bcast(None if self.is_prefill else self._decode(records), not self.is_prefill)
         self._remote_load = report["load"] if self.is_prefill else offered["load"]
-        for rid, new, status, reason in report["updates"]:
+        for rid, new, status, reason, spec in report["updates"]:
             view = self.requests[rid]
             view.output.extend(new)
-            view.status, view.finish_reason = status, reason
+            view.status, view.finish_reason, view.spec = status, reason, spec
         self.transfers.extend(report["transfers"])
         self._decode_stats = report["stats"]
+        self._spec_stats = report["speculative"]
         self._remote_compiles = report["compiles"]
         self._pending = offered["held"] > len(accepted) or report["pending"]
         self._step_s.append(time.perf_counter() - t0)
@@ -263,12 +280,14 @@ class CrossProcessDisaggregatedEngine(TwoRoles):
         layout = WireLayout(plan, self.engine.cache, self._state_shapes)
         eng = self.engine
         if self.is_prefill:
-            state = take_slot_state(eng.cache, eng.alloc.slot(rid))
+            state = take_slot_state(eng.cache, eng.alloc.slot(rid), eng.dcache)
             self.wire.send(layout, eng.cache, state)
             eng.hand_off(rid)
             return None
-        eng.cache, _, moved = self.wire.receive(layout, eng.cache, eng.alloc.slot(rid))
-        planned = plan.bytes(eng.cache, self._dst_replicas, len(self.wire.decode), slot_state_bytes(eng.cache))
+        eng.cache, eng.runner.dcache, moved = self.wire.receive(layout, eng.cache, eng.alloc.slot(rid), None,
+                                                                eng.dcache)
+        planned = plan.bytes(eng.cache, self._dst_replicas, len(self.wire.decode),
+                             slot_state_bytes(eng.cache, eng.dcache))
         return {"id": rid, "mode": plan.mode, "tokens": plan.tokens, "pages": plan.pages,
                 "entries": {g: plan.entries(g) for g in plan.copies}, "bytes": moved, "planned_bytes": planned,
                 "wire_bytes": layout.bucket(self.wire.dst_ranks) * len(self.wire.decode),
@@ -282,12 +301,14 @@ class CrossProcessDisaggregatedEngine(TwoRoles):
         for rid, req in list(dec.requests.items()):
             new = req.output[self._sent[rid]:]
             self._sent[rid] = len(req.output)
-            updates.append((rid, [int(t) for t in new], req.status, req.finish_reason))
+            updates.append((rid, [int(t) for t in new], req.status, req.finish_reason,
+                            dict(req.spec) if self.speculative is not None else None))
             if req.status in ("done", "cancelled"):
                 dec.release(rid)
                 del self._sent[rid]
         s = dec.stats
         return {"updates": updates, "transfers": records, "pending": dec.pending, "compiles": Engine.compile_counts(),
+                "speculative": dec.speculative_stats() if self.speculative is not None else {},
                 "load": dec.load(),
                 "stats": {"decode_steps": s["decode_steps"], "decode_tokens": s["decode_tokens"],
                           "decode_s": s["decode_s"]}}
