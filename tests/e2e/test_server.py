@@ -165,16 +165,19 @@ def test_disconnect_cancels_and_frees_pages(server):
 
 
 def test_full_queue_answers_429(server):
-    """20 long requests at once: at most 8 run and 8 wait, so the rest are rejected with 429; nothing leaks."""
+    """20 long requests at once: at most 8 run and 8 wait, so the rest are rejected with 429 and ``Retry-After``;
+    nothing leaks."""
     body = {"model": MODEL, "prompt": "w1", "max_tokens": 120, "temperature": 0, "ignore_eos": True}
 
     async def burst():
         async with httpx.AsyncClient(timeout=120) as http:
             return await asyncio.gather(*(http.post(server.url + "/v1/completions", json=body) for _ in range(20)))
 
-    codes = [r.status_code for r in asyncio.run(burst())]
+    answers = asyncio.run(burst())
+    codes = [r.status_code for r in answers]
     rejected = [r for r in codes if r == 429]
     assert set(codes) <= {200, 429} and len(rejected) >= 4 and codes.count(200) >= 8, codes
+    assert all(r.headers["retry-after"] == "1" for r in answers if r.status_code == 429)
     server.wait_idle(timeout=60)
 
 

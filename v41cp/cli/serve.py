@@ -19,6 +19,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", help="the model name clients send (default: the checkpoint folder)")
     parser.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
+    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on the /v1 routes, /tokenize and "
+                                           "/detokenize (401 otherwise); /health and /metrics stay open")
     flags.add(parser, flags.CapacityFlags, defaults={"max_batch": 8, "max_context": 256})
     for group in (flags.TopologyFlags, flags.QueryParallelFlags, flags.DisaggregationFlags, flags.DistributedFlags,
                   flags.BackendFlags, flags.PrefillFlags, flags.SpeculativeFlags):
@@ -28,6 +30,8 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    if args.api_key is not None and not args.api_key:
+        raise ValueError("--api-key: an empty key would accept every request; give a key or leave the flag out")
     flags.DistributedFlags.from_args(args).start()
     flags.CompileCacheFlags.from_args(args).start()
     model = flags.ModelFlags.from_args(args)
@@ -42,5 +46,5 @@ def run(args) -> int:
             return 0
     name = args.served_model_name or Path(model.path).name
     run_server(eng, codec, name, args.host, args.port, progress=sys.stderr.isatty(), log_level=args.log_level,
-               control=control)
+               control=control, api_key=args.api_key)
     return 0

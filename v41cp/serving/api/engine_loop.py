@@ -10,7 +10,8 @@ every prefill is computed on its own). Callers, from an asyncio event loop:
 * ``async for event in handle`` — `TokenEvent`s: the new output ids of each engine step, then one with a
   ``finish_reason`` (``eos`` | ``length`` | ``cancelled``) or an ``error`` (the loop stopped, a step failed);
 * ``loop.cancel(rid)`` — from any thread: the request is cancelled and its pages freed before the next step;
-* ``loop.load()`` — waiting / running requests and free blocks, as of the last step;
+* ``loop.load()`` — waiting / running requests and free blocks, as of the last step; ``loop.counters()`` — the
+  same with the preemption, prefix-cache and speculative counters (the server's ``/metrics``);
 * ``loop.shutdown()`` — every request in flight ends with an error event (never a hang), the thread exits.
 
 Finished requests are released from the engine at once, so a long-running server keeps no history.
@@ -98,6 +99,7 @@ class EngineLoop:
         self._ids = itertools.count()
         self._closing = threading.Event()
         self._load = engine.load()
+        self._counters = self._snapshot()
         self._thread = threading.Thread(target=self._run, name="v41cp-engine-loop", daemon=True)
         self.steps = 0
 
@@ -112,6 +114,22 @@ class EngineLoop:
 
     def load(self) -> dict:
         return dict(self._load, in_flight=len(self._streams), steps=self.steps)
+
+    def counters(self) -> dict:
+        """``load()``'s requests and blocks with the engine's cumulative counters, as of the last step:
+        ``preemptions``, ``prefix_cache`` (the prefix cache's lookups, or None without one) and ``speculative``
+        (`speculative_stats`, or None)."""
+        return dict(self._counters)
+
+    def _snapshot(self) -> dict:
+        eng, load = self.engine, self._load
+        decode = load.get("decode", {})
+        prefix = getattr(eng, "prefix", None)
+        return {"waiting": load["waiting"], "running": load["running"], "free_blocks": load["free_blocks"],
+                "total_blocks": load["total_blocks"],
+                "preemptions": load.get("preemptions", decode.get("preemptions", 0)),
+                "prefix_cache": dict(prefix.stats) if prefix is not None else None,
+                "speculative": eng.speculative_stats() if getattr(eng, "speculative", None) is not None else None}
 
     async def submit(self, prompt_ids, sampling: SamplingParams, rid=None) -> RequestHandle:
         if self._closing.is_set():
@@ -182,6 +200,7 @@ class EngineLoop:
                     self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
                 self._publish()
             self._load = eng.load()
+            self._counters = self._snapshot()
 
     def _execute(self, cmd) -> None:
         eng = self.engine

@@ -19,8 +19,8 @@ from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-__all__ = ["ApiError", "ChatCompletionRequest", "CompletionRequest", "MAX_BODY_BYTES", "MAX_DEPTH", "NEUTRAL", "RequestBase",
-           "parse_request"]
+__all__ = ["ApiError", "ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "MAX_BODY_BYTES", "MAX_DEPTH",
+           "NEUTRAL", "RequestBase", "TokenizeRequest", "parse_request"]
 
 MAX_BODY_BYTES = 32 * 1024 * 1024    # a 1M-token prompt as JSON ids is ~8 MB
 MAX_DEPTH = 32                       # the deepest valid request (chat content parts) nests 5 levels
@@ -29,9 +29,10 @@ MAX_DEPTH = 32                       # the deepest valid request (chat content p
 class ApiError(Exception):
     """An error answer: ``status`` (4xx / 5xx), ``message``, the offending ``param`` (a field name, or None)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 headers: dict | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.status, self.message, self.param, self.kind, self.headers = status, message, param, kind, headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
@@ -173,6 +174,23 @@ class ChatCompletionRequest(RequestBase):
     parallel_tool_calls: Any = None
 
 
+class TokenizeRequest(_Strict):
+    """``POST /tokenize`` (vLLM's): a ``prompt`` (with the tokenizer's special tokens unless ``add_special_tokens``
+    is false) or chat ``messages`` (the chat format; ``add_generation_prompt``) — exactly one."""
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    """``POST /detokenize`` (vLLM's): token ids → text."""
+    model: Optional[str] = None
+    tokens: list[int]
+
+
 # the values that mean "no change" for each field accepted only at them (null: not sent, always neutral)
 NEUTRAL: dict[str, tuple] = {
     "n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (False,), "top_logprobs": (0,),
@@ -228,7 +246,7 @@ def _validation_error(e: ValidationError) -> ApiError:
     return ApiError(400, f"{param or 'body'}: {first.get('msg', 'invalid value')}{shown}", param)
 
 
-def parse_request(body: bytes, content_type: str | None, schema: type[RequestBase]) -> RequestBase:
+def parse_request(body: bytes, content_type: str | None, schema: type[_Strict]) -> _Strict:
     """A validated request of ``schema`` from a POST body, or `ApiError` naming what is wrong."""
     text = parse_json_body(body, content_type)
     try:

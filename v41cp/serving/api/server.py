@@ -56,12 +56,13 @@ def warm_up(engine: EngineLike, progress: bool = True) -> dict:
 
 
 def run_server(engine: EngineLike, codec: TextCodec | None, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-               progress: bool = True, log_level: str = "info", control: ControlPlane | None = None) -> None:
+               progress: bool = True, log_level: str = "info", control: ControlPlane | None = None,
+               api_key: str | None = None) -> None:
     stages = warm_up(engine, progress)
     print(f"v41cp: warm-up compiled {stages['programs']} programs in {stages['warm_up_s']} s; serving {model_name!r} on http://{host}:{port}", file=sys.stderr,
           flush=True)
     loop = EngineLoop(engine, control=control).start()
-    app = build_app(loop, codec, model_name)
+    app = build_app(loop, codec, model_name, api_key)
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame):

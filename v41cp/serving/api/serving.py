@@ -20,12 +20,15 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from v41cp.serving.api.engine_loop import EngineLoop, LoopClosed, RequestHandle
+from v41cp.serving.api.metrics import RequestTimer, ServerMetrics
 from v41cp.serving.api.protocol import (
     MAX_BODY_BYTES,
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     RequestBase,
+    TokenizeRequest,
     parse_request,
 )
 from v41cp.serving.api.text import ChatFormatError, TextCodec
@@ -64,8 +67,9 @@ def _sse(obj) -> str:
 class TextRun:
     """Text of one request as its events arrive (stop strings; the EOS is hidden from the text)."""
 
-    def __init__(self, handle: RequestHandle, req: RequestBase, codec: TextCodec | None, eos: int):
-        self.handle, self.req = handle, req
+    def __init__(self, handle: RequestHandle, req: RequestBase, codec: TextCodec | None, eos: int,
+                 timer: RequestTimer | None = None):
+        self.handle, self.req, self.timer = handle, req, timer
         self.stream = codec.stream(stops_of(req), hidden=() if req.ignore_eos else (eos,)) if codec else None
         self.ids: list[int] = []
         self.reason: str | None = None
@@ -79,6 +83,8 @@ class TextRun:
             if ev.error is not None:
                 self.error = ev.error
                 return
+            if self.timer is not None:
+                self.timer.tokens_arrived(len(ev.ids))
             for t in ev.ids:
                 if self.stream is not None and self.stream.stopped:
                     break
@@ -100,6 +106,13 @@ class TextRun:
     def finish_reason(self) -> str:
         return _finish(self.reason, self.stream is not None and self.stream.stopped)
 
+    def end(self) -> None:
+        """Observe the request's metrics once: ``stop`` / ``length``, or ``abort`` (cancelled, disconnected,
+        failed)."""
+        if self.timer is not None:
+            ended = self.error is None and self.reason not in (None, "cancelled")
+            self.timer.finish(self.finish_reason if ended else "abort")
+
     def usage(self) -> dict:
         n = len(self.handle.prompt_ids)
         return {"prompt_tokens": n, "completion_tokens": len(self.ids), "total_tokens": n + len(self.ids),
@@ -116,9 +129,10 @@ class OpenAIServing:
         self.capacity = self.engine.capacity.max_tokens
         self.eos = self.engine.cfg.eos_token_id
         self.created = int(time.time())
+        self.metrics = ServerMetrics(model_name, loop.counters)
 
-    def run(self, handle: RequestHandle, req: RequestBase) -> TextRun:
-        return TextRun(handle, req, self.codec, self.eos)
+    def run(self, handle: RequestHandle, req: RequestBase, timer: RequestTimer) -> TextRun:
+        return TextRun(handle, req, self.codec, self.eos, timer)
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
@@ -164,7 +178,8 @@ class OpenAIServing:
         try:
             return await self.loop.submit(ids, sp)
         except EngineFull as e:
-            raise ApiError(429, f"the request queue is full, retry later ({e})", None, "rate_limit_error")
+            raise ApiError(429, f"the request queue is full, retry later ({e})", None, "rate_limit_error",
+                           {"Retry-After": "1"})
         except RequestError as e:
             param = {"max_new_tokens": "max_tokens", "prompt": prompt_param, "request_id": None}.get(e.field, e.field)
             raise ApiError(400, f"{param}: {e.detail}" if param else e.detail, param)
@@ -192,6 +207,7 @@ class OpenAIServing:
             if not task.done():
                 task.cancel()
             run.handle.cancel()
+            run.end()
         if run.error is not None:
             raise ApiError(503, run.error, None, "server_error")
         return "".join(parts)
@@ -213,6 +229,7 @@ class OpenAIServing:
                 yield "data: [DONE]\n\n"
             finally:                      # normal end, or the client went away (the task is cancelled)
                 run.handle.cancel()
+                run.end()
 
         return StreamingResponse(body(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -222,9 +239,52 @@ class OpenAIServing:
             raise ApiError(503, "the engine loop is not running", None, "server_error")
         return {"status": "ok", "model": self.model_name, **self.loop.load()}
 
+    def _card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "v41cp",
+                "max_model_len": self.capacity}
+
     async def models(self):
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
-                                            "owned_by": "v41cp", "max_model_len": self.capacity}]}
+        return {"object": "list", "data": [self._card()]}
+
+    async def model(self, model_id: str):
+        if model_id != self.model_name:
+            raise ApiError(404, f"model: the model {model_id!r} does not exist; this server serves "
+                                f"{self.model_name!r}", "model", "not_found_error")
+        return self._card()
+
+    def _codec(self, param: str) -> TextCodec:
+        if self.codec is None:
+            raise ApiError(400, f"{param}: this checkpoint has no tokenizer.json", param)
+        return self.codec
+
+    async def tokenize(self, request: Request):
+        """vLLM's ``/tokenize``: ``{count, max_model_len, tokens, token_strs}``."""
+        req = await read_request(request, TokenizeRequest)
+        if req.model is not None:
+            self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise ApiError(400, "prompt: give exactly one of prompt and messages", "prompt")
+        if req.prompt is not None:
+            ids = self._codec("prompt").encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        else:
+            try:
+                ids = self._codec("messages").chat_ids([m.model_dump() for m in req.messages],
+                                                       req.add_generation_prompt)
+            except ChatFormatError as e:
+                raise ApiError(400, f"messages: {e}", "messages")
+        strs = [self.codec.tokenizer.id_to_token(t) for t in ids] if req.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.capacity, "tokens": ids, "token_strs": strs}
+
+    async def detokenize(self, request: Request):
+        """vLLM's ``/detokenize``: ``{prompt}`` (special tokens left out, as in completions' text)."""
+        req = await read_request(request, DetokenizeRequest)
+        if req.model is not None:
+            self.check_model(req.model)
+        codec = self._codec("tokens")
+        bad = self.engine.cfg.out_of_vocabulary(req.tokens)
+        if bad:
+            raise ApiError(400, f"tokens: {bad}", "tokens")
+        return {"prompt": codec.decode(req.tokens)}
 
     async def completions(self, request: Request):
         req = await read_request(request, CompletionRequest)
@@ -232,7 +292,8 @@ class OpenAIServing:
         self.check_text_fields(req)
         ids = self.prompt_ids(req.prompt, "prompt")
         sp = self.sampling(req, len(ids), req.max_tokens if req.max_tokens is not None else 16)
-        run = self.run(await self.start(ids, sp, "prompt"), req)
+        timer = self.metrics.timer(len(ids))
+        run = self.run(await self.start(ids, sp, "prompt"), req, timer)
         rid, now = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
         def choice(text, reason):
@@ -265,7 +326,8 @@ class OpenAIServing:
         if not ids:
             raise ApiError(400, "messages: the chat prompt is empty", "messages")
         sp = self.sampling(req, len(ids), max_tokens)
-        run = self.run(await self.start(ids, sp, "messages"), req)
+        timer = self.metrics.timer(len(ids))
+        run = self.run(await self.start(ids, sp, "messages"), req, timer)
         rid, now = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
         def chunk(text, reason):
