@@ -419,7 +419,14 @@ def test_pd_server_across_two_processes_equals_one_device(server, client):
     """``serve --prefill-devices 4`` over two processes (4 devices each): the prefill role and HTTP in process 0, the
     decode role in process 1 following rank 0's broadcast submits / cancels; every request's pages and slot state
     cross by the transfer collective. Concurrent requests answer what the one-device server answers; a client that
-    disconnects cancels its request where its role holds it (every page back on both roles); both exit cleanly."""
+    disconnects cancels its request where its role holds it (every page back on both roles). Then the follower is
+    killed mid-stream: rank 0 sees it at once (the next collective fails), ends the stream with an error event naming
+    it and ``[DONE]``, answers no more, and exits with status 3 (`EXIT_FOLLOWER_LOST`) — nothing waits forever.
+    (A clean exit of both processes on SIGTERM: the KVP = DCP = 8 test below.)"""
+    import time
+
+    from v41cp.serving.api.server import EXIT_FOLLOWER_LOST
+
     pd = ServerProcess("--max-batch", "4", "--max-context", str(CAPACITY), "--prefill-devices", "4",
                        "--max-prefill-tokens", "16", devices=4, nnodes=2)
     try:
@@ -431,8 +438,23 @@ def test_pd_server_across_two_processes_equals_one_device(server, client):
         h = pd.wait_idle(timeout=60)
         assert h["free_blocks"] == h["total_blocks"]
         assert h["prefill"]["free_blocks"] == h["prefill"]["total_blocks"]
+        events = []
+        with httpx.Client(timeout=60) as http, http.stream("POST", pd.url + "/v1/completions",
+                                                           json={**body, "max_tokens": 120}) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if len(events) == 2:                   # the stream is running: the decode process dies
+                    pd.followers[0].kill()
+        t0 = time.monotonic()
+        assert events[-1] == "[DONE]" and "error" in json.loads(events[-2]), events[-3:]
+        assert "follower process" in json.loads(events[-2])["error"]["message"]
+        assert pd.proc.wait(timeout=60) == EXIT_FOLLOWER_LOST, pd.output()[-3000:]
+        assert time.monotonic() - t0 < 60
+        assert "follower process is gone" in pd.output()
     finally:
-        assert pd.stop() in CLEAN_EXIT, pd.output()[-3000:]
+        pd.stop()
 
 
 def test_kvp_dcp8_server_across_two_processes_equals_one_device(server, client):

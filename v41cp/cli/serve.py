@@ -19,6 +19,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", help="the model name clients send (default: the checkpoint folder)")
     parser.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
+    parser.add_argument("--follower-timeout", type=float, default=60.0,
+                        help="across processes: seconds rank 0 waits for the followers at an iteration's exchange "
+                             "before it ends the requests in flight and exits (a dead follower is seen at once)")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on the /v1 routes, /tokenize and "
                                            "/detokenize (401 otherwise); /health and /metrics stay open")
     flags.add(parser, flags.CapacityFlags, defaults={"max_batch": 8, "max_context": 256})
@@ -30,6 +33,8 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    if not args.follower_timeout > 0:
+        raise ValueError(f"--follower-timeout must be positive, got {args.follower_timeout}")
     if args.api_key is not None and not args.api_key:
         raise ValueError("--api-key: an empty key would accept every request; give a key or leave the flag out")
     flags.DistributedFlags.from_args(args).start()
@@ -46,5 +51,5 @@ def run(args) -> int:
             return 0
     name = args.served_model_name or Path(model.path).name
     run_server(eng, codec, name, args.host, args.port, progress=sys.stderr.isatty(), log_level=args.log_level,
-               control=control, api_key=args.api_key)
+               control=control, api_key=args.api_key, follower_timeout=args.follower_timeout)
     return 0

@@ -156,3 +156,42 @@ def test_model_card_and_head_health(api):
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
     r = http.head("/health")
     assert r.status_code == 200 and r.content == b""
+
+
+def test_a_follower_that_stops_answering_ends_the_requests_in_flight():
+    """The engine loop's watchdog: a control plane whose exchange stops returning (a follower process that hangs —
+    here its exchange blocks after the first iterations) is given up after ``follower_timeout``; the request in
+    flight gets an error event naming the cause, ``on_fatal`` is called once, and no new request is taken. (A
+    follower that dies: `tests/e2e/test_server.py::test_pd_server_across_two_processes_equals_one_device`.)"""
+    import asyncio
+    import threading
+    import time
+
+    from v41cp.serving.api.engine_loop import LoopClosed
+    from v41cp.serving.engine import SamplingParams
+
+    class HangingFollowers:
+        leader, calls, hang = True, 0, threading.Event()
+
+        def exchange(self, commands):
+            self.calls += 1
+            if self.calls > 3:                   # the followers stop answering
+                self.hang.wait()
+
+    cfg, params = load(default_checkpoint())
+    fatal = []
+    loop = EngineLoop(Engine(params, cfg, Capacity(max_batch=2, max_tokens=64)), control=HangingFollowers(),
+                      follower_timeout=1.0, on_fatal=fatal.append).start()
+
+    async def run():
+        handle = await loop.submit([5, 6, 7], SamplingParams(max_new_tokens=40, stop_on_eos=False))
+        t0 = time.monotonic()
+        events = [ev async for ev in handle]
+        return events, time.monotonic() - t0
+
+    events, waited = asyncio.run(run())
+    assert events[-1].error is not None and "stopped answering: no exchange within 1 s" in events[-1].error
+    assert waited < 120 and fatal == [events[-1].error] and not loop.alive      # (the first step compiles)
+    with pytest.raises(LoopClosed):
+        asyncio.run(loop.submit([5], SamplingParams(max_new_tokens=1)))
+    HangingFollowers.hang.set()

@@ -17,7 +17,11 @@ every prefill is computed on its own). Callers, from an asyncio event loop:
 Finished requests are released from the engine at once, so a long-running server keeps no history.
 
 Across processes (``control``: a `ControlPlane`, on rank 0), each iteration's submits, cancels and shutdown are
-broadcast before the step, and the other ranks apply them in `control_plane.follow`.
+broadcast before the step, and the other ranks apply them in `control_plane.follow`. A follower that dies makes
+the exchange or the step (collectives) fail at once; one that stops answering leaves the exchange waiting, which a
+watchdog ends after ``follower_timeout`` seconds. Either way the loop is lost (the processes cannot step apart):
+every request in flight gets an error event naming the cause and ``on_fatal(message)`` is called (the server exits
+non-zero).
 """
 
 from __future__ import annotations
@@ -33,11 +37,15 @@ from dataclasses import dataclass
 from v41cp.serving.engine import EngineLike, SamplingParams
 from v41cp.serving.multihost.control_plane import Commands, ControlPlane, drop
 
-__all__ = ["EngineLoop", "LoopClosed", "RequestHandle", "TokenEvent"]
+__all__ = ["EngineLoop", "FollowerLost", "LoopClosed", "RequestHandle", "TokenEvent"]
 
 
 class LoopClosed(RuntimeError):
     """The engine loop is shutting down or has stopped; no new request is taken."""
+
+
+class FollowerLost(RuntimeError):
+    """A follower process died or stopped answering: the processes can no longer step together."""
 
 
 @dataclass(frozen=True)
@@ -89,10 +97,16 @@ class _Stream:
 
 class EngineLoop:
     """See the module docstring. ``idle_wait``: seconds the thread sleeps waiting for work when idle; ``control``:
-    the control plane to the follower processes (None: one process)."""
+    the control plane to the follower processes (None: one process); ``follower_timeout``: seconds an exchange may
+    wait for the followers; ``on_fatal(message)``: called once when the loop is lost to a follower."""
 
-    def __init__(self, engine: EngineLike, idle_wait: float = 0.05, control: ControlPlane | None = None):
+    def __init__(self, engine: EngineLike, idle_wait: float = 0.05, control: ControlPlane | None = None,
+                 follower_timeout: float = 60.0, on_fatal=None):
+        if follower_timeout <= 0:
+            raise ValueError(f"follower_timeout must be positive, got {follower_timeout}")
         self.engine, self.idle_wait, self.control = engine, idle_wait, control
+        self.follower_timeout, self.on_fatal = follower_timeout, on_fatal
+        self._fatal_once = threading.Lock()
         self._ops = Commands()
         self._inbox: "queue.SimpleQueue" = queue.SimpleQueue()
         self._streams: dict[object, _Stream] = {}
@@ -162,12 +176,43 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             self._serve()
+        except FollowerLost as e:
+            self._lost(str(e))
         except BaseException as e:       # never leave a caller waiting on a dead thread
             traceback.print_exc()
             self._closing.set()
             self._fail_all(f"the engine loop stopped: {type(e).__name__}: {e}")
             self._drain_submissions()
             raise
+
+    def _lost(self, message: str) -> None:
+        """The loop is lost to a follower (from the loop thread, or the watchdog's while the loop thread waits in a
+        collective): every request in flight ends with ``message``, then ``on_fatal``. Once."""
+        if not self._fatal_once.acquire(blocking=False):
+            return
+        self._closing.set()
+        self._reason = message
+        for stream in list(self._streams.values()):          # no engine call: a collective may hold the engine
+            stream.emit(TokenEvent((), error=message))
+        self._streams.clear()
+        self._drain_submissions()
+        if self.on_fatal is not None:
+            self.on_fatal(message)
+
+    def _exchange(self, ops: Commands) -> None:
+        """Broadcast this iteration's commands; a failure or a wait past ``follower_timeout`` loses the loop."""
+        watchdog = threading.Timer(self.follower_timeout, self._lost,
+                                   (f"a follower process stopped answering: no exchange within "
+                                    f"{self.follower_timeout:g} s",))
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            self.control.exchange(ops)
+        except Exception as e:
+            raise FollowerLost(f"a follower process is gone: the control-plane exchange failed "
+                               f"({type(e).__name__}: {str(e)[:200]})") from e
+        finally:
+            watchdog.cancel()
 
     def _serve(self) -> None:
         eng = self.engine
@@ -186,7 +231,7 @@ class EngineLoop:
             if self.control is not None:     # the followers apply this iteration's commands, then step with us
                 ops, self._ops = self._ops, Commands()
                 ops.close = closing
-                self.control.exchange(ops)
+                self._exchange(ops)
             if closing:
                 self._fail_all(getattr(self, "_reason", "the server is shutting down"))
                 self._drain_submissions()
@@ -197,6 +242,9 @@ class EngineLoop:
                     self.steps += 1
                 except Exception as e:  # a failed step ends the requests in it, the loop keeps serving
                     traceback.print_exc()
+                    if self.control is not None:     # a collective across processes failed: they cannot go on
+                        raise FollowerLost(f"a follower process is gone: the engine step failed "
+                                           f"({type(e).__name__}: {str(e)[:200]})") from e
                     self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
                 self._publish()
             self._load = eng.load()

@@ -12,11 +12,17 @@ client went away, and uvicorn is a maintained ASGI server — no HTTP parsing of
 
 Across processes (``--nnodes``): rank 0 runs `run_server` with a `ControlPlane`, every other rank runs
 `run_follower` (the same warm-up, then `control_plane.follow` until rank 0 shuts down); no other rank listens.
+When a follower dies or stops answering (`EngineLoop`'s ``follower_timeout``), rank 0 ends every request in flight
+with an error naming the cause, stops serving and exits with status `EXIT_FOLLOWER_LOST`; a follower whose leader is
+gone exits with that status too. Neither leaves the distributed runtime in order (its barrier would wait for the
+lost process): they exit at once.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import threading
 import time
 
 import uvicorn
@@ -28,7 +34,9 @@ from v41cp.serving.api.text import TextCodec
 from v41cp.serving.engine import EngineLike, SamplingParams
 from v41cp.serving.multihost.control_plane import ControlPlane, follow
 
-__all__ = ["run_follower", "run_server", "warm_up"]
+__all__ = ["EXIT_FOLLOWER_LOST", "run_follower", "run_server", "warm_up"]
+
+EXIT_FOLLOWER_LOST = 3       # the exit status of a process whose peer process died or stopped answering
 
 
 def warm_up(engine: EngineLike, progress: bool = True) -> dict:
@@ -57,11 +65,21 @@ def warm_up(engine: EngineLike, progress: bool = True) -> dict:
 
 def run_server(engine: EngineLike, codec: TextCodec | None, model_name: str, host: str = "127.0.0.1", port: int = 8000,
                progress: bool = True, log_level: str = "info", control: ControlPlane | None = None,
-               api_key: str | None = None) -> None:
+               api_key: str | None = None, follower_timeout: float = 60.0) -> None:
     stages = warm_up(engine, progress)
     print(f"v41cp: warm-up compiled {stages['programs']} programs in {stages['warm_up_s']} s; serving {model_name!r} on http://{host}:{port}", file=sys.stderr,
           flush=True)
-    loop = EngineLoop(engine, control=control).start()
+    lost = threading.Event()
+    server: list = []
+
+    def on_fatal(message: str) -> None:          # the loop is lost to a follower: stop serving, then exit non-zero
+        print(f"v41cp: {message}; the requests in flight were ended with that error; exiting", file=sys.stderr,
+              flush=True)
+        lost.set()
+        if server:
+            server[0].should_exit = True
+
+    loop = EngineLoop(engine, control=control, follower_timeout=follower_timeout, on_fatal=on_fatal).start()
     app = build_app(loop, codec, model_name, api_key)
 
     class _Server(uvicorn.Server):
@@ -75,9 +93,15 @@ def run_server(engine: EngineLike, codec: TextCodec | None, model_name: str, hos
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10,
                             access_log=False)
+    server.append(_Server(config))
+    if lost.is_set():
+        server[0].should_exit = True
     try:
-        _Server(config).run()
+        server[0].run()
     finally:
+        if lost.is_set():                # the distributed runtime cannot be left in order: exit now
+            sys.stderr.flush()
+            os._exit(EXIT_FOLLOWER_LOST)
         loop.shutdown(join=True)
         if control is not None:
             control.shutdown()
@@ -87,6 +111,11 @@ def run_follower(engine: EngineLike, control: ControlPlane) -> int:
     """A rank > 0 of a multi-process server: the leader's warm-up in lock-step, then its iterations until it
     closes; returns the steps taken."""
     warm_up(engine, progress=False)
-    steps = follow(engine, control)
+    try:
+        steps = follow(engine, control)
+    except Exception as e:               # the leader is gone (its collective failed): exit now, not at a barrier
+        print(f"v41cp: rank {control.rank}: the leader process is gone ({type(e).__name__}: {str(e)[:200]}); "
+              "exiting", file=sys.stderr, flush=True)
+        os._exit(EXIT_FOLLOWER_LOST)
     control.shutdown()
     return steps
