@@ -333,11 +333,11 @@ def test_fuzzed_bodies_never_answer_5xx(server):
 HONOURED = {
     "completions": {"model": MODEL, "prompt": "w1 w2", "max_tokens": 2, "temperature": 0, "top_p": 0.9, "seed": 3,
                     "stop": ["w99"], "stream": False, "stream_options": {"include_usage": True}, "ignore_eos": True,
-                    "return_token_ids": True},
+                    "return_token_ids": True, "top_k": 5, "min_p": 0.1, "stop_token_ids": [5]},
     "chat": {"model": MODEL, "messages": [{"role": "user", "content": "w1"}], "max_tokens": 2,
              "max_completion_tokens": 2, "temperature": 0, "top_p": 0.9, "seed": 3, "stop": "w99", "stream": False,
              "stream_options": {"include_usage": True}, "ignore_eos": True, "return_token_ids": True,
-             "add_generation_prompt": False},
+             "add_generation_prompt": False, "top_k": 5, "min_p": 0.1, "stop_token_ids": [5]},
 }
 CHANGING = {
     "best_of": 2, "echo": True, "frequency_penalty": 0.5, "presence_penalty": -0.5, "logit_bias": {"5": 10},
@@ -347,7 +347,7 @@ CHANGING = {
     "reasoning_effort": "low", "response_format": {"type": "json_object"}, "safety_identifier": "s",
     "service_tier": "auto", "store": True, "tool_choice": "auto",
     "tools": [{"type": "function", "function": {"name": "f"}}], "top_logprobs": 2, "verbosity": "low",
-    "web_search_options": {}, "stop_token_ids": [5], "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2,
+    "web_search_options": {}, "repetition_penalty": 1.2,
     "min_tokens": 2, "structured_outputs": {"json": {}}, "guided_json": {"type": "object"}, "guided_regex": "w1",
     "guided_choice": ["w1"], "prompt_logprobs": 1, "include_stop_str_in_output": True, "skip_special_tokens": False,
     "chat_template_kwargs": {"thinking": True}, "priority": 1,
@@ -388,6 +388,35 @@ def test_every_request_field_is_honoured_or_refused_by_name(server, kind):
         assert same.json()["choices"][0] == plain.json()["choices"][0]
     after = server.wait_idle()
     assert after["free_blocks"] == before["free_blocks"]
+
+
+def test_sampling_controls_have_their_effect(server, client):
+    """``top_k: 1`` and ``min_p`` near 1 at temperature 1 sample the greedy tokens; ``stop_token_ids`` ends the
+    request at the first of them (finish reason ``stop``, the id kept in the ids, hidden from the text); values
+    outside their ranges and ids outside the vocabulary answer 400 naming the field."""
+    args = dict(model=MODEL, prompt=PROMPTS[3], max_tokens=8)
+    ids = lambda r: r.choices[0].model_extra["token_ids"]
+    greedy = client.completions.create(**args, temperature=0, extra_body={"return_token_ids": True,
+                                                                          "ignore_eos": True})
+    for extra in ({"top_k": 1}, {"min_p": 0.99999}):
+        for seed in (1, 2):
+            got = client.completions.create(**args, temperature=1.0, seed=seed,
+                                            extra_body={"return_token_ids": True, "ignore_eos": True, **extra})
+            assert ids(got) == ids(greedy), (extra, seed)
+    g = ids(greedy)
+    i = next(j for j in range(2, len(g)) if g[j] not in g[:j])           # a token's first occurrence, past the 2nd
+    stopped = client.completions.create(**args, temperature=0,
+                                        extra_body={"return_token_ids": True, "stop_token_ids": [g[i]]})
+    assert ids(stopped) == g[:i + 1] and stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == TextCodec.from_checkpoint(default_checkpoint()).decode(g[:i])
+    for field, value, words in (("top_k", -2, "greater than or equal to -1"), ("min_p", 1.0, "less than 1"),
+                                ("stop_token_ids", [5, 256], "token id 256 is outside the vocabulary"),
+                                ("stop_token_ids", "w1", "valid array")):
+        r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "w1", field: value},
+                       timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field and words in r.json()["error"]["message"], \
+            (field, r.text)
+    server.wait_idle()
 
 
 def test_add_generation_prompt_is_honoured(server, codec):

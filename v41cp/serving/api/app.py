@@ -5,8 +5,8 @@ Routes: ``GET|HEAD /health``, ``GET /metrics`` (Prometheus, `v41cp.serving.api.m
 ``POST /detokenize`` (vLLM's shapes) (handlers: `v41cp.serving.api.serving.OpenAIServing`). Request bodies are parsed and checked by `v41cp.serving.api.protocol`:
 the fields honoured follow the OpenAI API (``model``, ``prompt`` as text or token ids / ``messages``,
 ``max_tokens`` (chat also ``max_completion_tokens``), ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``,
-``stream_options.include_usage``), with the extensions ``ignore_eos``, ``return_token_ids`` and (chat)
-``add_generation_prompt``; fields the server does not implement are accepted only at the value that changes
+``stream_options.include_usage``), with the extensions ``top_k``, ``min_p``, ``stop_token_ids``, ``ignore_eos``,
+``return_token_ids`` and (chat) ``add_generation_prompt``; fields the server does not implement are accepted only at the value that changes
 nothing, any other value — and any unknown field — answers 400 naming it. Responses and ``usage`` have the API's
 shapes; ``stream: true`` answers server-sent events ending with ``data: [DONE]``.
 

@@ -7,7 +7,7 @@ JSON object (no ``NaN`` / ``Infinity``, at most `MAX_DEPTH` levels deep); then t
 
 **Field policy.** Every field a request may carry is declared here. A field is either *honoured* (it changes what
 the server does as the API defines), or *accepted only at its neutral value* — the value that means "no change"
-(``n: 1``, ``best_of: 1``, ``echo: false``, ``logprobs: null``, ``top_k: -1`` …; `NEUTRAL`) — and answered 400
+(``n: 1``, ``best_of: 1``, ``echo: false``, ``logprobs: null``, ``min_tokens: 0`` …; `NEUTRAL`) — and answered 400
 naming it otherwise. A field not declared at all is answered 400 naming it. Nothing is silently ignored.
 """
 
@@ -123,6 +123,10 @@ class RequestBase(_Strict):
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False                  # v41cp / vLLM extension: generate past the EOS token
     return_token_ids: bool = False            # v41cp extension: the output token ids in the choice
+    # vLLM / SGLang sampling extensions, on the device like temperature and top_p
+    top_k: Optional[int] = Field(default=None, ge=-1)        # -1 or 0: off
+    min_p: Optional[float] = Field(default=None, ge=0.0, lt=1.0)
+    stop_token_ids: Optional[list[int]] = None               # end after any of these ids (hidden from the text)
 
     # accepted only at the value that means "no change"
     n: Any = None
@@ -130,16 +134,13 @@ class RequestBase(_Strict):
     frequency_penalty: Any = None
     repetition_penalty: Any = None
     logit_bias: Any = None
-    top_k: Any = None
-    min_p: Any = None
     min_tokens: Any = None
-    stop_token_ids: Any = None
     include_stop_str_in_output: Any = None
     response_format: Any = None               # chat in the OpenAI API; completions too in vLLM
     logprobs: Any = None                      # an integer for completions, a boolean for chat
     prompt_logprobs: Any = None
 
-    @field_validator("temperature", "top_p")
+    @field_validator("temperature", "top_p", "min_p")
     @classmethod
     def _finite(cls, v):
         if v is not None and not math.isfinite(v):
@@ -196,7 +197,7 @@ NEUTRAL: dict[str, tuple] = {
     "n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (False,), "top_logprobs": (0,),
     "prompt_logprobs": (), "suffix": ("",),
     "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
-    "top_k": (-1, 0), "min_p": (0,), "min_tokens": (0,), "stop_token_ids": ([],),
+    "min_tokens": (0,),
     "include_stop_str_in_output": (False,),
     "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
     "parallel_tool_calls": (), "response_format": ({"type": "text"},),

@@ -70,7 +70,8 @@ class TextRun:
     def __init__(self, handle: RequestHandle, req: RequestBase, codec: TextCodec | None, eos: int,
                  timer: RequestTimer | None = None):
         self.handle, self.req, self.timer = handle, req, timer
-        self.stream = codec.stream(stops_of(req), hidden=() if req.ignore_eos else (eos,)) if codec else None
+        hidden = (() if req.ignore_eos else (eos,)) + tuple(req.stop_token_ids or ())
+        self.stream = codec.stream(stops_of(req), hidden=hidden) if codec else None
         self.ids: list[int] = []
         self.reason: str | None = None
         self.error: str | None = None
@@ -165,7 +166,9 @@ class OpenAIServing:
         seed = req.seed if req.seed is not None else random.getrandbits(63)
         return SamplingParams(max_new_tokens=max_tokens,
                               temperature=1.0 if req.temperature is None else req.temperature,
-                              top_p=1.0 if req.top_p is None else req.top_p, seed=seed, stop_on_eos=not req.ignore_eos)
+                              top_p=1.0 if req.top_p is None else req.top_p,
+                              top_k=max(req.top_k or 0, 0), min_p=req.min_p or 0.0, seed=seed,
+                              stop_on_eos=not req.ignore_eos, stop_token_ids=tuple(req.stop_token_ids or ()))
 
     def check_text_fields(self, req: RequestBase) -> None:
         stops = stops_of(req)

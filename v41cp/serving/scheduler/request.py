@@ -21,7 +21,8 @@ STATUSES = ("waiting", "running", "done", "cancelled")
 
 class RequestError(ValueError):
     """A request is rejected at submit; ``field`` names the offending input (``prompt``, ``max_new_tokens``,
-    ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``request_id``). Nothing else changes."""
+    ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop_token_ids``, ``request_id``). Nothing else
+    changes."""
 
     def __init__(self, message: str, field: str, detail: str | None = None):
         super().__init__(message)
@@ -47,6 +48,10 @@ class SamplingParams:
     min_p: float = 0.0                  # 0: off
     seed: int = 0
     stop_on_eos: bool = True
+    stop_token_ids: tuple[int, ...] = ()   # the request ends after any of these (finish reason "stop")
+
+    def __post_init__(self):           # (a list from JSON, e.g. the control plane's broadcast, becomes a tuple)
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
 
 @dataclass
@@ -103,6 +108,12 @@ def check_request(rid, prompt: list[int], sampling: SamplingParams, cfg: ModelCo
         raise RequestError.of(rid, f"min_p must be in [0, 1), got {sampling.min_p!r}", "min_p")
     if type(sampling.seed) is not int or not 0 <= sampling.seed < 2**63:
         raise RequestError.of(rid, f"seed must be an integer in [0, 2**63), got {sampling.seed!r}", "seed")
+    if any(type(t) is not int for t in sampling.stop_token_ids):
+        raise RequestError.of(rid, f"stop_token_ids must be integers, got {list(sampling.stop_token_ids)!r}",
+                              "stop_token_ids")
+    bad = cfg.out_of_vocabulary(list(sampling.stop_token_ids))
+    if bad:
+        raise RequestError.of(rid, bad, "stop_token_ids")
     total = len(prompt) + sampling.max_new_tokens
     if total > capacity.max_tokens:
         field = "prompt" if len(prompt) >= capacity.max_tokens else "max_new_tokens"

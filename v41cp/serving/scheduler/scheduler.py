@@ -93,10 +93,13 @@ class Scheduler:
         req.status, req.finish_reason = "cancelled", "cancelled"
 
     def finish_if_done(self, req: Request) -> None:
-        """End ``req`` after its newest token if that is EOS (unless disabled) or its output budget is reached."""
+        """End ``req`` after its newest token if that is EOS (unless disabled) or one of its stop tokens, or its
+        output budget is reached."""
         tok = req.output[-1]
         if req.sampling.stop_on_eos and tok == self.cfg.eos_token_id:
             req.status, req.finish_reason = "done", "eos"
+        elif tok in req.sampling.stop_token_ids:
+            req.status, req.finish_reason = "done", "stop"
         elif len(req.output) >= req.sampling.max_new_tokens:
             req.status, req.finish_reason = "done", "length"
         if req.status == "done":
