@@ -150,7 +150,8 @@ def _malformed(url: str, examples: int, errors: collections.Counter) -> dict:
         json_values.map(lambda v: (json.dumps(v).encode(), "application/json")),
         api_like.map(lambda v: (json.dumps(v).encode(), "application/json")),
         st.binary(max_size=200).map(lambda b: (b, "application/json")),
-        st.tuples(st.binary(max_size=64), st.sampled_from(["text/plain", "application/xml", "", "application/json; charset=latin-1"])))
+        st.tuples(st.binary(max_size=64),
+                  st.sampled_from(["text/plain", "application/xml", "", "application/json; charset=latin-1"])))
     statuses: collections.Counter = collections.Counter()
     paths = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
 
@@ -182,7 +183,8 @@ async def _full_queue(url: str, burst: int, errors: collections.Counter) -> dict
         errors[_cls(r.status_code)] += 1
     served = [r for r in answers if r.status_code == 200]
     return {"burst": burst, "statuses": dict(codes),
-            "retry_after_on_every_429": all(r.headers.get("retry-after") == "1" for r in answers if r.status_code == 429),
+            "retry_after_on_every_429": all(r.headers.get("retry-after") == "1"
+                                            for r in answers if r.status_code == 429),
             "requests_lost": sum(r.json()["usage"]["completion_tokens"] != 24 for r in served)}
 
 

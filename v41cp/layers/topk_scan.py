@@ -101,8 +101,8 @@ def scan_topk_more(score_tile, tiles: jax.Array, state, k: int):
 def scan_topk_rows(score_tile, need: jax.Array, max_need: int, steps: int, rows: int, k: int, finish, outs: tuple, *,
                    num_blocks: int | None = None, block_size: int = 1, carry_like=None) -> tuple:
     """Running top-``k`` of several row tiles, each over only the key tiles it needs: row tile ``i`` scans key
-    tiles ``0 … need[i] − 1`` (``need [I]`` int32, each in ``1 … max_need``: a causal prefix of the history), as `scan_topk`
-    would over those tiles. ``score_tile(i, j)`` → ``(scores [R, T], ids [R, T])`` of row tile ``i``'s key tile
+    tiles ``0 … need[i] − 1`` (``need [I]`` int32, each in ``1 … max_need``: a causal prefix of the history), as
+    `scan_topk` would over those tiles. ``score_tile(i, j)`` → ``(scores [R, T], ids [R, T])`` of row tile ``i``'s key tile
     ``j``; ``finish(i, vals, ids, maxima)`` → row tile ``i``'s outputs (shaped as ``outs``, one tile's zero value
     each) → stacked ``[I, …]``.
 
