@@ -191,6 +191,9 @@ def test_a_follower_that_stops_answering_ends_the_requests_in_flight():
 
     events, waited = asyncio.run(run())
     assert events[-1].error is not None and "stopped answering: no exchange within 1 s" in events[-1].error
+    deadline = time.monotonic() + 10                  # on_fatal follows the error events
+    while not fatal and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert waited < 120 and fatal == [events[-1].error] and not loop.alive      # (the first step compiles)
     with pytest.raises(LoopClosed):
         asyncio.run(loop.submit([5], SamplingParams(max_new_tokens=1)))

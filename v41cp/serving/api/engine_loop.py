@@ -31,6 +31,7 @@ import concurrent.futures
 import itertools
 import queue
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 
@@ -107,6 +108,7 @@ class EngineLoop:
         self.engine, self.idle_wait, self.control = engine, idle_wait, control
         self.follower_timeout, self.on_fatal = follower_timeout, on_fatal
         self._fatal_once = threading.Lock()
+        self._exchange_since: float | None = None       # when the exchange in progress began (the watchdog's clock)
         self._ops = Commands()
         self._inbox: "queue.SimpleQueue" = queue.SimpleQueue()
         self._streams: dict[object, _Stream] = {}
@@ -120,6 +122,8 @@ class EngineLoop:
     # ------------------------------------------------------------------ caller side (any thread / asyncio)
     def start(self) -> "EngineLoop":
         self._thread.start()
+        if self.control is not None:
+            threading.Thread(target=self._watch, name="v41cp-follower-watchdog", daemon=True).start()
         return self
 
     @property
@@ -200,19 +204,25 @@ class EngineLoop:
             self.on_fatal(message)
 
     def _exchange(self, ops: Commands) -> None:
-        """Broadcast this iteration's commands; a failure or a wait past ``follower_timeout`` loses the loop."""
-        watchdog = threading.Timer(self.follower_timeout, self._lost,
-                                   (f"a follower process stopped answering: no exchange within "
-                                    f"{self.follower_timeout:g} s",))
-        watchdog.daemon = True
-        watchdog.start()
+        """Broadcast this iteration's commands; a failure (or, seen by `_watch`, a wait past ``follower_timeout``)
+        loses the loop."""
+        self._exchange_since = time.monotonic()
         try:
             self.control.exchange(ops)
         except Exception as e:
             raise FollowerLost(f"a follower process is gone: the control-plane exchange failed "
                                f"({type(e).__name__}: {str(e)[:200]})") from e
         finally:
-            watchdog.cancel()
+            self._exchange_since = None
+
+    def _watch(self) -> None:
+        """The watchdog thread: an exchange still waiting after ``follower_timeout`` loses the loop."""
+        tick = min(1.0, self.follower_timeout / 4)
+        while not self._closing.wait(tick):
+            since = self._exchange_since
+            if since is not None and time.monotonic() - since > self.follower_timeout:
+                self._lost(f"a follower process stopped answering: no exchange within {self.follower_timeout:g} s")
+                return
 
     def _serve(self) -> None:
         eng = self.engine
