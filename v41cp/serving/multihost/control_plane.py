@@ -43,7 +43,9 @@ class Commands:
     def submit(self, rid, prompt: list[int], sampling: SamplingParams) -> None:
         if not isinstance(rid, (str, int)):
             raise TypeError(f"request ids of a multi-process server must be str or int, got {rid!r}")
-        self.ops.append(("submit", rid, [int(t) for t in prompt], asdict(sampling)))
+        fields = asdict(sampling)
+        fields["stop_token_ids"] = list(fields["stop_token_ids"])          # as JSON carries it
+        self.ops.append(("submit", rid, [int(t) for t in prompt], fields))
 
     def cancel(self, rid) -> None:
         self.ops.append(("cancel", rid))
