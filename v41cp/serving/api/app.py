@@ -28,7 +28,7 @@ import hmac
 import re
 import uuid
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -114,21 +114,10 @@ def build_app(loop: EngineLoop, codec: TextCodec | None, model_name: str, api_ke
     async def model(model_id: str):
         return await serving.model(model_id)
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
-        return await serving.tokenize(request)
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request):
-        return await serving.detokenize(request)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await serving.completions(request)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await serving.chat_completions(request)
+    # the POST routes: each handler reads its own body (`serving.read_request`)
+    for path, handler in (("/v1/completions", serving.completions), ("/v1/chat/completions", serving.chat_completions),
+                          ("/tokenize", serving.tokenize), ("/detokenize", serving.detokenize)):
+        app.add_api_route(path, handler, methods=["POST"])
 
     app.state.engine_loop = loop
     app.state.serving = serving
