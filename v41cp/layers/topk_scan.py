@@ -48,6 +48,15 @@ def _merge(vals, gid, scores, ids, k):
     return top, jnp.where(top > -jnp.inf, got, -1)
 
 
+def _absorb(state, scores, ids, k: int, block_size: int, num_blocks: int | None):
+    """One tile into a running state ``(vals, ids, block maxima or None)`` (the step every scan here shares)."""
+    vals, gid, maxima = state
+    if maxima is not None:
+        maxima = jnp.maximum(maxima, local_block_maxima(scores, ids, block_size, num_blocks))
+    vals, gid = _merge(vals, gid, scores, ids, k)
+    return vals, gid, maxima
+
+
 def scan_topk(score_tile, tiles: int, rows: int, k: int, *, num_blocks: int | None = None, block_size: int = 1,
               carry_like=None):
     """Running top-``k`` over ``tiles`` tiles (see the module docstring) of ``rows`` rows → ``(vals [R, k] FP32
@@ -65,12 +74,7 @@ def scan_topk(score_tile, tiles: int, rows: int, k: int, *, num_blocks: int | No
         state = jax.tree.unflatten(tree, leaves)
 
     def step(j, state):
-        vals, gid, maxima = state
-        scores, ids = score_tile(j)
-        if maxima is not None:
-            maxima = jnp.maximum(maxima, local_block_maxima(scores, ids, block_size, num_blocks))
-        vals, gid = _merge(vals, gid, scores, ids, k)
-        return vals, gid, maxima
+        return _absorb(state, *score_tile(j), k, block_size, num_blocks)
 
     if tiles == 1:
         state = step(0, state)
@@ -90,8 +94,7 @@ def scan_topk_more(score_tile, tiles: jax.Array, state, k: int):
 
     def body(c):
         j, vals, gid = c
-        scores, ids = score_tile(j)
-        vals, gid = _merge(vals, gid, scores, ids, k)
+        vals, gid, _ = _absorb((vals, gid, None), *score_tile(j), k, 1, None)
         return j + 1, vals, gid
 
     _, vals, gid = jax.lax.while_loop(lambda c: c[0] < tiles, body, (j0, vals, gid))
@@ -102,9 +105,9 @@ def scan_topk_rows(score_tile, need: jax.Array, max_need: int, steps: int, rows:
                    num_blocks: int | None = None, block_size: int = 1, carry_like=None) -> tuple:
     """Running top-``k`` of several row tiles, each over only the key tiles it needs: row tile ``i`` scans key
     tiles ``0 … need[i] − 1`` (``need [I]`` int32, each in ``1 … max_need``: a causal prefix of the history), as
-    `scan_topk` would over those tiles. ``score_tile(i, j)`` → ``(scores [R, T], ids [R, T])`` of row tile ``i``'s key tile
-    ``j``; ``finish(i, vals, ids, maxima)`` → row tile ``i``'s outputs (shaped as ``outs``, one tile's zero value
-    each) → stacked ``[I, …]``.
+    `scan_topk` would over those tiles. ``score_tile(i, j)`` → ``(scores [R, T], ids [R, T])`` of row tile ``i``'s
+    key tile ``j``; ``finish(i, vals, ids, maxima)`` → row tile ``i``'s outputs (shaped as ``outs``, one tile's zero
+    value each) → stacked ``[I, …]``.
 
     The (row tile, key tile) pairs run in one flat schedule of ``steps`` static iterations (a ``fori_loop``:
     `v41cp.sharding.hlo_stats.program_cost` counts every one) — the caller's bound on ``Σ need``; pairs past it
@@ -129,10 +132,8 @@ def scan_topk_rows(score_tile, need: jax.Array, max_need: int, steps: int, rows:
         live = i < n_tiles
         ic = jnp.minimum(i, n_tiles - 1)
         scores, ids = score_tile(ic, j)
-        ids = jnp.where(live, ids, -1)
-        if maxima is not None:
-            maxima = jnp.maximum(maxima, local_block_maxima(scores, ids, block_size, num_blocks))
-        vals, gid = _merge(vals, gid, scores, ids, k)
+        vals, gid, maxima = _absorb((vals, gid, maxima), scores, jnp.where(live, ids, -1), k, block_size,
+                                    num_blocks)
         done = live & (j + 1 >= need[ic])
         got = jax.lax.cond(done, lambda: tuple(finish(ic, vals, gid, maxima)),
                            lambda: tuple(jax.lax.dynamic_index_in_dim(b, ic, 0, keepdims=False) for b in bufs))

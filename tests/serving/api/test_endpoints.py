@@ -198,3 +198,32 @@ def test_a_follower_that_stops_answering_ends_the_requests_in_flight():
     with pytest.raises(LoopClosed):
         asyncio.run(loop.submit([5], SamplingParams(max_new_tokens=1)))
     HangingFollowers.hang.set()
+
+
+def test_a_loop_that_dies_under_a_control_plane_ends_the_server():
+    """Any other failure of the engine loop across processes (here the exchange raises a ``BaseException`` the loop
+    does not take for a lost follower) also calls ``on_fatal``: the followers would wait in the next exchange
+    forever, so the server must exit; without a control plane the loop just stops (its callers get the error)."""
+    import time
+
+    from v41cp.serving.api.engine_loop import LoopClosed
+
+    class Broken:
+        leader = True
+
+        def exchange(self, commands):
+            raise SystemExit("the control plane broke")
+
+    cfg, params = load(default_checkpoint())
+    fatal = []
+    loop = EngineLoop(Engine(params, cfg, Capacity(max_batch=2, max_tokens=64)), control=Broken(),
+                      on_fatal=fatal.append).start()
+    deadline = time.monotonic() + 30
+    while not fatal and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert fatal == ["the engine loop stopped: SystemExit: the control plane broke"] and not loop.alive
+    import asyncio
+
+    from v41cp.serving.engine import SamplingParams
+    with pytest.raises(LoopClosed):
+        asyncio.run(loop.submit([5], SamplingParams(max_new_tokens=1)))

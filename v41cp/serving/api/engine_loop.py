@@ -184,9 +184,12 @@ class EngineLoop:
             self._lost(str(e))
         except BaseException as e:       # never leave a caller waiting on a dead thread
             traceback.print_exc()
+            message = f"the engine loop stopped: {type(e).__name__}: {e}"
             self._closing.set()
-            self._fail_all(f"the engine loop stopped: {type(e).__name__}: {e}")
+            self._fail_all(message)
             self._drain_submissions()
+            if self.control is not None and self.on_fatal is not None and self._fatal_once.acquire(blocking=False):
+                self.on_fatal(message)       # the followers wait in the next exchange: the server must exit
             raise
 
     def _lost(self, message: str) -> None:

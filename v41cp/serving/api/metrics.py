@@ -26,7 +26,7 @@ import time
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-__all__ = ["CONTENT_TYPE", "EngineCollector", "RequestTimer", "ServerMetrics"]
+__all__ = ["CONTENT_TYPE", "ENGINE_COUNTERS", "EngineCollector", "RequestTimer", "ServerMetrics"]
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -37,6 +37,16 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
                960.0, 1920.0, 7680.0)
+
+
+# the engine loop snapshot's cumulative counters: (its part, ((series, help, the part's key), …))
+ENGINE_COUNTERS = (
+    ("prefix_cache", (("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prompt_tokens"),
+                      ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "hit_tokens"))),
+    ("speculative", (("vllm:spec_decode_num_drafts", "Target verification steps (drafts).", "target_steps"),
+                     ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", "drafts_proposed"),
+                     ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", "drafts_accepted"))),
+)
 
 
 class EngineCollector:
@@ -60,20 +70,9 @@ class EngineCollector:
                            1.0 - s.get("free_blocks", total) / total)
         yield self._family(c, "vllm:num_preemptions", "Requests preempted (pages freed, recomputed later).",
                            s.get("preemptions", 0))
-        prefix = s.get("prefix_cache")
-        if prefix is not None:
-            yield self._family(c, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                               prefix["prompt_tokens"])
-            yield self._family(c, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                               prefix["hit_tokens"])
-        spec = s.get("speculative")
-        if spec is not None:
-            yield self._family(c, "vllm:spec_decode_num_drafts", "Target verification steps (drafts).",
-                               spec["target_steps"])
-            yield self._family(c, "vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.",
-                               spec["drafts_proposed"])
-            yield self._family(c, "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
-                               spec["drafts_accepted"])
+        for part, series in ENGINE_COUNTERS:          # (absent without a prefix cache / speculative decoding)
+            for name, doc, key in series if s.get(part) is not None else ():
+                yield self._family(c, name, doc, s[part][key])
 
 
 class ServerMetrics:
