@@ -55,6 +55,7 @@ def _verify_program(cfg, batch, context, parallel, rows=3, block_tokens=16):
     from v41cp.plan import abstract_sharded_params
     from v41cp.serving.attention.dcp import DCPPlan
     from v41cp.serving.cache.device_cache import cache_layout
+    from v41cp.serving.capacity import Capacity
     from v41cp.serving.runner.sampling import SamplingRows
     from v41cp.serving.runner.steps import verify_and_accept
     from v41cp.serving.step_batch import StepBatch
@@ -75,7 +76,8 @@ def _verify_program(cfg, batch, context, parallel, rows=3, block_tokens=16):
     meta = StepBatch(arg((batch, rows)), arg((batch,)), arg((batch,)), arg((batch,)), arg((batch, max_blocks)),
                     arg((batch, rows, n_eng, cfg.engram_hash_heads if n_eng else 0)), batch, max_blocks, rows)
     with jax.default_matmul_precision("highest" if cfg.dtype == "float32" else "default"):
-        return verify_and_accept.lower(params, cache, meta, SamplingRows.abstract(batch, rep), cfg, plan).compile()
+        return verify_and_accept.lower(params, cache, meta, SamplingRows.abstract(batch, rep), cfg, plan,
+                                       logprobs=Capacity().max_logprobs).compile()
 
 
 def measure(names=None) -> dict:

@@ -333,20 +333,22 @@ def test_fuzzed_bodies_never_answer_5xx(server):
 HONOURED = {
     "completions": {"model": MODEL, "prompt": "w1 w2", "max_tokens": 2, "temperature": 0, "top_p": 0.9, "seed": 3,
                     "stop": ["w99"], "stream": False, "stream_options": {"include_usage": True}, "ignore_eos": True,
-                    "return_token_ids": True, "top_k": 5, "min_p": 0.1, "stop_token_ids": [5]},
+                    "return_token_ids": True, "top_k": 5, "min_p": 0.1, "stop_token_ids": [5], "logprobs": 2},
     "chat": {"model": MODEL, "messages": [{"role": "user", "content": "w1"}], "max_tokens": 2,
              "max_completion_tokens": 2, "temperature": 0, "top_p": 0.9, "seed": 3, "stop": "w99", "stream": False,
              "stream_options": {"include_usage": True}, "ignore_eos": True, "return_token_ids": True,
-             "add_generation_prompt": False, "top_k": 5, "min_p": 0.1, "stop_token_ids": [5]},
+             "add_generation_prompt": False, "top_k": 5, "min_p": 0.1, "stop_token_ids": [5], "logprobs": True,
+             "top_logprobs": 2},
 }
+NEEDS = {"top_logprobs": {"logprobs": True}}            # a field honoured only with another
 CHANGING = {
     "best_of": 2, "echo": True, "frequency_penalty": 0.5, "presence_penalty": -0.5, "logit_bias": {"5": 10},
-    "logprobs": 1, "n": 2, "suffix": "w1", "user": "u1", "audio": {"voice": "alloy", "format": "wav"},
+    "n": 2, "suffix": "w1", "user": "u1", "audio": {"voice": "alloy", "format": "wav"},
     "function_call": "auto", "functions": [{"name": "f"}], "metadata": {"k": "v"}, "modalities": ["text", "audio"],
     "parallel_tool_calls": True, "prediction": {"type": "content", "content": "w1"}, "prompt_cache_key": "k",
     "reasoning_effort": "low", "response_format": {"type": "json_object"}, "safety_identifier": "s",
     "service_tier": "auto", "store": True, "tool_choice": "auto",
-    "tools": [{"type": "function", "function": {"name": "f"}}], "top_logprobs": 2, "verbosity": "low",
+    "tools": [{"type": "function", "function": {"name": "f"}}], "verbosity": "low",
     "web_search_options": {}, "repetition_penalty": 1.2,
     "min_tokens": 2, "structured_outputs": {"json": {}}, "guided_json": {"type": "object"}, "guided_regex": "w1",
     "guided_choice": ["w1"], "prompt_logprobs": 1, "include_stop_str_in_output": True, "skip_special_tokens": False,
@@ -373,7 +375,7 @@ def test_every_request_field_is_honoured_or_refused_by_name(server, kind):
     with httpx.Client(timeout=60) as http:
         for name in _schema_fields(kind):
             if name in HONOURED[kind]:
-                r = http.post(server.url + path, json={**base, name: HONOURED[kind][name]})
+                r = http.post(server.url + path, json={**base, **NEEDS.get(name, {}), name: HONOURED[kind][name]})
                 assert r.status_code == 200, (name, r.text)
                 continue
             value = CHANGING.get(name, {"v41cp-probe": 1})       # a field a newer SDK added: any value changes it

@@ -337,13 +337,16 @@ class CapacityFlags(_Group):
                                   help="cache pages in all (default: max-batch full requests)")
     prefill_chunk: int = flag("--prefill-chunk", default=32, type=int, help="rows per token-serial prefill chunk")
     max_waiting: int = flag("--max-waiting", default=64, type=int, help="queued requests beyond this are rejected")
+    max_logprobs: int = flag("--max-logprobs", default=20, type=int,
+                             help="the most log-probability alternatives a request may ask for (computed on the "
+                                  "device, in the steps, when a request asks; 0: no log-probabilities)")
 
     def capacity(self, prefill: PrefillFlags, longest: int, **fixed) -> Capacity:
         """The `Capacity`; unset fields fit ``longest`` tokens per request, ``fixed`` ones (not None) win."""
         block = self.block_tokens
         fields = {"max_batch": self.max_batch, "max_tokens": self.max_context or -(-longest // block) * block,
                   "block_tokens": block, "num_blocks": self.num_blocks, "prefill_chunk": self.prefill_chunk,
-                  "max_waiting": self.max_waiting, **prefill.options()}
+                  "max_waiting": self.max_waiting, "max_logprobs": self.max_logprobs, **prefill.options()}
         fields.update({k: v for k, v in fixed.items() if v is not None})
         return Capacity(**{k: v for k, v in fields.items() if v is not None})
 

@@ -42,12 +42,17 @@ class Capacity:
     # prefix caching (`v41cp.serving.cache.prefix`) and its stored slot states at most
     prefix_caching: bool = True
     prefix_states: int | None = None       # default: 4 per batch slot
+    # the most alternatives a request may ask log-probabilities for (vLLM's max_logprobs): the steps compute this many
+    # on the device when a request asks (0: no log-probabilities)
+    max_logprobs: int = 20
 
     def __post_init__(self):
         if self.prefix_states is not None and (type(self.prefix_states) is not int or self.prefix_states <= 0):
             raise ValueError(f"capacity prefix_states must be a positive integer or None, got {self.prefix_states!r}")
         if self.prefill_tokens is not None and (type(self.prefill_tokens) is not int or self.prefill_tokens <= 0):
             raise ValueError(f"capacity prefill_tokens must be a positive integer or None, got {self.prefill_tokens!r}")
+        if type(self.max_logprobs) is not int or self.max_logprobs < 0:
+            raise ValueError(f"capacity max_logprobs must be a non-negative integer, got {self.max_logprobs!r}")
         if self.span_prefill not in (None, True, False):
             raise ValueError(f"capacity span_prefill must be True, False or None, got {self.span_prefill!r}")
         for name in ("max_batch", "max_tokens", "block_tokens", "prefill_chunk"):

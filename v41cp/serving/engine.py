@@ -194,6 +194,8 @@ class Engine:
         r = self.requests[rid]
         out = {"id": rid, "prompt_ids": r.prompt, "output_ids": r.output, "status": r.status,
                "finish_reason": r.finish_reason, "cached_tokens": r.cached}
+        if r.logprobs is not None:
+            out["logprobs"] = r.logprobs
         if self.speculative is not None:
             out["speculative"] = spec_stats(r.spec)
         return out
@@ -327,12 +329,13 @@ class Engine:
             self.prefix.set_state(node, self.runner.take_slot_state(self.alloc.slot(req.rid)))
 
     # ------------------------------------------------------------------ disaggregated roles
-    def adopt(self, rid, prompt, sampling: SamplingParams, output, last_logits=None, residue: int | None = None):
+    def adopt(self, rid, prompt, sampling: SamplingParams, output, last_logits=None, residue: int | None = None,
+              logprobs=None):
         """Take over request ``rid`` prefilled elsewhere (a decode-role engine): reserve its slot and the blocks of
         its whole budget (page cycle from ``residue``; default the content placement) and register it running with
-        ``output`` (its first token(s)). Returns its block ids — the caller then fills its pages and slot state
+        ``output`` (its first token(s), with their ``logprobs`` entries when it asks). Returns its block ids — the caller then fills its pages and slot state
         (`v41cp.serving.pd.transfer`) — or None when it does not fit now (nothing changed)."""
-        return self.scheduler.adopt(rid, prompt, sampling, output, last_logits, residue)
+        return self.scheduler.adopt(rid, prompt, sampling, output, last_logits, residue, logprobs)
 
     def hand_off(self, rid) -> dict:
         """Forget running request ``rid`` (a prefill-role engine, after its state moved to a decode engine): its

@@ -55,6 +55,7 @@ class TokenEvent:
     finish_reason: str | None = None     # eos | length | cancelled, on the request's last event
     error: str | None = None             # set when the request ended abnormally (shutdown, failed step)
     cached_tokens: int = 0               # prompt tokens the request reused from the prefix cache
+    logprobs: tuple | None = None        # with sampling.logprobs: one (logprob, ((id, logprob), …)) per id of ``ids``
 
     @property
     def final(self) -> bool:
@@ -293,11 +294,12 @@ class EngineLoop:
         for rid in list(self._streams):
             stream, req = self._streams[rid], eng.requests[rid]
             new = tuple(req.output[stream.sent:])
+            logprobs = None if req.logprobs is None else tuple(req.logprobs[stream.sent:stream.sent + len(new)])
             stream.sent += len(new)
             finished = req.status in ("done", "cancelled")
             if new or finished:
                 stream.emit(TokenEvent(new, finish_reason=req.finish_reason if finished else None,
-                                       cached_tokens=req.cached))
+                                       cached_tokens=req.cached, logprobs=logprobs))
             if finished:
                 del self._streams[rid]
                 eng.release(rid)

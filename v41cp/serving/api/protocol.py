@@ -7,7 +7,7 @@ JSON object (no ``NaN`` / ``Infinity``, at most `MAX_DEPTH` levels deep); then t
 
 **Field policy.** Every field a request may carry is declared here. A field is either *honoured* (it changes what
 the server does as the API defines), or *accepted only at its neutral value* — the value that means "no change"
-(``n: 1``, ``best_of: 1``, ``echo: false``, ``logprobs: null``, ``min_tokens: 0`` …; `NEUTRAL`) — and answered 400
+(``n: 1``, ``best_of: 1``, ``echo: false``, ``min_tokens: 0`` …; `NEUTRAL`) — and answered 400
 naming it otherwise. A field not declared at all is answered 400 naming it. Nothing is silently ignored.
 """
 
@@ -137,7 +137,6 @@ class RequestBase(_Strict):
     min_tokens: Any = None
     include_stop_str_in_output: Any = None
     response_format: Any = None               # chat in the OpenAI API; completions too in vLLM
-    logprobs: Any = None                      # an integer for completions, a boolean for chat
     prompt_logprobs: Any = None
 
     @field_validator("temperature", "top_p", "min_p")
@@ -150,6 +149,7 @@ class RequestBase(_Strict):
 
 class CompletionRequest(RequestBase):
     prompt: Union[str, list[int], list[str], list[list[int]]]
+    logprobs: Optional[int] = Field(default=None, ge=0)     # each token's log-probability and this many alternatives
     best_of: Any = None
     echo: Any = None
     suffix: Any = None
@@ -167,7 +167,8 @@ class ChatCompletionRequest(RequestBase):
     messages: list[ChatMessage]
     max_completion_tokens: Optional[int] = Field(default=None, gt=0)
     add_generation_prompt: bool = True        # vLLM extension: end the chat prompt with the assistant's turn opener
-    top_logprobs: Any = None
+    logprobs: Optional[bool] = None           # each token's log-probability, with top_logprobs alternatives
+    top_logprobs: Optional[int] = Field(default=None, ge=0)
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -194,7 +195,7 @@ class DetokenizeRequest(_Strict):
 
 # the values that mean "no change" for each field accepted only at them (null: not sent, always neutral)
 NEUTRAL: dict[str, tuple] = {
-    "n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (False,), "top_logprobs": (0,),
+    "n": (1,), "best_of": (1,), "echo": (False,),
     "prompt_logprobs": (), "suffix": ("",),
     "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
     "min_tokens": (0,),

@@ -20,6 +20,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from v41cp.serving.api.engine_loop import EngineLoop, LoopClosed, RequestHandle
+from v41cp.serving.api.logprobs import chat_logprobs, completion_logprobs, token_texts
 from v41cp.serving.api.metrics import RequestTimer, ServerMetrics
 from v41cp.serving.api.protocol import (
     MAX_BODY_BYTES,
@@ -73,6 +74,8 @@ class TextRun:
         hidden = (() if req.ignore_eos else (eos,)) + tuple(req.stop_token_ids or ())
         self.stream = codec.stream(stops_of(req), hidden=hidden) if codec else None
         self.ids: list[int] = []
+        self.entries: list = []             # log-probability entries of ``ids`` (when the request asks)
+        self._taken = 0
         self.reason: str | None = None
         self.error: str | None = None
         self.cached = 0
@@ -86,10 +89,12 @@ class TextRun:
                 return
             if self.timer is not None:
                 self.timer.tokens_arrived(len(ev.ids))
-            for t in ev.ids:
+            for k, t in enumerate(ev.ids):
                 if self.stream is not None and self.stream.stopped:
                     break
                 self.ids.append(t)
+                if ev.logprobs is not None:
+                    self.entries.append(ev.logprobs[k])
                 yield self.stream.push(t) if self.stream is not None else ""
             if self.stream is not None and self.stream.stopped:
                 self.reason = "stop"
@@ -102,6 +107,11 @@ class TextRun:
             yield self.stream.finish()
             if self.stream.stopped:
                 self.reason = "stop"
+
+    def take_logprobs(self) -> tuple[list[int], list]:
+        """The ids and log-probability entries not taken before (a stream's next chunk carries them)."""
+        k, self._taken = self._taken, len(self.entries)
+        return self.ids[k:self._taken], self.entries[k:self._taken]
 
     @property
     def finish_reason(self) -> str:
@@ -158,7 +168,16 @@ class OpenAIServing:
             raise ApiError(400, f"{param}: {bad}", param)
         return ids
 
-    def sampling(self, req: RequestBase, n_prompt: int, max_tokens: int | None) -> SamplingParams:
+    def logprobs(self, count: int | None, param: str) -> int | None:
+        """A request's log-probability alternatives, checked against the engine's ``max_logprobs``."""
+        most = self.engine.capacity.max_logprobs
+        if count is not None and count > most:
+            raise ApiError(400, f"{param}: at most {most} alternatives (the server's --max-logprobs), got {count}",
+                           param)
+        return count
+
+    def sampling(self, req: RequestBase, n_prompt: int, max_tokens: int | None, logprobs: int | None = None
+                 ) -> SamplingParams:
         """The request's sampling parameters; ``max_tokens`` defaults to what the capacity leaves after the prompt.
         Whether the request fits is the scheduler's check (`v41cp.serving.scheduler.request.check_request`)."""
         if max_tokens is None:
@@ -168,7 +187,8 @@ class OpenAIServing:
                               temperature=1.0 if req.temperature is None else req.temperature,
                               top_p=1.0 if req.top_p is None else req.top_p,
                               top_k=max(req.top_k or 0, 0), min_p=req.min_p or 0.0, seed=seed,
-                              stop_on_eos=not req.ignore_eos, stop_token_ids=tuple(req.stop_token_ids or ()))
+                              stop_on_eos=not req.ignore_eos, stop_token_ids=tuple(req.stop_token_ids or ()),
+                              logprobs=logprobs)
 
     def check_text_fields(self, req: RequestBase) -> None:
         stops = stops_of(req)
@@ -222,13 +242,13 @@ class OpenAIServing:
                     yield _sse(first)
                 async for d in run.deltas():
                     if d:
-                        yield _sse(chunk(d, None))
+                        yield _sse(chunk(d, None, run.take_logprobs()))
                 if run.error is not None:
                     yield _sse({"error": {"message": run.error, "type": "server_error", "param": None, "code": 503}})
                 else:
-                    yield _sse(chunk(None, run.finish_reason))
+                    yield _sse(chunk(None, run.finish_reason, run.take_logprobs()))
                     if usage:
-                        yield _sse({**chunk(None, None), "choices": [], "usage": run.usage()})
+                        yield _sse({**chunk(None, None, ([], [])), "choices": [], "usage": run.usage()})
                 yield "data: [DONE]\n\n"
             finally:                      # normal end, or the client went away (the task is cancelled)
                 run.handle.cancel()
@@ -294,26 +314,32 @@ class OpenAIServing:
         self.check_model(req.model)
         self.check_text_fields(req)
         ids = self.prompt_ids(req.prompt, "prompt")
-        sp = self.sampling(req, len(ids), req.max_tokens if req.max_tokens is not None else 16)
+        sp = self.sampling(req, len(ids), req.max_tokens if req.max_tokens is not None else 16,
+                           self.logprobs(req.logprobs, "logprobs"))
         timer = self.metrics.timer(len(ids))
         run = self.run(await self.start(ids, sp, "prompt"), req, timer)
         rid, now = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        text_of, offset = token_texts(self.codec), [0]
 
-        def choice(text, reason):
-            c = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+        def choice(text, reason, taken):
+            lp = None
+            if req.logprobs is not None:
+                lp = completion_logprobs(*taken, text_of, offset[0])
+                offset[0] += sum(len(t) for t in lp["tokens"])
+            c = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": reason}
             if req.return_token_ids and reason is not None:
                 c["token_ids"] = run.ids
             return c
 
-        def chunk(text, reason):
+        def chunk(text, reason, taken):
             return {"id": rid, "object": "text_completion", "created": now, "model": self.model_name,
-                    "choices": [choice(text, reason)] if text is not None or reason is not None else []}
+                    "choices": [choice(text, reason, taken)] if text is not None or reason is not None else []}
 
         if req.stream:
             return self.stream_response(run, chunk, usage=bool(req.stream_options and req.stream_options.include_usage))
         text = await self.collect(run, request)
         return {"id": rid, "object": "text_completion", "created": now, "model": self.model_name,
-                "choices": [choice(text, run.finish_reason)], "usage": run.usage()}
+                "choices": [choice(text, run.finish_reason, run.take_logprobs())], "usage": run.usage()}
 
     async def chat_completions(self, request: Request):
         req = await read_request(request, ChatCompletionRequest)
@@ -328,16 +354,23 @@ class OpenAIServing:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if not ids:
             raise ApiError(400, "messages: the chat prompt is empty", "messages")
-        sp = self.sampling(req, len(ids), max_tokens)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
+        sp = self.sampling(req, len(ids), max_tokens,
+                           self.logprobs(req.top_logprobs or 0, "top_logprobs") if req.logprobs else None)
         timer = self.metrics.timer(len(ids))
         run = self.run(await self.start(ids, sp, "messages"), req, timer)
         rid, now = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        text_of = token_texts(self.codec)
 
-        def chunk(text, reason):
+        def logprobs(taken):
+            return chat_logprobs(*taken, text_of) if req.logprobs else None
+
+        def chunk(text, reason, taken):
             if text is None and reason is None:
                 choices = []
             else:
-                c = {"index": 0, "delta": {"content": text} if text is not None else {}, "logprobs": None,
+                c = {"index": 0, "delta": {"content": text} if text is not None else {}, "logprobs": logprobs(taken),
                      "finish_reason": reason}
                 if req.return_token_ids and reason is not None:
                     c["token_ids"] = run.ids
@@ -352,8 +385,8 @@ class OpenAIServing:
             return self.stream_response(run, chunk, first,
                                    usage=bool(req.stream_options and req.stream_options.include_usage))
         text = await self.collect(run, request)
-        choice: dict = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                        "finish_reason": run.finish_reason}
+        choice: dict = {"index": 0, "message": {"role": "assistant", "content": text},
+                        "logprobs": logprobs(run.take_logprobs()), "finish_reason": run.finish_reason}
         if req.return_token_ids:
             choice["token_ids"] = run.ids
         return {"id": rid, "object": "chat.completion", "created": now, "model": self.model_name,

@@ -60,6 +60,7 @@ class RequestView:
     finish_reason: str | None = None
     cached: int = 0                     # prompt tokens reused from the prefill role's prefix cache
     spec: dict | None = None            # DSpark: the decode role's counters of the request (`Engine.result`'s)
+    logprobs: list | None = None        # with sampling.logprobs: an entry per output token (`Request.logprobs`)
 
 
 def _bcast(obj, source: bool):
@@ -152,6 +153,8 @@ class CrossProcessDisaggregatedEngine(TwoRoles):
         r = self.requests[rid]
         out = {"id": rid, "prompt_ids": r.prompt, "output_ids": r.output, "status": r.status,
                "finish_reason": r.finish_reason, "cached_tokens": r.cached}
+        if r.logprobs is not None:
+            out["logprobs"] = r.logprobs
         if self.speculative is not None:
             out["speculative"] = spec_stats(r.spec or {"steps": 0, "proposed": 0, "accepted": 0, "emitted": 0})
         return out
@@ -222,18 +225,21 @@ class CrossProcessDisaggregatedEngine(TwoRoles):
         for res in offered["ended"]:
             view = self.requests[res["id"]]
             view.output, view.status, view.finish_reason = res["output_ids"], res["status"], res["finish_reason"]
-            view.cached = res["cached_tokens"]
+            view.cached, view.logprobs = res["cached_tokens"], res.get("logprobs")
         for cand in offered["candidates"]:                # prefilled: running with its first token, adopted or not
             view = self.requests[cand["rid"]]
             view.output, view.status, view.cached = list(cand["output"]), "running", cand["cached"]
+            view.logprobs = None if cand["logprobs"] is None else list(cand["logprobs"])
         accepted = _bcast(None if self.is_prefill else self._adopt(offered["candidates"]), not self.is_prefill)
         by_id = {c["rid"]: c for c in offered["candidates"]}
         records = [self._transfer(by_id[acc["rid"]], acc["blocks"]) for acc in accepted]
         report = _bcast(None if self.is_prefill else self._decode(records), not self.is_prefill)
         self._remote_load = report["load"] if self.is_prefill else offered["load"]
-        for rid, new, status, reason, spec in report["updates"]:
+        for rid, new, status, reason, spec, new_logprobs in report["updates"]:
             view = self.requests[rid]
             view.output.extend(new)
+            if new_logprobs is not None:
+                view.logprobs.extend(new_logprobs)
             view.status, view.finish_reason, view.spec = status, reason, spec
         self.transfers.extend(report["transfers"])
         self._decode_stats = report["stats"]
@@ -255,7 +261,7 @@ class CrossProcessDisaggregatedEngine(TwoRoles):
                     np.asarray(req.last_logits, np.float32).tobytes()).decode()
                 candidates.append({"rid": rid, "prompt": req.prompt, "sampling": asdict(req.sampling),
                                    "output": req.output, "logits": logits, "blocks": pre.alloc.blocks(rid),
-                                   "cached": req.cached})
+                                   "cached": req.cached, "logprobs": req.logprobs})
         held = sum(r.status in ("waiting", "running") for r in pre.requests.values())
         return {"ended": ended, "candidates": candidates, "held": held, "load": pre.load()}
 
@@ -265,7 +271,8 @@ class CrossProcessDisaggregatedEngine(TwoRoles):
         for c in candidates:
             residue = c["blocks"][0] % dec.alloc.n if self.prefill_kvp == self.decode_kvp else None
             logits = None if c["logits"] is None else np.frombuffer(base64.b64decode(c["logits"]), np.float32)
-            dst = dec.adopt(c["rid"], c["prompt"], SamplingParams(**c["sampling"]), c["output"], logits, residue)
+            dst = dec.adopt(c["rid"], c["prompt"], SamplingParams(**c["sampling"]), c["output"], logits, residue,
+                            c["logprobs"])
             if dst is None:
                 break
             accepted.append({"rid": c["rid"], "blocks": [int(b) for b in dst]})
@@ -299,10 +306,12 @@ class CrossProcessDisaggregatedEngine(TwoRoles):
         dec.decode_round()
         updates = []
         for rid, req in list(dec.requests.items()):
-            new = req.output[self._sent[rid]:]
+            sent = self._sent[rid]
+            new = req.output[sent:]
             self._sent[rid] = len(req.output)
             updates.append((rid, [int(t) for t in new], req.status, req.finish_reason,
-                            dict(req.spec) if self.speculative is not None else None))
+                            dict(req.spec) if self.speculative is not None else None,
+                            None if req.logprobs is None else req.logprobs[sent:]))
             if req.status in ("done", "cancelled"):
                 dec.release(rid)
                 del self._sent[rid]

@@ -38,6 +38,7 @@ from v41cp.serving.cache.request_state import request_state
 from v41cp.serving.cache.slot_state import put_slot_state, take_slot_state
 from v41cp.serving.capacity import Capacity
 from v41cp.serving.multihost.fetch import fetch
+from v41cp.serving.runner.logprobs import TokenLogprobs, entries
 from v41cp.serving.runner.sampling import ReplicateOn, SamplingRows, sample_tokens
 from v41cp.serving.runner.span_batch import build_span_batch
 from v41cp.serving.runner.span_prefill import SpanLayout, prefill_span
@@ -186,9 +187,10 @@ class ModelRunner:
                 at_cut(req, end)
         if self.record_logits:
             req.last_logits = fetch(last)[0]
-        index = len(req.output)
-        req.output.append(int(fetch(sample_tokens(last, SamplingRows.build([req.sampling], [index], 1),
-                                                  whole=self.whole))[0]))
+        tokens, lp = sample_tokens(last, SamplingRows.build([req.sampling], [len(req.output)], 1), whole=self.whole,
+                                   logprobs=self.capacity.max_logprobs)
+        lp = self._logprobs(lp, [req])
+        req.emit(int(fetch(tokens)[0]), self._entry(lp, req, 0))
         self.stats["prefill_tokens"] += n - req.cached
         req.filled = n
         self.stats["ced_encoder_only_rows"] += encoder_rows
@@ -234,9 +236,10 @@ class ModelRunner:
         logits = self._span_pass(batch, slots)
         last = [i for i in range(k) if starts[i] < ends[i] == totals[i]]          # whose history ends in the pass
         if last:
-            tokens = fetch(sample_tokens(logits, SamplingRows.build([reqs[i].sampling for i in last],
-                                                                    [len(reqs[i].output) for i in last], b, rows=last),
-                                         whole=self.whole))
+            tokens, lp = sample_tokens(logits, SamplingRows.build([reqs[i].sampling for i in last],
+                                                                  [len(reqs[i].output) for i in last], b, rows=last),
+                                       whole=self.whole, logprobs=self.capacity.max_logprobs)
+            tokens, lp = fetch(tokens), self._logprobs(lp, [reqs[i] for i in last])
             recorded = fetch(logits) if self.record_logits else None
         for i, req in enumerate(reqs):
             req.filled = int(ends[i])
@@ -245,7 +248,7 @@ class ModelRunner:
                 self.stats["ced_encoder_only_rows"] += max(0, min(int(ends[i]), int(decoder_ends[i]) - ced_rows(cfg))
                                                           - int(starts[i]))
         for i in last:
-            reqs[i].output.append(int(tokens[i]))
+            reqs[i].emit(int(tokens[i]), self._entry(lp, reqs[i], i))
             if recorded is not None:
                 reqs[i].last_logits = recorded[i]
         self.stats["prefill_s"] += time.perf_counter() - t0
@@ -307,7 +310,8 @@ class ModelRunner:
         if continued:
             batch = dataclasses.replace(batch, qcp=dataclasses.replace(batch.qcp, continued=True))
         logits = self._span_pass(batch, [0] * b)
-        fetch(sample_tokens(logits, SamplingRows.build([], [], b), whole=self.whole))
+        fetch(sample_tokens(logits, SamplingRows.build([], [], b), whole=self.whole,
+                            logprobs=self.capacity.max_logprobs)[0])
 
     def _idle_chunk(self) -> None:
         cfg, b, c = self.cfg, self.capacity.max_batch, self.capacity.prefill_chunk
@@ -321,7 +325,8 @@ class ModelRunner:
         else:
             logits, self.cache = prefill_chunk(self.params, self.cache, metas, cfg, False, self.step_plan)
         last = jax.lax.dynamic_index_in_dim(logits[:, 0], np.int32(0), keepdims=True)      # as `prefill_serial`
-        fetch(sample_tokens(last, SamplingRows.build([], [], 1), whole=self.whole))
+        fetch(sample_tokens(last, SamplingRows.build([], [], 1), whole=self.whole,
+                            logprobs=self.capacity.max_logprobs)[0])
 
     def _idle_slot_state(self) -> None:
         """Take slot 0's state and put it back (unchanged): the prefix cache's store and resume programs."""
@@ -330,8 +335,8 @@ class ModelRunner:
     def _idle_decode(self) -> None:
         b = self.capacity.max_batch
         meta = StepBatch.idle(self.cfg, b, self.capacity.max_blocks)
-        tokens, _, self.cache = decode_and_sample(self.params, self.cache, meta, SamplingRows.build([], [], b), self.cfg,
-                                                  self.step_plan)
+        tokens, _, _, self.cache = decode_and_sample(self.params, self.cache, meta, SamplingRows.build([], [], b),
+                                                     self.cfg, self.step_plan, self.capacity.max_logprobs)
         fetch(tokens)
 
     def _idle_speculative(self) -> None:
@@ -353,13 +358,14 @@ class ModelRunner:
         meta = StepBatch.for_histories(cfg, [r.history for r in rows], slots, tables, self.capacity.max_batch,
                                        self.capacity.max_blocks)
         sampling = SamplingRows.build([r.sampling for r in rows], [len(r.output) for r in rows], self.capacity.max_batch)
-        tokens, logits, self.cache = decode_and_sample(self.params, self.cache, meta, sampling, cfg, self.step_plan)
-        tokens = fetch(tokens)
+        tokens, lp, logits, self.cache = decode_and_sample(self.params, self.cache, meta, sampling, cfg, self.step_plan,
+                                                           self.capacity.max_logprobs)
+        tokens, lp = fetch(tokens), self._logprobs(lp, rows)
         logits = fetch(logits) if self.record_logits else None
         for i, req in enumerate(rows):
             if logits is not None:
                 req.last_logits = logits[i]
-            req.output.append(int(tokens[i]))
+            req.emit(int(tokens[i]), self._entry(lp, req, i))
             done(req)
         self.stats["decode_steps"] += 1
         self.stats["decode_tokens"] += len(rows)
@@ -387,10 +393,11 @@ class ModelRunner:
         lengths = np.array([min(r, req.sampling.max_new_tokens - len(req.output)) for req in rows], np.int32)
         meta = StepBatch.verify(cfg, [req.history for req in rows], drafts, lengths, slots, tables, b, mb, r)
         sampling = SamplingRows.build([req.sampling for req in rows], [len(req.output) for req in rows], b)
-        emitted, accepted, logits, self.cache, undo, (feats, fpos, fok) = verify_and_accept(
-            self.params, self.cache, meta, sampling, cfg, self.step_plan, features=True)
+        emitted, accepted, lp, logits, self.cache, undo, (feats, fpos, fok) = verify_and_accept(
+            self.params, self.cache, meta, sampling, cfg, self.step_plan, features=True,
+            logprobs=self.capacity.max_logprobs)
         self.cache = commit_rows(self.cache, undo, accepted + 1, cfg, self.step_plan)   # the anchor and the kept
-        emitted = fetch(emitted)
+        emitted, lp = fetch(emitted), self._logprobs(lp, rows)
         kept = np.where(np.arange(b) < len(rows), fetch(accepted) + 1, 0)       # the anchor and m drafts; idle 0
         logits = fetch(logits) if self.record_logits else None
         emitted_total = 0
@@ -401,8 +408,8 @@ class ModelRunner:
             req.spec["steps"] += 1
             req.spec["proposed"] += int(lengths[i] - 1)
             req.spec["accepted"] += m
-            for t in emitted[i, :m + 1]:
-                req.output.append(int(t))
+            for j, t in enumerate(emitted[i, :m + 1]):
+                req.emit(int(t), self._entry(lp, req, (i, j)))
                 req.spec["emitted"] += 1
                 emitted_total += 1
                 done(req)
@@ -416,6 +423,18 @@ class ModelRunner:
         self.stats["drafts_accepted"] += int(kept.sum()) - len(rows)
         self.stats["decode_tokens"] += emitted_total
         self.stats["decode_s"] += time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ log-probabilities
+    def _logprobs(self, lp, reqs) -> TokenLogprobs | None:
+        """A step's `TokenLogprobs` on the host when one of ``reqs`` asks for them (else nothing is fetched)."""
+        if lp is None or not any(r.sampling.logprobs is not None for r in reqs):
+            return None
+        return jax.tree.map(fetch, lp)
+
+    @staticmethod
+    def _entry(lp: TokenLogprobs | None, req: Request, index):
+        """``req``'s log-probability entry of the token at ``index`` of the fetched ``lp`` (None: not asked)."""
+        return None if lp is None or req.sampling.logprobs is None else entries(lp, index, req.sampling.logprobs)
 
     # ------------------------------------------------------------------ structure
     def cache_bytes_per_device(self) -> dict[str, int]:
@@ -439,7 +458,7 @@ class ModelRunner:
         b = self.capacity.max_batch
         meta = StepBatch.idle(self.cfg, b, self.capacity.max_blocks)
         return decode_and_sample.lower(self.params, self.cache, meta, SamplingRows.build([], [], b), self.cfg,
-                                       self.step_plan).compile().as_text()
+                                       self.step_plan, self.capacity.max_logprobs).compile().as_text()
 
     @staticmethod
     def compile_counts() -> dict[str, int]:

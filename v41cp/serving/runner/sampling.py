@@ -30,9 +30,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from v41cp.serving.runner.logprobs import token_logprobs
 from v41cp.serving.scheduler.request import SamplingParams
 
-__all__ = ["SamplingRows", "sample_rows", "accept_rows", "token_distribution", "sample_tokens", "ReplicateOn"]
+__all__ = ["SamplingRows", "sample_rows", "accept_rows", "token_distribution", "sample_tokens", "sample_with_logprobs",
+           "ReplicateOn"]
 
 TOKEN, ACCEPT, AFTER_DRAFT = 0, 1, 2        # the random streams of one output index
 
@@ -42,7 +44,8 @@ TOKEN, ACCEPT, AFTER_DRAFT = 0, 1, 2        # the random streams of one output i
 class SamplingRows:
     """The sampling parameters of every batch row (data fields, shapes ``[B]``): ``temperature`` f32 (0: greedy),
     ``top_p`` f32 in (0, 1], ``top_k`` i32 (0: off), ``min_p`` f32 in [0, 1), ``seed`` uint32 ``[B, 2]`` (the 64-bit
-    seed's high and low words), ``index`` i32 (the output index of the row's first sampled token)."""
+    seed's high and low words), ``index`` i32 (the output index of the row's first sampled token), ``logprobs`` bool
+    (the row's request asks for log-probabilities: `v41cp.serving.runner.logprobs`)."""
 
     temperature: jax.Array
     top_p: jax.Array
@@ -50,6 +53,7 @@ class SamplingRows:
     min_p: jax.Array
     seed: jax.Array
     index: jax.Array
+    logprobs: jax.Array
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], indices: Sequence[int], batch: int,
@@ -70,14 +74,16 @@ class SamplingRows:
                    top_p=col([sp.top_p for sp in params], np.float32, 1.0),
                    top_k=col([sp.top_k for sp in params], np.int32, 0),
                    min_p=col([sp.min_p for sp in params], np.float32, 0.0), seed=seeds,
-                   index=col(list(indices), np.int32, 0))
+                   index=col(list(indices), np.int32, 0),
+                   logprobs=col([sp.logprobs is not None for sp in params], bool, False))
 
     @classmethod
     def abstract(cls, batch: int, sharding=None) -> "SamplingRows":
         """``jax.ShapeDtypeStruct`` leaves of ``batch`` rows (lowering a step ahead of traffic)."""
         s = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
         return cls(temperature=s((batch,), jnp.float32), top_p=s((batch,), jnp.float32), top_k=s((batch,), jnp.int32),
-                   min_p=s((batch,), jnp.float32), seed=s((batch, 2), jnp.uint32), index=s((batch,), jnp.int32))
+                   min_p=s((batch,), jnp.float32), seed=s((batch, 2), jnp.uint32), index=s((batch,), jnp.int32),
+                   logprobs=s((batch,), jnp.bool_))
 
     def take(self, rows: jax.Array) -> "SamplingRows":
         """The parameters of batch rows ``rows``."""
@@ -152,8 +158,15 @@ class ReplicateOn:
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, PartitionSpec()))
 
 
+def sample_with_logprobs(logits: jax.Array, rows: SamplingRows, whole=None, logprobs: int = 0):
+    """`sample_rows` and, with ``logprobs = n > 0``, the tokens' log-probabilities with the top ``n`` of each row
+    (`token_logprobs`; computed only when a row asks): ``(tokens [B], TokenLogprobs or None)``."""
+    tokens = sample_rows(logits, rows, whole)
+    return tokens, (token_logprobs(logits, tokens, rows.logprobs.any(), logprobs, whole) if logprobs else None)
+
+
 # the prefills' first tokens: a program on the pass's device logits
-sample_tokens = jax.jit(sample_rows, static_argnames=("whole",))
+sample_tokens = jax.jit(sample_with_logprobs, static_argnames=("whole", "logprobs"))
 
 
 def accept_rows(logits: jax.Array, drafts: jax.Array, lengths: jax.Array, rows: SamplingRows, whole=None

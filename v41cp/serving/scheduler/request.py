@@ -49,6 +49,7 @@ class SamplingParams:
     seed: int = 0
     stop_on_eos: bool = True
     stop_token_ids: tuple[int, ...] = ()   # the request ends after any of these (finish reason "stop")
+    logprobs: int | None = None         # each output token's log-probability and this many alternatives (None: off)
 
     def __post_init__(self):           # (a list from JSON, e.g. the control plane's broadcast, becomes a tuple)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -65,6 +66,8 @@ class Request:
     status: str = "waiting"                # one of STATUSES
     finish_reason: str | None = None
     last_logits: np.ndarray | None = None  # FP32 logits that produced the latest output token
+    # with sampling.logprobs: one (logprob, ((id, logprob), …)) per output token (`v41cp.serving.runner.logprobs`)
+    logprobs: list | None = None
     spec: dict = field(default_factory=lambda: {"steps": 0, "proposed": 0, "accepted": 0, "emitted": 0})
     cached: int = 0                        # prompt tokens reused from the prefix cache (not prefilled)
     prefix_nodes: list = field(default_factory=list)   # prefix-cache nodes this request holds
@@ -72,6 +75,14 @@ class Request:
     preemptions: int = 0                   # times its pages were taken back (it was recomputed after each)
     filled: int = 0                        # tokens of its history in the cache while it is being prefilled
     prefill_to: int = 0                    # the history length its current prefill reaches (set at admission)
+
+    def emit(self, token: int, logprob=None) -> None:
+        """Append an output token, with its log-probability entry when the request asks for them."""
+        self.output.append(int(token))
+        if self.sampling.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.append(logprob)
 
     @property
     def history(self) -> list[int]:
@@ -114,6 +125,10 @@ def check_request(rid, prompt: list[int], sampling: SamplingParams, cfg: ModelCo
     bad = cfg.out_of_vocabulary(list(sampling.stop_token_ids))
     if bad:
         raise RequestError.of(rid, bad, "stop_token_ids")
+    lp = sampling.logprobs
+    if lp is not None and (type(lp) is not int or not 0 <= lp <= capacity.max_logprobs):
+        raise RequestError.of(rid, f"logprobs must be an integer in [0, {capacity.max_logprobs}] (the engine's "
+                                   f"max_logprobs), got {lp!r}", "logprobs")
     total = len(prompt) + sampling.max_new_tokens
     if total > capacity.max_tokens:
         field = "prompt" if len(prompt) >= capacity.max_tokens else "max_new_tokens"

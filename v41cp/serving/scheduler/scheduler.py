@@ -194,14 +194,15 @@ class Scheduler:
                                f"({self.alloc.free_blocks} blocks and {self.alloc.free_slots} slots free): "
                                "an admission defect")
 
-    def adopt(self, rid, prompt, sampling: SamplingParams, output, last_logits=None, residue: int | None = None):
-        """Register request ``rid`` prefilled elsewhere as running with ``output``, reserving its slot and the
-        blocks of its whole budget (page cycle from ``residue``; default the content placement). Returns its block
-        ids, or None when it does not fit now (nothing changed)."""
+    def adopt(self, rid, prompt, sampling: SamplingParams, output, last_logits=None, residue: int | None = None,
+              logprobs=None):
+        """Register request ``rid`` prefilled elsewhere as running with ``output`` (and its ``logprobs`` entries),
+        reserving its slot and the blocks of its whole budget (page cycle from ``residue``; default the content
+        placement). Returns its block ids, or None when it does not fit now (nothing changed)."""
         if self.is_active(rid):
             raise RequestError(f"request id {rid!r} is already active", "request_id")
         req = Request(rid, [int(t) for t in prompt], sampling, output=[int(t) for t in output], status="running",
-                      last_logits=last_logits)
+                      last_logits=last_logits, logprobs=None if logprobs is None else list(logprobs))
         need = self.budget(req)                   # the whole budget: a decode role never preempts (see above)
         residue = content_residue(req.prompt, self.capacity.block_tokens, self.alloc.n) if residue is None else residue
         if not self.alloc.fits_when_empty(need):

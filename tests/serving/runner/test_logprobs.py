@@ -1,0 +1,108 @@
+"""Log-probabilities computed in the steps (`v41cp.serving.runner.logprobs`): each output token's entry equals the
+log-softmax of the FP32 logits that produced it (the engine's own, recorded) — for greedy and sampled requests, the
+prefill's first token and every decode step, and the speculative verification rows —, the alternatives in
+`jax.lax.top_k` order; a request that does not ask gets none and nothing is fetched for it; bad counts are refused
+naming the field."""
+
+import numpy as np
+import pytest
+
+from v41cp.checkpoint import default_checkpoint, load
+from v41cp.serving.engine import Capacity, Engine, RequestError, SamplingParams
+from v41cp.serving.runner.speculative import Speculative
+
+pytestmark = pytest.mark.fast           # the developer tier (`pytest -m fast`)
+
+CAP = Capacity(max_batch=3, max_tokens=48, block_tokens=4, max_logprobs=5)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    return load(default_checkpoint())
+
+
+def _log_softmax(x):
+    x = np.asarray(x, np.float64)
+    m = x.max()
+    return x - m - np.log(np.exp(x - m).sum())
+
+
+def _run_recording(eng, requests) -> dict:
+    """Run ``requests`` ({rid: (prompt, SamplingParams)}) round by round, keeping the logits behind every token."""
+    for rid, (prompt, sp) in requests.items():
+        eng.submit(rid, prompt, sp)
+    logits = {rid: [] for rid in requests}
+
+    def grab():
+        for rid in requests:
+            r = eng.requests[rid]
+            while r.last_logits is not None and len(logits[rid]) < len(r.output):
+                logits[rid].append(r.last_logits)
+    while eng.pending:
+        eng.prefill_round()
+        grab()
+        eng.decode_round()
+        grab()
+    return logits
+
+
+def _check_entries(req, logits, count):
+    assert len(req.logprobs) == len(req.output) == len(logits)
+    for token, (lp, alternatives), row in zip(req.output, req.logprobs, logits):
+        want = _log_softmax(row)
+        assert abs(lp - want[token]) <= 1e-5, (token, lp, want[token])
+        order = np.argsort(-want, kind="stable")[:count]            # descending, lower id first on ties
+        assert [i for i, _ in alternatives] == order.tolist()
+        assert np.allclose([v for _, v in alternatives], want[order], atol=1e-5)
+
+
+def test_logprobs_are_the_log_softmax_of_each_tokens_logits(setup):
+    cfg, params = setup
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 256, n).tolist() for n in (6, 13, 9)]
+    requests = {"greedy": (prompts[0], SamplingParams(max_new_tokens=7, stop_on_eos=False, logprobs=3)),
+                "sampled": (prompts[1], SamplingParams(max_new_tokens=7, temperature=0.7, top_k=8, seed=4,
+                                                       stop_on_eos=False, logprobs=5)),
+                "none": (prompts[2], SamplingParams(max_new_tokens=7, stop_on_eos=False))}
+    eng = Engine(params, cfg, CAP, record_logits=True)
+    logits = _run_recording(eng, requests)
+    _check_entries(eng.requests["greedy"], logits["greedy"], 3)
+    _check_entries(eng.requests["sampled"], logits["sampled"], 5)     # the model's distribution, not the tempered one
+    assert eng.requests["none"].logprobs is None and "logprobs" not in eng.result("none")
+    g = eng.requests["greedy"]
+    assert all(alt[0][0] == t for t, (_, alt) in zip(g.output, g.logprobs))     # greedy: the top alternative
+    for bad in (-1, 6, 1.5):
+        with pytest.raises(RequestError) as e:
+            eng.submit("bad", [5, 6], SamplingParams(logprobs=bad))
+        assert e.value.field == "logprobs" and "max_logprobs" in str(e.value)
+
+
+def test_speculative_rows_carry_the_logprobs_of_plain_decoding(setup):
+    """Injected proposals (the target's greedy continuation, a wrong token at draft 1): the verification rows'
+    entries equal plain decoding's for the same tokens."""
+    cfg, params = setup
+    rng = np.random.default_rng(8)
+    prompts = {f"p{n}": rng.integers(3, 256, n).tolist() for n in (5, 11)}
+    sp = SamplingParams(max_new_tokens=9, stop_on_eos=False, logprobs=2)
+    plain = Engine(params, cfg, CAP)
+    for rid, p in prompts.items():
+        plain.submit(rid, p, sp)
+    want = {r["id"]: r for r in plain.run()}
+    truth = {rid: prompts[rid] + want[rid]["output_ids"] for rid in prompts}
+
+    def propose(rid, history, n):
+        cont = truth[rid][len(history):len(history) + n]
+        cont += [3] * (n - len(cont))
+        cont[1 % n] = (cont[1 % n] + 1) % cfg.vocab_size
+        return cont
+
+    eng = Engine(params, cfg, CAP, speculative=Speculative(None, 3, proposer=propose))
+    for rid, p in prompts.items():
+        eng.submit(rid, p, sp)
+    got = {r["id"]: r for r in eng.run()}
+    for rid in prompts:
+        assert got[rid]["output_ids"] == want[rid]["output_ids"]
+        assert got[rid]["speculative"]["drafts_accepted"] > 0
+        for (lp, alt), (wlp, walt) in zip(got[rid]["logprobs"], want[rid]["logprobs"], strict=True):
+            assert abs(lp - wlp) <= 1e-5 and [i for i, _ in alt] == [i for i, _ in walt]
+            assert np.allclose([v for _, v in alt], [v for _, v in walt], atol=1e-5)
