@@ -8,6 +8,7 @@ import json
 import signal
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from server_harness import ServerProcess
@@ -421,6 +422,61 @@ def test_sampling_controls_have_their_effect(server, client):
     server.wait_idle()
 
 
+def test_logprobs_through_the_openai_client(server, client, codec):
+    """``logprobs`` (completions) and ``logprobs`` + ``top_logprobs`` (chat), plain and streamed: each token's
+    log-probability is the log-softmax of the model's logits for it (the full forward over prompt + output, within
+    the cache quantization's rounding), the alternatives are the most likely tokens in order (the chosen one first
+    for greedy), a stream carries exactly the plain answer's entries; counts out of range answer 400 naming the
+    field."""
+    from v41cp import model
+    from v41cp.checkpoint import load
+
+    cfg, params = load(default_checkpoint())
+    args = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=6, temperature=0, logprobs=3)
+    extra = {"return_token_ids": True, "ignore_eos": True}
+    got = client.completions.create(**args, extra_body=extra).choices[0]
+    ids, lp = got.model_extra["token_ids"], got.logprobs
+    prompt = codec.encode(PROMPTS[1])
+    logits = np.asarray(model.forward(params, cfg, np.asarray([prompt + ids])))[0, len(prompt) - 1:-1]
+    want = logits - logits.max(-1, keepdims=True)
+    want -= np.log(np.exp(want).sum(-1, keepdims=True))
+    tol = 1e-4 * np.abs(logits).max()                 # the logits' bound under the FP8 cache (relative 1e-4)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(ids) == 6
+    assert np.abs(np.asarray(lp.token_logprobs) - want[np.arange(6), ids]).max() <= tol
+    text = lambda t: codec.tokenizer.decode([t], skip_special_tokens=False)
+    for j, top in enumerate(lp.top_logprobs):
+        order = np.argsort(-want[j], kind="stable")[:3]
+        assert list(top) == [text(int(t)) for t in order] and list(top)[0] == lp.tokens[j] == text(ids[j])
+        assert np.abs(np.asarray(list(top.values())) - want[j, order]).max() <= tol
+    assert lp.text_offset == list(np.cumsum([0] + [len(t) for t in lp.tokens[:-1]]))
+    streamed = list(client.completions.create(**args, stream=True, extra_body=extra))
+    joined = [e for c in streamed for ch in c.choices if ch.logprobs for e in zip(
+        ch.logprobs.tokens, ch.logprobs.token_logprobs, ch.logprobs.top_logprobs, ch.logprobs.text_offset)]
+    assert joined == list(zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset))
+
+    messages = [{"role": "user", "content": PROMPTS[4]}]
+    chat = dict(model=MODEL, messages=messages, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    c = client.chat.completions.create(**chat, extra_body=extra).choices[0]
+    content = c.logprobs.content
+    assert len(content) == len(c.model_extra["token_ids"]) == 5
+    for item, t in zip(content, c.model_extra["token_ids"]):
+        assert item.token == text(t) and bytes(item.bytes) == item.token.encode()
+        assert len(item.top_logprobs) == 2 and item.top_logprobs[0].token == item.token
+        assert item.top_logprobs[0].logprob == item.logprob >= item.top_logprobs[1].logprob
+    streamed = list(client.chat.completions.create(**chat, stream=True, extra_body=extra))
+    assert [x for ch in streamed for c in ch.choices if c.logprobs for x in c.logprobs.content] == content
+    assert client.chat.completions.create(**{**chat, "logprobs": False, "top_logprobs": None}).choices[0].logprobs \
+        is None
+    for path, body, param in (("/v1/completions", {"prompt": "w1", "logprobs": 21}, "logprobs"),
+                              ("/v1/completions", {"prompt": "w1", "logprobs": -1}, "logprobs"),
+                              ("/v1/chat/completions", {"messages": messages, "top_logprobs": 2}, "top_logprobs"),
+                              ("/v1/chat/completions", {"messages": messages, "logprobs": True, "top_logprobs": 21},
+                               "top_logprobs")):
+        r = httpx.post(server.url + path, json={"model": MODEL, **body}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    server.wait_idle()
+
+
 def test_add_generation_prompt_is_honoured(server, codec):
     messages = [{"role": "user", "content": "w1 w2"}]
     for flag in (True, False):
@@ -432,18 +488,21 @@ def test_add_generation_prompt_is_honoured(server, codec):
 
 def _concurrent_equal_one_device(url: str, client, indices, max_tokens: int) -> None:
     """Concurrent greedy completions of ``PROMPTS[indices]`` against the server at ``url`` give the one-device
-    server's (``client``) token ids and text."""
+    server's (``client``) token ids, text and log-probabilities (2 alternatives; within the layouts' rounding)."""
     async def concurrent():
         aclient = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=180)
         return await asyncio.gather(*[aclient.completions.create(
-            model=MODEL, prompt=PROMPTS[i], max_tokens=max_tokens, temperature=0,
+            model=MODEL, prompt=PROMPTS[i], max_tokens=max_tokens, temperature=0, logprobs=2,
             extra_body={"return_token_ids": True, "ignore_eos": True}) for i in indices])
 
     for i, got in zip(indices, asyncio.run(concurrent())):
         one = client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=max_tokens, temperature=0,
-                                        extra_body={"return_token_ids": True, "ignore_eos": True})
+                                        logprobs=2, extra_body={"return_token_ids": True, "ignore_eos": True})
         assert got.choices[0].model_extra["token_ids"] == one.choices[0].model_extra["token_ids"]
         assert got.choices[0].text == one.choices[0].text
+        a, b = got.choices[0].logprobs, one.choices[0].logprobs
+        assert a.tokens == b.tokens and [list(t) for t in a.top_logprobs] == [list(t) for t in b.top_logprobs]
+        assert np.allclose(a.token_logprobs, b.token_logprobs, atol=1e-4, rtol=0)
 
 
 def test_pd_server_across_two_processes_equals_one_device(server, client):
