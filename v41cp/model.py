@@ -96,7 +96,8 @@ class Transformer(nn.Module):
       the rows before each request's decoder rows stop at the boundary's cache writes and the returned rows are
       the decoder rows;
     * ``logits_at [B]`` (cached rows): only that row of each request meets the head (−1 = none: zeros); logits
-      are then ``[B,1,vocab]``.
+      are then ``[B,1,vocab]``. Every row's head input ``[B,S,hidden]`` is sown into the ``"final"`` collection
+      (``mutable=["final"]``: prompt log-probabilities).
     """
 
     cfg: ModelConfig
@@ -141,6 +142,7 @@ class Transformer(nn.Module):
                 streams, pre, state, engram_ids, rows, cache, cache_only=True)
             return jnp.zeros((b, s, cfg.vocab_size), jnp.float32), hidden, cache
         h = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="norm")(collapse(streams, pre))
+        self.sow("final", "hidden", h)         # every row's head input (kept only when "final" is mutable)
         if logits_at is not None:              # only the sampled row of each request meets the head
             h = rows.sampled(h, logits_at)
         logits = jnp.einsum("bsh,hv->bsv", h.astype(jnp.float32), head, precision=jax.lax.Precision.HIGHEST)

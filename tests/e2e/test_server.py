@@ -334,7 +334,8 @@ def test_fuzzed_bodies_never_answer_5xx(server):
 HONOURED = {
     "completions": {"model": MODEL, "prompt": "w1 w2", "max_tokens": 2, "temperature": 0, "top_p": 0.9, "seed": 3,
                     "stop": ["w99"], "stream": False, "stream_options": {"include_usage": True}, "ignore_eos": True,
-                    "return_token_ids": True, "top_k": 5, "min_p": 0.1, "stop_token_ids": [5], "logprobs": 2},
+                    "return_token_ids": True, "top_k": 5, "min_p": 0.1, "stop_token_ids": [5], "logprobs": 2,
+                    "echo": True},
     "chat": {"model": MODEL, "messages": [{"role": "user", "content": "w1"}], "max_tokens": 2,
              "max_completion_tokens": 2, "temperature": 0, "top_p": 0.9, "seed": 3, "stop": "w99", "stream": False,
              "stream_options": {"include_usage": True}, "ignore_eos": True, "return_token_ids": True,
@@ -343,7 +344,7 @@ HONOURED = {
 }
 NEEDS = {"top_logprobs": {"logprobs": True}}            # a field honoured only with another
 CHANGING = {
-    "best_of": 2, "echo": True, "frequency_penalty": 0.5, "presence_penalty": -0.5, "logit_bias": {"5": 10},
+    "best_of": 2, "frequency_penalty": 0.5, "presence_penalty": -0.5, "logit_bias": {"5": 10},
     "n": 2, "suffix": "w1", "user": "u1", "audio": {"voice": "alloy", "format": "wav"},
     "function_call": "auto", "functions": [{"name": "f"}], "metadata": {"k": "v"}, "modalities": ["text", "audio"],
     "parallel_tool_calls": True, "prediction": {"type": "content", "content": "w1"}, "prompt_cache_key": "k",
@@ -453,6 +454,24 @@ def test_logprobs_through_the_openai_client(server, client, codec):
     joined = [e for c in streamed for ch in c.choices if ch.logprobs for e in zip(
         ch.logprobs.tokens, ch.logprobs.token_logprobs, ch.logprobs.top_logprobs, ch.logprobs.text_offset)]
     assert joined == list(zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset))
+
+    # the log-likelihood request of evaluation harnesses: the prompt echoed with its log-probabilities
+    echo = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=1, temperature=0, logprobs=1,
+                                     echo=True).choices[0]
+    full = np.asarray(model.forward(params, cfg, np.asarray([prompt])))[0, :-1]
+    want = full - full.max(-1, keepdims=True)
+    want -= np.log(np.exp(want).sum(-1, keepdims=True))
+    n = len(prompt)
+    assert echo.text.startswith(PROMPTS[1]) and len(echo.logprobs.tokens) == n + 1
+    assert echo.logprobs.token_logprobs[0] is None and echo.logprobs.top_logprobs[0] is None
+    assert echo.logprobs.tokens[:n] == [text(t) for t in prompt]
+    assert np.abs(np.asarray(echo.logprobs.token_logprobs[1:n]) - want[np.arange(n - 1), prompt[1:]]).max() <= tol
+    assert echo.logprobs.token_logprobs[n] == lp.token_logprobs[0]            # the generated token, as without echo
+    streamed = list(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=1, temperature=0, logprobs=1,
+                                              echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == echo.text
+    assert [x for c in streamed if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs] \
+        == echo.logprobs.token_logprobs
 
     messages = [{"role": "user", "content": PROMPTS[4]}]
     chat = dict(model=MODEL, messages=messages, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)

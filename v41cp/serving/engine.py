@@ -166,6 +166,10 @@ class Engine:
     # ------------------------------------------------------------------ requests
     def submit(self, rid, prompt_ids, sampling: SamplingParams = SamplingParams()) -> None:
         """Queue a request; raises ValueError (naming the value) without touching any other request."""
+        if sampling.prompt_logprobs is not None and not self.runner.scores_prompts:
+            raise RequestError.of(rid, "prompt log-probabilities are computed by the span prefill's packed passes "
+                                       "(not the token-serial prefill, model-wide QCP or CED narrowing, as this engine "
+                                       "runs)", "prompt_logprobs")
         self.scheduler.submit(rid, prompt_ids, sampling)
 
     def cancel(self, rid) -> None:
@@ -196,6 +200,8 @@ class Engine:
                "finish_reason": r.finish_reason, "cached_tokens": r.cached}
         if r.logprobs is not None:
             out["logprobs"] = r.logprobs
+        if r.prompt_logprobs is not None:
+            out["prompt_logprobs"] = r.prompt_logprobs
         if self.speculative is not None:
             out["speculative"] = spec_stats(r.spec)
         return out
@@ -330,12 +336,12 @@ class Engine:
 
     # ------------------------------------------------------------------ disaggregated roles
     def adopt(self, rid, prompt, sampling: SamplingParams, output, last_logits=None, residue: int | None = None,
-              logprobs=None):
+              logprobs=None, prompt_logprobs=None):
         """Take over request ``rid`` prefilled elsewhere (a decode-role engine): reserve its slot and the blocks of
         its whole budget (page cycle from ``residue``; default the content placement) and register it running with
         ``output`` (its first token(s), with their ``logprobs`` entries when it asks). Returns its block ids — the caller then fills its pages and slot state
         (`v41cp.serving.pd.transfer`) — or None when it does not fit now (nothing changed)."""
-        return self.scheduler.adopt(rid, prompt, sampling, output, last_logits, residue, logprobs)
+        return self.scheduler.adopt(rid, prompt, sampling, output, last_logits, residue, logprobs, prompt_logprobs)
 
     def hand_off(self, rid) -> dict:
         """Forget running request ``rid`` (a prefill-role engine, after its state moved to a decode engine): its

@@ -4,12 +4,16 @@ prefill's first token and every decode step, and the speculative verification ro
 `jax.lax.top_k` order; a request that does not ask gets none and nothing is fetched for it; bad counts are refused
 naming the field."""
 
+import jax
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec
 
 from v41cp.checkpoint import default_checkpoint, load
 from v41cp.serving.engine import Capacity, Engine, RequestError, SamplingParams
+from v41cp.serving.runner.logprobs import top_n
 from v41cp.serving.runner.speculative import Speculative
+from v41cp.sharding.topology import ParallelConfig
 
 pytestmark = pytest.mark.fast           # the developer tier (`pytest -m fast`)
 
@@ -106,3 +110,55 @@ def test_speculative_rows_carry_the_logprobs_of_plain_decoding(setup):
         for (lp, alt), (wlp, walt) in zip(got[rid]["logprobs"], want[rid]["logprobs"], strict=True):
             assert abs(lp - wlp) <= 1e-5 and [i for i, _ in alt] == [i for i, _ in walt]
             assert np.allclose([v for _, v in alt], [v for _, v in walt], atol=1e-5)
+
+
+@pytest.mark.parametrize("topology", [dict(tp_size=8), dict(tp_size=8, kv_parallel_size=4,
+                                                             decode_context_parallel_size=4)], ids=["tp8", "tp8-kvp4"])
+def test_top_n_over_a_split_vocabulary_equals_top_k(topology):
+    """Each device's top n of its vocabulary slice, then the top n of the candidates: `jax.lax.top_k`'s values and
+    order exactly, ties (small integers: many) included."""
+    mesh = ParallelConfig(**topology).make_mesh(jax.devices()[:8])
+    x = np.random.default_rng(0).integers(0, 5, (3, 2, 256)).astype(np.float32)
+    sharded = jax.device_put(x, NamedSharding(mesh, PartitionSpec(None, None, ("tp", "cp"))))
+    for n in (1, 5, 20):
+        got = jax.jit(lambda a: top_n(a, n, mesh, ("tp", "cp")))(sharded)
+        want = jax.lax.top_k(x, n)
+        assert (np.asarray(got[0]) == np.asarray(want[0])).all() and (np.asarray(got[1]) == np.asarray(want[1])).all()
+
+
+def test_prompt_logprobs_equal_the_full_forward(setup):
+    """Prompt log-probabilities from the span prefill's passes (a prompt over two passes of 16 rows, one of one
+    token): None for the first token, then each prompt token's log-softmax under the full forward, the alternatives
+    in order. A cached prompt that asks for them is prefilled whole (no prefix hit) and gets the same entries; the
+    engines that do not compute them (token-serial prefill, CED narrowing) refuse the request naming the field."""
+    from v41cp import model
+
+    cfg, params = setup
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 256, n).tolist() for n in (20, 7, 1)]
+    eng = Engine(params, cfg, Capacity(max_batch=3, max_tokens=48, block_tokens=4, prefill_tokens=16))
+    sp = SamplingParams(max_new_tokens=2, stop_on_eos=False, prompt_logprobs=3)
+    for i, p in enumerate(prompts):
+        eng.submit(i, p, sp)
+    res = {r["id"]: r for r in eng.run()}
+    for i, p in enumerate(prompts):
+        got = res[i]["prompt_logprobs"]
+        assert len(got) == len(p) and got[0] is None
+        if len(p) == 1:
+            continue
+        want = np.stack([_log_softmax(x) for x in np.asarray(model.forward(params, cfg, np.asarray([p])))[0, :-1]])
+        assert np.abs(np.array([e[0] for e in got[1:]]) - want[np.arange(len(p) - 1), p[1:]]).max() <= 1e-5
+        for j, (_, alternatives) in enumerate(got[1:]):
+            assert [a for a, _ in alternatives] == np.argsort(-want[j], kind="stable")[:3].tolist()
+    plain = SamplingParams(max_new_tokens=2, stop_on_eos=False)
+    eng.submit("seed", prompts[0], plain)                        # (a scoring request stores no prefix)
+    eng.run()
+    eng.submit("again", prompts[0], sp)
+    eng.submit("hit", prompts[0], plain)
+    again = {r["id"]: r for r in eng.run()}
+    assert again["again"]["cached_tokens"] == 0 and again["hit"]["cached_tokens"] > 0
+    assert again["again"]["prompt_logprobs"] == res[0]["prompt_logprobs"]
+    for cap in (Capacity(max_batch=1, max_tokens=32, span_prefill=False), Capacity(max_batch=1, max_tokens=32, ced=True)):
+        with pytest.raises(RequestError) as e:
+            Engine(params, cfg, cap).submit("x", [5, 6, 7], sp)
+        assert e.value.field == "prompt_logprobs"

@@ -56,6 +56,8 @@ class TokenEvent:
     error: str | None = None             # set when the request ended abnormally (shutdown, failed step)
     cached_tokens: int = 0               # prompt tokens the request reused from the prefix cache
     logprobs: tuple | None = None        # with sampling.logprobs: one (logprob, ((id, logprob), …)) per id of ``ids``
+    prompt_logprobs: tuple | None = None  # with sampling.prompt_logprobs, on the first event: None, then an entry per
+    #                                       prompt token after the first
 
     @property
     def final(self) -> bool:
@@ -89,6 +91,7 @@ class RequestHandle:
 class _Stream:
     def __init__(self, aio_loop: asyncio.AbstractEventLoop, events: asyncio.Queue):
         self.aio_loop, self.events, self.sent = aio_loop, events, 0
+        self.prompt_sent = False
 
     def emit(self, event: TokenEvent) -> None:
         try:
@@ -298,8 +301,12 @@ class EngineLoop:
             stream.sent += len(new)
             finished = req.status in ("done", "cancelled")
             if new or finished:
+                scored = getattr(req, "prompt_logprobs", None)
+                first = scored is not None and not stream.prompt_sent
+                stream.prompt_sent = stream.prompt_sent or first
                 stream.emit(TokenEvent(new, finish_reason=req.finish_reason if finished else None,
-                                       cached_tokens=req.cached, logprobs=logprobs))
+                                       cached_tokens=req.cached, logprobs=logprobs,
+                                       prompt_logprobs=tuple(scored) if first else None))
             if finished:
                 del self._streams[rid]
                 eng.release(rid)

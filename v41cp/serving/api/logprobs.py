@@ -7,7 +7,8 @@ checkpoint's tokenizer (special tokens spelled out); without a tokenizer, ``toke
 
 * `completion_logprobs(ids, entries, token_text, offset)` — ``/v1/completions``: ``{tokens, token_logprobs,
   top_logprobs, text_offset}``; each ``top_logprobs`` dict holds the top alternatives and the chosen token (as vLLM
-  does: up to ``logprobs + 1`` keys), ``text_offset`` counts characters from ``offset``;
+  does: up to ``logprobs + 1`` keys), ``text_offset`` counts characters from ``offset``; an entry None (an echoed
+  prompt's first token) gives ``null`` log-probability and alternatives;
 * `chat_logprobs(ids, entries, token_text)` — ``/v1/chat/completions``: ``{content: [{token, logprob, bytes,
   top_logprobs: [{token, logprob, bytes}, …]}]}`` with exactly the requested alternatives.
 """
@@ -29,12 +30,17 @@ def token_texts(codec) -> Callable[[int], str]:
 def completion_logprobs(ids: Sequence[int], entries: Sequence, token_text: Callable[[int], str],
                         offset: int = 0) -> dict:
     tokens, chosen, tops, offsets = [], [], [], []
-    for t, (lp, alternatives) in zip(ids, entries):
+    for t, entry in zip(ids, entries):
         text = token_text(t)
-        top = {token_text(i): float(v) for i, v in alternatives}
-        top.setdefault(text, float(lp))
+        if entry is None:                       # an echoed prompt's first token: nothing predicts it
+            top, lp = None, None
+        else:
+            lp, alternatives = entry
+            top = {token_text(i): float(v) for i, v in alternatives}
+            top.setdefault(text, float(lp))
+            lp = float(lp)
         tokens.append(text)
-        chosen.append(float(lp))
+        chosen.append(lp)
         tops.append(top)
         offsets.append(offset)
         offset += len(text)

@@ -7,7 +7,7 @@ JSON object (no ``NaN`` / ``Infinity``, at most `MAX_DEPTH` levels deep); then t
 
 **Field policy.** Every field a request may carry is declared here. A field is either *honoured* (it changes what
 the server does as the API defines), or *accepted only at its neutral value* — the value that means "no change"
-(``n: 1``, ``best_of: 1``, ``echo: false``, ``min_tokens: 0`` …; `NEUTRAL`) — and answered 400
+(``n: 1``, ``best_of: 1``, ``min_tokens: 0`` …; `NEUTRAL`) — and answered 400
 naming it otherwise. A field not declared at all is answered 400 naming it. Nothing is silently ignored.
 """
 
@@ -150,8 +150,8 @@ class RequestBase(_Strict):
 class CompletionRequest(RequestBase):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     logprobs: Optional[int] = Field(default=None, ge=0)     # each token's log-probability and this many alternatives
+    echo: bool = False                        # the prompt before the completion (with logprobs: the prompt's too)
     best_of: Any = None
-    echo: Any = None
     suffix: Any = None
 
 
@@ -195,7 +195,7 @@ class DetokenizeRequest(_Strict):
 
 # the values that mean "no change" for each field accepted only at them (null: not sent, always neutral)
 NEUTRAL: dict[str, tuple] = {
-    "n": (1,), "best_of": (1,), "echo": (False,),
+    "n": (1,), "best_of": (1,),
     "prompt_logprobs": (), "suffix": ("",),
     "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
     "min_tokens": (0,),

@@ -75,6 +75,7 @@ class TextRun:
         self.stream = codec.stream(stops_of(req), hidden=hidden) if codec else None
         self.ids: list[int] = []
         self.entries: list = []             # log-probability entries of ``ids`` (when the request asks)
+        self.prompt_entries: tuple | None = None    # the prompt's (``prompt_logprobs``), from the first event
         self._taken = 0
         self.reason: str | None = None
         self.error: str | None = None
@@ -84,6 +85,8 @@ class TextRun:
         """Yields text deltas (``""`` for a step without new text) until the request ends."""
         async for ev in self.handle:
             self.cached = ev.cached_tokens
+            if ev.prompt_logprobs is not None:
+                self.prompt_entries = ev.prompt_logprobs
             if ev.error is not None:
                 self.error = ev.error
                 return
@@ -176,8 +179,8 @@ class OpenAIServing:
                            param)
         return count
 
-    def sampling(self, req: RequestBase, n_prompt: int, max_tokens: int | None, logprobs: int | None = None
-                 ) -> SamplingParams:
+    def sampling(self, req: RequestBase, n_prompt: int, max_tokens: int | None, logprobs: int | None = None,
+                 prompt_logprobs: int | None = None) -> SamplingParams:
         """The request's sampling parameters; ``max_tokens`` defaults to what the capacity leaves after the prompt.
         Whether the request fits is the scheduler's check (`v41cp.serving.scheduler.request.check_request`)."""
         if max_tokens is None:
@@ -188,7 +191,13 @@ class OpenAIServing:
                               top_p=1.0 if req.top_p is None else req.top_p,
                               top_k=max(req.top_k or 0, 0), min_p=req.min_p or 0.0, seed=seed,
                               stop_on_eos=not req.ignore_eos, stop_token_ids=tuple(req.stop_token_ids or ()),
-                              logprobs=logprobs)
+                              logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+
+    def echo_text(self, prompt, ids: list[int]) -> str:
+        """An echoed prompt: as sent, or its ids' text."""
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        return prompt if isinstance(prompt, str) else (self.codec.decode(ids) if self.codec is not None else "")
 
     def check_text_fields(self, req: RequestBase) -> None:
         stops = stops_of(req)
@@ -204,7 +213,8 @@ class OpenAIServing:
             raise ApiError(429, f"the request queue is full, retry later ({e})", None, "rate_limit_error",
                            {"Retry-After": "1"})
         except RequestError as e:
-            param = {"max_new_tokens": "max_tokens", "prompt": prompt_param, "request_id": None}.get(e.field, e.field)
+            param = {"max_new_tokens": "max_tokens", "prompt": prompt_param, "request_id": None,
+                     "prompt_logprobs": "echo"}.get(e.field, e.field)
             raise ApiError(400, f"{param}: {e.detail}" if param else e.detail, param)
         except LoopClosed as e:
             raise ApiError(503, str(e), None, "server_error")
@@ -314,15 +324,21 @@ class OpenAIServing:
         self.check_model(req.model)
         self.check_text_fields(req)
         ids = self.prompt_ids(req.prompt, "prompt")
-        sp = self.sampling(req, len(ids), req.max_tokens if req.max_tokens is not None else 16,
-                           self.logprobs(req.logprobs, "logprobs"))
+        count = self.logprobs(req.logprobs, "logprobs")
+        sp = self.sampling(req, len(ids), req.max_tokens if req.max_tokens is not None else 16, count,
+                           count if req.echo and count is not None else None)
         timer = self.metrics.timer(len(ids))
         run = self.run(await self.start(ids, sp, "prompt"), req, timer)
         rid, now = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-        text_of, offset = token_texts(self.codec), [0]
+        text_of, offset, echo = token_texts(self.codec), [0], [req.echo]
 
         def choice(text, reason, taken):
             lp = None
+            if echo[0]:                        # the first chunk (or the whole answer) starts with the prompt
+                echo[0] = False
+                text = self.echo_text(req.prompt, ids) + (text or "")
+                if req.logprobs is not None:
+                    taken = (ids + taken[0], list(run.prompt_entries or [None] * len(ids)) + taken[1])
             if req.logprobs is not None:
                 lp = completion_logprobs(*taken, text_of, offset[0])
                 offset[0] += sum(len(t) for t in lp["tokens"])

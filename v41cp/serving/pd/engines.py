@@ -175,7 +175,8 @@ class DisaggregatedEngine(TwoRoles):
         src = pre.alloc.blocks(rid)
         rank_matched = pre.alloc.n == dec.alloc.n
         residue = src[0] % dec.alloc.n if rank_matched else None
-        dst = dec.adopt(rid, req.prompt, req.sampling, req.output, req.last_logits, residue, req.logprobs)
+        dst = dec.adopt(rid, req.prompt, req.sampling, req.output, req.last_logits, residue, req.logprobs,
+                        req.prompt_logprobs)
         if dst is None:
             return False
         bt = self.capacity.block_tokens

@@ -61,6 +61,7 @@ class RequestView:
     cached: int = 0                     # prompt tokens reused from the prefill role's prefix cache
     spec: dict | None = None            # DSpark: the decode role's counters of the request (`Engine.result`'s)
     logprobs: list | None = None        # with sampling.logprobs: an entry per output token (`Request.logprobs`)
+    prompt_logprobs: list | None = None  # with sampling.prompt_logprobs (`Request.prompt_logprobs`)
 
 
 def _bcast(obj, source: bool):
@@ -155,6 +156,8 @@ class CrossProcessDisaggregatedEngine(TwoRoles):
                "finish_reason": r.finish_reason, "cached_tokens": r.cached}
         if r.logprobs is not None:
             out["logprobs"] = r.logprobs
+        if r.prompt_logprobs is not None:
+            out["prompt_logprobs"] = r.prompt_logprobs
         if self.speculative is not None:
             out["speculative"] = spec_stats(r.spec or {"steps": 0, "proposed": 0, "accepted": 0, "emitted": 0})
         return out
@@ -226,10 +229,12 @@ class CrossProcessDisaggregatedEngine(TwoRoles):
             view = self.requests[res["id"]]
             view.output, view.status, view.finish_reason = res["output_ids"], res["status"], res["finish_reason"]
             view.cached, view.logprobs = res["cached_tokens"], res.get("logprobs")
+            view.prompt_logprobs = res.get("prompt_logprobs")
         for cand in offered["candidates"]:                # prefilled: running with its first token, adopted or not
             view = self.requests[cand["rid"]]
             view.output, view.status, view.cached = list(cand["output"]), "running", cand["cached"]
             view.logprobs = None if cand["logprobs"] is None else list(cand["logprobs"])
+            view.prompt_logprobs = cand["prompt_logprobs"]
         accepted = _bcast(None if self.is_prefill else self._adopt(offered["candidates"]), not self.is_prefill)
         by_id = {c["rid"]: c for c in offered["candidates"]}
         records = [self._transfer(by_id[acc["rid"]], acc["blocks"]) for acc in accepted]
@@ -261,7 +266,8 @@ class CrossProcessDisaggregatedEngine(TwoRoles):
                     np.asarray(req.last_logits, np.float32).tobytes()).decode()
                 candidates.append({"rid": rid, "prompt": req.prompt, "sampling": asdict(req.sampling),
                                    "output": req.output, "logits": logits, "blocks": pre.alloc.blocks(rid),
-                                   "cached": req.cached, "logprobs": req.logprobs})
+                                   "cached": req.cached, "logprobs": req.logprobs,
+                                   "prompt_logprobs": req.prompt_logprobs})
         held = sum(r.status in ("waiting", "running") for r in pre.requests.values())
         return {"ended": ended, "candidates": candidates, "held": held, "load": pre.load()}
 
@@ -272,7 +278,7 @@ class CrossProcessDisaggregatedEngine(TwoRoles):
             residue = c["blocks"][0] % dec.alloc.n if self.prefill_kvp == self.decode_kvp else None
             logits = None if c["logits"] is None else np.frombuffer(base64.b64decode(c["logits"]), np.float32)
             dst = dec.adopt(c["rid"], c["prompt"], SamplingParams(**c["sampling"]), c["output"], logits, residue,
-                            c["logprobs"])
+                            c["logprobs"], c["prompt_logprobs"])
             if dst is None:
                 break
             accepted.append({"rid": c["rid"], "blocks": [int(b) for b in dst]})

@@ -114,6 +114,9 @@ class ModelRunner:
             raise ValueError("the token-serial prefill (capacity span_prefill=False) does not split query rows: query "
                              "context parallelism (model-wide or operator-local) prefills by span")
         self.span = capacity.by_span or lay.query_parallel or lay.operator is not None
+        # prompt log-probabilities: the packed span prefill's passes score their rows (`prefill_span(score=...)`)
+        self.scores_prompts = (capacity.max_logprobs if self.span and not lay.query_parallel
+                               and not (capacity.ced and ced_boundary(cfg) is not None) else 0)
         self.num_blocks = capacity.block_count(n)
         self.cache = init_cache(cfg, self.num_blocks, capacity.block_tokens, capacity.max_batch,
                                 None if self.plan else cache_sharding, plan=self.plan)
@@ -233,7 +236,10 @@ class ModelRunner:
         batch = build_span_batch(cfg, histories, self.span_layout.n, query_parallel=self.span_layout.query_parallel,
                                  starts=starts, ends=ends, slots=slots, block_tables=full, ced=self.capacity.ced,
                                  decoder_ends=decoder_ends, **self.span_buckets(int((ends - starts).sum())))
-        logits = self._span_pass(batch, slots)
+        targets = self._targets(reqs, starts, ends, batch.rows)
+        logits, scored = self._span_pass(batch, slots, targets)
+        if targets is not None and (targets >= 0).any():
+            self._prompt_entries(reqs, starts, ends, targets, jax.tree.map(fetch, scored))
         last = [i for i in range(k) if starts[i] < ends[i] == totals[i]]          # whose history ends in the pass
         if last:
             tokens, lp = sample_tokens(logits, SamplingRows.build([reqs[i].sampling for i in last],
@@ -255,15 +261,47 @@ class ModelRunner:
         for i in last:
             done(reqs[i])
 
-    def _span_pass(self, batch: StepBatch, slots) -> jax.Array:
-        """Run one span-prefill pass (and write the drafter's context): the pass's last-row logits ``[B, vocab]``."""
-        if self.dcache is None:
-            logits, self.cache = prefill_span(self.params, self.cache, batch, self.cfg, self.span_layout)
-            return logits
-        logits, self.cache, (feats, pos, ok) = prefill_span(self.params, self.cache, batch, self.cfg, self.span_layout,
-                                                            features=self.cfg.sliding_window)
-        self._write_context(np.asarray(slots), feats, pos, ok)
-        return logits
+    def _span_pass(self, batch: StepBatch, slots, targets=None):
+        """Run one span-prefill pass (and write the drafter's context): ``(the pass's last-row logits [B, vocab],
+        its rows' prompt log-probabilities or None)``. ``targets [1, rows]``: each row's next prompt token to score
+        (−1: none; None: the engine scores no prompts)."""
+        score = dict(targets=jnp.asarray(targets), score=self.scores_prompts) if targets is not None else {}
+        features = self.cfg.sliding_window if self.dcache is not None else 0
+        out = prefill_span(self.params, self.cache, batch, self.cfg, self.span_layout, features=features, **score)
+        logits, self.cache = out[:2]
+        if features:
+            feats, pos, ok = out[2]
+            self._write_context(np.asarray(slots), feats, pos, ok)
+        return logits, out[-1] if score else None
+
+    def _targets(self, reqs, starts, ends, rows: int) -> np.ndarray | None:
+        """``[1, rows]`` int32: each packed row's next prompt token when its request asks for prompt
+        log-probabilities and has not had that position's yet (−1 elsewhere); None when the engine scores none."""
+        if not self.scores_prompts:
+            return None
+        out = np.full((1, rows), -1, np.int32)
+        at = 0
+        for i, req in enumerate(reqs):
+            a, e = int(starts[i]), int(ends[i])
+            if req.sampling.prompt_logprobs is not None:
+                done = len(req.prompt_logprobs or [None])           # positions 0 … done − 1 have their entry
+                for p in range(max(a, done - 1), min(e, len(req.prompt) - 1)):
+                    out[0, at + p - a] = req.prompt[p + 1]
+            at += e - a
+        return out
+
+    def _prompt_entries(self, reqs, starts, ends, targets, scored) -> None:
+        """Append each scoring request's new prompt positions' entries (`Request.prompt_logprobs`)."""
+        at = 0
+        for i, req in enumerate(reqs):
+            a, e = int(starts[i]), int(ends[i])
+            if req.sampling.prompt_logprobs is not None:
+                if req.prompt_logprobs is None:
+                    req.prompt_logprobs = [None]                    # the first token has none
+                for p in range(a, e):
+                    if targets[0, at + p - a] >= 0 and p + 1 == len(req.prompt_logprobs):
+                        req.prompt_logprobs.append(entries(scored, (0, at + p - a), req.sampling.prompt_logprobs))
+            at += e - a
 
     # ------------------------------------------------------------------ warm-up
     def warm_up_programs(self, prefill: bool = True, decode: bool = True) -> list[tuple[str, Callable[[], None]]]:
@@ -309,7 +347,8 @@ class ModelRunner:
                                  ced=self.capacity.ced, **self.span_buckets(rows))
         if continued:
             batch = dataclasses.replace(batch, qcp=dataclasses.replace(batch.qcp, continued=True))
-        logits = self._span_pass(batch, [0] * b)
+        logits, _ = self._span_pass(batch, [0] * b, np.full((1, batch.rows), -1, np.int32)
+                                    if self.scores_prompts else None)
         fetch(sample_tokens(logits, SamplingRows.build([], [], b), whole=self.whole,
                             logprobs=self.capacity.max_logprobs)[0])
 

@@ -46,10 +46,12 @@ from v41cp.config import ModelConfig
 from v41cp.drafter import target_features
 from v41cp.kernels import interpret_mode
 from v41cp.layers.tiled_select import ROW_TILE_BYTES
-from v41cp.model import Transformer, abstract_params
+from v41cp.model import Transformer, abstract_params, embedding_and_head
 from v41cp.serving.attention.dcp import DCPPlan
 from v41cp.serving.attention.qcp_rows import QCPRows
 from v41cp.serving.cache.device_cache import PagedCache, cache_specs
+from v41cp.serving.runner.logprobs import row_logprobs
+from v41cp.serving.runner.sampling import ReplicateOn
 from v41cp.serving.runner.steps import _forward_rows
 from v41cp.serving.step_batch import CEDRows, QCPLayout, StepBatch
 from v41cp.sharding.mesh import ATTN_TP, CP
@@ -151,12 +153,15 @@ def _prefill_qcp(params, cache: PagedCache, batch: StepBatch, cfg: ModelConfig, 
     return _run(params, cache, batch, cfg, layout, features)
 
 
-@partial(jax.jit, static_argnames=("cfg", "plan", "operator", "features"), donate_argnames=("cache",))
-def _prefill_rows(params, cache: PagedCache, rows: StepBatch, cfg: ModelConfig, plan, operator, features: int = 0):
+@partial(jax.jit, static_argnames=("cfg", "plan", "operator", "features", "score", "whole"),
+         donate_argnames=("cache",))
+def _prefill_rows(params, cache: PagedCache, rows: StepBatch, cfg: ModelConfig, plan, operator, features: int = 0,
+                  targets=None, score: int = 0, whole=None):
     last = rows.lengths - 1 - (0 if rows.ced is None else rows.ced.encoder_rows)        # in the decoder rows
-    logits, cache, _, feats = _forward_rows(params, cache, rows, cfg, plan, logits_at=last, operator=operator,
-                                            features=features)
-    return (logits[:, 0], cache, feats) if features else (logits[:, 0], cache)
+    logits, cache, _, feats, hidden = _forward_rows(params, cache, rows, cfg, plan, logits_at=last, operator=operator,
+                                                    features=features, hidden=bool(score))
+    out = (logits[:, 0], cache) + ((feats,) if features else ())
+    return out + ((row_logprobs(hidden, embedding_and_head(params)[1], targets, score, whole),) if score else ())
 
 
 def _layout_plan(cfg: ModelConfig, layout: SpanLayout):
@@ -169,13 +174,19 @@ def _layout_plan(cfg: ModelConfig, layout: SpanLayout):
 
 
 def prefill_span(params, cache: PagedCache, batch: StepBatch, cfg: ModelConfig, layout: SpanLayout = SpanLayout(),
-                 features: int = 0):
+                 features: int = 0, targets=None, score: int = 0):
     """Prefill the prompt chunks of ``batch`` (`build_span_batch`) in one pass: ``(logits [B, vocab] FP32 of each
     prompt's last row — zeros for an empty row or a pass without it —, updated cache)``. See the module
     docstring. ``features > 0``: also the DSpark target features of each request's last ``features`` rows of the
     pass (``([B, F, n·H], positions [B, F], valid [B, F])``, replicated; under model-wide QCP gathered back to
-    span order from the ranks that own the rows)."""
-    return _dispatch(params, cache, batch, cfg, layout, lower=False, features=features)
+    span order from the ranks that own the rows). ``score = n > 0`` (packed rows, no CED narrowing): also each
+    row's prompt log-probability of ``targets [1, rows]`` (its next prompt token; −1: none) with the top ``n``
+    (`v41cp.serving.runner.logprobs.row_logprobs`, computed only when a target is set), last in the tuple."""
+    if score and (layout.query_parallel or batch.ced is not None):
+        raise ValueError("span prefill: prompt log-probabilities need every row of the pass through the decoder, "
+                         "packed on one rank (not model-wide QCP, not CED narrowing)")
+    return _dispatch(params, cache, batch, cfg, layout, lower=False, features=features,
+                     score=(targets, score) if score else None)
 
 
 def lower_prefill_span(params, cache: PagedCache, batch: StepBatch, cfg: ModelConfig,
@@ -184,7 +195,7 @@ def lower_prefill_span(params, cache: PagedCache, batch: StepBatch, cfg: ModelCo
     return _dispatch(params, cache, batch, cfg, layout, lower=True)
 
 
-def _dispatch(params, cache, batch: StepBatch, cfg, layout, lower: bool, features: int = 0):
+def _dispatch(params, cache, batch: StepBatch, cfg, layout, lower: bool, features: int = 0, score=None):
     ranks = batch.qcp.n if batch.qcp is not None else None
     if layout.query_parallel != (ranks is not None) or (ranks is not None and ranks != layout.n):
         laid = f"over {ranks} ranks (model-wide QCP)" if ranks is not None else "packed on one rank"
@@ -195,6 +206,8 @@ def _dispatch(params, cache, batch: StepBatch, cfg, layout, lower: bool, feature
         fn, args = _prefill_qcp, (params, cache, batch, cfg, layout)
     else:
         fn, args = _prefill_rows, (params, cache, batch, cfg, _layout_plan(cfg, layout), layout.operator)
+    if score is not None:
+        return fn(*args, features, score[0], score[1], ReplicateOn(layout.mesh) if layout.mesh is not None else None)
     args += (features,) if features else ()
     return fn.lower(*args) if lower else fn(*args)
 

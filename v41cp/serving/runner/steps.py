@@ -50,30 +50,36 @@ __all__ = ["StepBatch", "init_cache", "decode_step", "decode_and_sample", "verif
 
 
 def _forward_rows(params: dict, cache: PagedCache, meta: StepBatch, cfg: ModelConfig, plan: DCPPlan | None,
-                  encoder_only: bool = False, undo: bool = False, logits_at=None, operator=None, features: int = 0):
+                  encoder_only: bool = False, undo: bool = False, logits_at=None, operator=None, features: int = 0,
+                  hidden: bool = False):
     """The model over cached rows: ``(logits [B,R,vocab] FP32 — ``[B,1,vocab]`` at ``logits_at`` —, cache, undo
-    record or None, features)``. ``operator``: operator-local QCP settings (`PagedRows`). ``features > 0``: the
-    DSpark target features of each request's last ``features`` rows (`PagedRows.last_rows`: ``([B, F, n·H],
-    positions [B, F], valid [B, F])``), else None."""
+    record or None, features, hidden)``. ``operator``: operator-local QCP settings (`PagedRows`). ``features > 0``:
+    the DSpark target features of each request's last ``features`` rows (`PagedRows.last_rows`: ``([B, F, n·H],
+    positions [B, F], valid [B, F])``), else None. ``hidden``: every row's head input ``[B, R, hidden]`` (else
+    None)."""
     with jax.default_matmul_precision("highest" if cfg.dtype == "float32" else "default"):
         rows = PagedRows(cfg, meta, cache, plan, undo, operator)
         call = partial(Transformer(cfg).apply, {"params": params}, meta.tokens, meta.engram_ids, rows=rows,
                        cache=cache, encoder_only=encoder_only, logits_at=logits_at)
-        feats = None
-        if features:
-            (logits, _, cache), taps = call(mutable=["taps"])
-            narrow = rows.ced_split()[2] if rows.narrows else None
-            feats = rows.last_rows(target_features(cfg, taps["taps"], narrow), features)
+        mutable = (["taps"] if features else []) + (["final"] if hidden else [])
+        feats = final = None
+        if mutable:
+            (logits, _, cache), sown = call(mutable=mutable)
+            if features:
+                narrow = rows.ced_split()[2] if rows.narrows else None
+                feats = rows.last_rows(target_features(cfg, sown["taps"], narrow), features)
+            if hidden:
+                final = sown["final"]["hidden"][0]
         else:
             logits, _, cache = call()
-        return logits, cache, rows.undo_record() if undo else None, feats
+        return logits, cache, rows.undo_record() if undo else None, feats, final
 
 
 @partial(jax.jit, static_argnames=("cfg", "plan"), donate_argnames=("cache",))
 def decode_step(params: dict, cache: PagedCache, meta: StepBatch, cfg: ModelConfig, plan: DCPPlan | None = None):
     """One token for every active row: ``(logits [max_batch, vocab] FP32, updated cache)``.
     ``plan``: KVP/DCP layout (`v41cp.serving.attention.dcp.DCPPlan`; the cache from ``init_cache(..., plan=plan)``)."""
-    logits, cache, _, _ = _forward_rows(params, cache, meta, cfg, plan)
+    logits, cache, _, _, _ = _forward_rows(params, cache, meta, cfg, plan)
     return logits[:, 0], cache
 
 
@@ -89,7 +95,7 @@ def decode_and_sample(params: dict, cache: PagedCache, meta: StepBatch, sampling
     ``(tokens [max_batch] int32, log-probabilities, logits [max_batch, vocab] FP32, cache)`` — the engine fetches
     the tokens, and the log-probabilities (`TokenLogprobs` ``[max_batch]`` with the top ``logprobs``, computed when a
     row asks; None for ``logprobs = 0``) only when a request asks."""
-    logits, cache, _, _ = _forward_rows(params, cache, meta, cfg, plan)
+    logits, cache, _, _, _ = _forward_rows(params, cache, meta, cfg, plan)
     tokens, lp = sample_with_logprobs(logits[:, 0], sampling, _whole(plan), logprobs)
     return tokens, lp, logits[:, 0], cache
 
@@ -106,7 +112,7 @@ def verify_step(params: dict, cache: PagedCache, rows: StepBatch, cfg: ModelConf
     return the DSpark target features of every row (`_forward_rows`; the commit keeps those of accepted rows)."""
     if rows.rows > cfg.sliding_window:
         raise ValueError(f"verify_step: rows={rows.rows} exceeds sliding_window={cfg.sliding_window}")
-    logits, cache, undo, feats = _forward_rows(params, cache, rows, cfg, plan, undo=True,
+    logits, cache, undo, feats, _ = _forward_rows(params, cache, rows, cfg, plan, undo=True,
                                                features=rows.rows if features else 0)
     return (logits, cache, undo, feats) if features else (logits, cache, undo)
 
@@ -122,7 +128,7 @@ def verify_and_accept(params: dict, cache: PagedCache, rows: StepBatch, sampling
     device."""
     if rows.rows > cfg.sliding_window:
         raise ValueError(f"verify_step: rows={rows.rows} exceeds sliding_window={cfg.sliding_window}")
-    logits, cache, undo, feats = _forward_rows(params, cache, rows, cfg, plan, undo=True,
+    logits, cache, undo, feats, _ = _forward_rows(params, cache, rows, cfg, plan, undo=True,
                                                features=rows.rows if features else 0)
     emitted, kept = accept_rows(logits, rows.tokens[:, 1:], rows.lengths, sampling, _whole(plan))
     lp = token_logprobs(logits, emitted, sampling.logprobs.any(), logprobs, _whole(plan)) if logprobs else None
@@ -183,7 +189,7 @@ def prefill_chunk(params: dict, cache: PagedCache, metas: StepBatch, cfg: ModelC
     cache-only prepass (its global KV and index keys), skipping the decoder; logits are then zeros.
     ``features``: also return every chunk position's DSpark target features ``[chunk, max_batch, n·H]``."""
     def body(c, m):
-        logits, c, _, feats = _forward_rows(params, c, m, cfg, plan, encoder_only,
+        logits, c, _, feats, _ = _forward_rows(params, c, m, cfg, plan, encoder_only,
                                             features=1 if features else 0)
         return c, (logits[:, 0], feats[0][:, 0] if features else None)
 

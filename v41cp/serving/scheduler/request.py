@@ -50,6 +50,7 @@ class SamplingParams:
     stop_on_eos: bool = True
     stop_token_ids: tuple[int, ...] = ()   # the request ends after any of these (finish reason "stop")
     logprobs: int | None = None         # each output token's log-probability and this many alternatives (None: off)
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first (None: off)
 
     def __post_init__(self):           # (a list from JSON, e.g. the control plane's broadcast, becomes a tuple)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -68,6 +69,17 @@ class Request:
     last_logits: np.ndarray | None = None  # FP32 logits that produced the latest output token
     # with sampling.logprobs: one (logprob, ((id, logprob), …)) per output token (`v41cp.serving.runner.logprobs`)
     logprobs: list | None = None
+    # with sampling.prompt_logprobs: None for the first prompt token, then one entry per prompt token (as prefilled)
+    prompt_logprobs: list | None = None
+
+    def __post_init__(self):
+        if self.sampling.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def scoring_prompt(self) -> bool:
+        """It asks for prompt log-probabilities and has not had all of them yet (its prefill computes every row)."""
+        return self.sampling.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt)
     spec: dict = field(default_factory=lambda: {"steps": 0, "proposed": 0, "accepted": 0, "emitted": 0})
     cached: int = 0                        # prompt tokens reused from the prefix cache (not prefilled)
     prefix_nodes: list = field(default_factory=list)   # prefix-cache nodes this request holds
@@ -125,10 +137,11 @@ def check_request(rid, prompt: list[int], sampling: SamplingParams, cfg: ModelCo
     bad = cfg.out_of_vocabulary(list(sampling.stop_token_ids))
     if bad:
         raise RequestError.of(rid, bad, "stop_token_ids")
-    lp = sampling.logprobs
-    if lp is not None and (type(lp) is not int or not 0 <= lp <= capacity.max_logprobs):
-        raise RequestError.of(rid, f"logprobs must be an integer in [0, {capacity.max_logprobs}] (the engine's "
-                                   f"max_logprobs), got {lp!r}", "logprobs")
+    for name in ("logprobs", "prompt_logprobs"):
+        lp = getattr(sampling, name)
+        if lp is not None and (type(lp) is not int or not 0 <= lp <= capacity.max_logprobs):
+            raise RequestError.of(rid, f"{name} must be an integer in [0, {capacity.max_logprobs}] (the engine's "
+                                       f"max_logprobs), got {lp!r}", name)
     total = len(prompt) + sampling.max_new_tokens
     if total > capacity.max_tokens:
         field = "prompt" if len(prompt) >= capacity.max_tokens else "max_new_tokens"

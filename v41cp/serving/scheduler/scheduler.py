@@ -132,7 +132,8 @@ class Scheduler:
         longest cached prefix: returns the slot state stored there (the runner puts it into the slot), else True."""
         need = self.need(req)
         req.filled, req.prefill_to = 0, len(req.history)
-        if self.prefix is None:                              # (placement by the prompt: a recompute keeps it)
+        # (placement by the prompt: a recompute keeps it); a request scoring its prompt computes every row: no reuse
+        if self.prefix is None or req.scoring_prompt:
             residue = content_residue(req.prompt, self.capacity.block_tokens, self.alloc.n)
             if not self.alloc.can_admit(need, 0, residue):
                 if not self.alloc.can_admit(need):
@@ -195,14 +196,16 @@ class Scheduler:
                                "an admission defect")
 
     def adopt(self, rid, prompt, sampling: SamplingParams, output, last_logits=None, residue: int | None = None,
-              logprobs=None):
-        """Register request ``rid`` prefilled elsewhere as running with ``output`` (and its ``logprobs`` entries),
+              logprobs=None, prompt_logprobs=None):
+        """Register request ``rid`` prefilled elsewhere as running with ``output`` (and its ``logprobs`` /
+        ``prompt_logprobs`` entries),
         reserving its slot and the blocks of its whole budget (page cycle from ``residue``; default the content
         placement). Returns its block ids, or None when it does not fit now (nothing changed)."""
         if self.is_active(rid):
             raise RequestError(f"request id {rid!r} is already active", "request_id")
         req = Request(rid, [int(t) for t in prompt], sampling, output=[int(t) for t in output], status="running",
-                      last_logits=last_logits, logprobs=None if logprobs is None else list(logprobs))
+                      last_logits=last_logits, logprobs=None if logprobs is None else list(logprobs),
+                      prompt_logprobs=None if prompt_logprobs is None else list(prompt_logprobs))
         need = self.budget(req)                   # the whole budget: a decode role never preempts (see above)
         residue = content_residue(req.prompt, self.capacity.block_tokens, self.alloc.n) if residue is None else residue
         if not self.alloc.fits_when_empty(need):
