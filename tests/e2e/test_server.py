@@ -199,8 +199,12 @@ def test_invalid_json_answers_400(server):
     ("/v1/completions", {"prompt": "w1", "temperature": -0.5}, "temperature", "greater than or equal to 0"),
     ("/v1/completions", {"prompt": "w1", "top_p": 1.5}, "top_p", "less than or equal to 1"),
     ("/v1/completions", {"prompt": "w1", "stop": ["a", "b", "c", "d", "e"]}, "stop", "up to 4"),
-    ("/v1/completions", {"prompt": "w1", "n": 2}, "n", "only null or 1"),
-    ("/v1/completions", {"prompt": [[5], [7]]}, "prompt", "one prompt per request"),
+    ("/v1/completions", {"prompt": "w1", "n": 0}, "n", "greater than or equal to 1"),
+    ("/v1/completions", {"prompt": "w1", "n": 3, "best_of": 2}, "best_of", "at least n"),
+    ("/v1/completions", {"prompt": "w1", "best_of": 2, "stream": True}, "best_of", "not with stream"),
+    ("/v1/completions", {"prompt": [[5], [7, 256]]}, "prompt", "prompt[1]: token id 256"),
+    ("/v1/completions", {"prompt": [[5], []]}, "prompt", "prompt[1]: the prompt is empty"),
+    ("/v1/completions", {"prompt": ["w1"] * 3, "n": 3}, "prompt", "more than the server queues at once (8"),
     ("/v1/completions", {}, "prompt", "Field required"),
     ("/v1/completions", {"prompt": 5}, "prompt", "valid string"),
     ("/v1/completions", {"prompt": "w1", "seed": -1}, "seed", "greater than or equal to 0"),
@@ -335,17 +339,17 @@ HONOURED = {
     "completions": {"model": MODEL, "prompt": "w1 w2", "max_tokens": 2, "temperature": 0, "top_p": 0.9, "seed": 3,
                     "stop": ["w99"], "stream": False, "stream_options": {"include_usage": True}, "ignore_eos": True,
                     "return_token_ids": True, "top_k": 5, "min_p": 0.1, "stop_token_ids": [5], "logprobs": 2,
-                    "echo": True},
+                    "echo": True, "n": 2, "best_of": 3},
     "chat": {"model": MODEL, "messages": [{"role": "user", "content": "w1"}], "max_tokens": 2,
              "max_completion_tokens": 2, "temperature": 0, "top_p": 0.9, "seed": 3, "stop": "w99", "stream": False,
              "stream_options": {"include_usage": True}, "ignore_eos": True, "return_token_ids": True,
              "add_generation_prompt": False, "top_k": 5, "min_p": 0.1, "stop_token_ids": [5], "logprobs": True,
-             "top_logprobs": 2},
+             "top_logprobs": 2, "n": 2},
 }
 NEEDS = {"top_logprobs": {"logprobs": True}}            # a field honoured only with another
 CHANGING = {
-    "best_of": 2, "frequency_penalty": 0.5, "presence_penalty": -0.5, "logit_bias": {"5": 10},
-    "n": 2, "suffix": "w1", "user": "u1", "audio": {"voice": "alloy", "format": "wav"},
+    "frequency_penalty": 0.5, "presence_penalty": -0.5, "logit_bias": {"5": 10},
+    "suffix": "w1", "user": "u1", "audio": {"voice": "alloy", "format": "wav"},
     "function_call": "auto", "functions": [{"name": "f"}], "metadata": {"k": "v"}, "modalities": ["text", "audio"],
     "parallel_tool_calls": True, "prediction": {"type": "content", "content": "w1"}, "prompt_cache_key": "k",
     "reasoning_effort": "low", "response_format": {"type": "json_object"}, "safety_identifier": "s",
@@ -493,6 +497,49 @@ def test_logprobs_through_the_openai_client(server, client, codec):
                                "top_logprobs")):
         r = httpx.post(server.url + path, json={"model": MODEL, **body}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    server.wait_idle()
+
+
+def test_n_best_of_and_batched_prompts(server, client, codec):
+    """Batched prompts (strings, id lists) answer what each prompt answers alone, choice ``i`` for prompt ``i``;
+    ``n`` samples of one prompt are the requests with consecutive seeds (plain and streamed alike), and share its
+    cached prefix (the prefix cache's reused tokens grow by the later samples' whole blocks); ``best_of`` returns the
+    ``n`` of its samples with the highest cumulative log-probability; usage counts a prompt once."""
+    args = dict(model=MODEL, max_tokens=4, extra_body={"return_token_ids": True, "ignore_eos": True})
+    ids = lambda c: c.model_extra["token_ids"]
+    alone = [client.completions.create(prompt=p, temperature=0, **args).choices[0] for p in PROMPTS[:3]]
+    for prompt in (PROMPTS[:3], [codec.encode(p) for p in PROMPTS[:3]]):
+        batch = client.completions.create(prompt=prompt, temperature=0, **args)
+        assert [c.index for c in batch.choices] == [0, 1, 2]
+        assert [ids(c) for c in batch.choices] == [ids(c) for c in alone]
+        assert batch.usage.prompt_tokens == sum(len(codec.encode(p)) for p in PROMPTS[:3])
+
+    long = " ".join(f"w{i}" for i in range(1, 41))          # a prompt no test sent before: nothing cached
+    before = server.wait_idle()["prefix_cache"]["hit_tokens"]
+    three = client.completions.create(prompt=long, temperature=1.0, seed=5, n=3, **args)
+    reused = server.wait_idle()["prefix_cache"]["hit_tokens"] - before
+    assert reused == 2 * ((len(codec.encode(long)) - 1) // 16 * 16)      # samples 2 and 3 reuse the 1st's blocks
+    seeded = [client.completions.create(prompt=long, temperature=1.0, seed=5 + j, logprobs=0, **args).choices[0]
+              for j in range(3)]
+    assert [ids(c) for c in three.choices] == [ids(c) for c in seeded]
+    assert len({tuple(ids(c)) for c in three.choices}) > 1
+    assert three.usage.prompt_tokens == len(codec.encode(long)) and three.usage.completion_tokens == 12
+    streamed = client.completions.create(prompt=long, temperature=1.0, seed=5, n=3, stream=True, **args)
+    texts = ["", "", ""]
+    for chunk in streamed:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [c.text for c in three.choices]
+    best = client.completions.create(prompt=long, temperature=1.0, seed=5, n=2, best_of=3, **args)
+    score = [sum(c.logprobs.token_logprobs) for c in seeded]
+    top = sorted(sorted(range(3), key=lambda j: -score[j])[:2])
+    assert [ids(c) for c in best.choices] == [ids(seeded[j]) for j in top] and best.choices[0].logprobs is None
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": long}], max_tokens=3, temperature=1.0,
+                extra_body={"return_token_ids": True, "ignore_eos": True})
+    two = client.chat.completions.create(**chat, seed=5, n=2)
+    one = [client.chat.completions.create(**chat, seed=5 + j).choices[0] for j in range(2)]
+    assert [c.index for c in two.choices] == [0, 1] and [ids(c) for c in two.choices] == [ids(c) for c in one]
+    assert two.usage.completion_tokens == 6
     server.wait_idle()
 
 

@@ -24,7 +24,8 @@ def add_arguments(parser) -> None:
                              "before it ends the requests in flight and exits (a dead follower is seen at once)")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on the /v1 routes, /tokenize and "
                                            "/detokenize (401 otherwise); /health and /metrics stay open")
-    flags.add(parser, flags.CapacityFlags, defaults={"max_batch": 8, "max_context": 256})
+    # 4,096 tokens per request: an evaluation harness asks for 256 new tokens after prompts of up to 3,840
+    flags.add(parser, flags.CapacityFlags, defaults={"max_batch": 8, "max_context": 4096})
     for group in (flags.TopologyFlags, flags.QueryParallelFlags, flags.DisaggregationFlags, flags.DistributedFlags,
                   flags.BackendFlags, flags.PrefillFlags, flags.SpeculativeFlags):
         flags.add(parser, group)

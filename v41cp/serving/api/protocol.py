@@ -7,7 +7,7 @@ JSON object (no ``NaN`` / ``Infinity``, at most `MAX_DEPTH` levels deep); then t
 
 **Field policy.** Every field a request may carry is declared here. A field is either *honoured* (it changes what
 the server does as the API defines), or *accepted only at its neutral value* — the value that means "no change"
-(``n: 1``, ``best_of: 1``, ``min_tokens: 0`` …; `NEUTRAL`) — and answered 400
+(``min_tokens: 0``, ``logit_bias: {}`` …; `NEUTRAL`) — and answered 400
 naming it otherwise. A field not declared at all is answered 400 naming it. Nothing is silently ignored.
 """
 
@@ -19,11 +19,13 @@ from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-__all__ = ["ApiError", "ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "MAX_BODY_BYTES", "MAX_DEPTH",
+__all__ = ["ApiError", "ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "MAX_BODY_BYTES",
+           "MAX_CHOICES", "MAX_DEPTH",
            "NEUTRAL", "RequestBase", "TokenizeRequest", "parse_request"]
 
 MAX_BODY_BYTES = 32 * 1024 * 1024    # a 1M-token prompt as JSON ids is ~8 MB
 MAX_DEPTH = 32                       # the deepest valid request (chat content parts) nests 5 levels
+MAX_CHOICES = 64                     # n / best_of at most; a request's prompts × best_of at most too
 
 
 class ApiError(Exception):
@@ -128,8 +130,9 @@ class RequestBase(_Strict):
     min_p: Optional[float] = Field(default=None, ge=0.0, lt=1.0)
     stop_token_ids: Optional[list[int]] = None               # end after any of these ids (hidden from the text)
 
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)          # choices per prompt (sampled independently)
+
     # accepted only at the value that means "no change"
-    n: Any = None
     presence_penalty: Any = None
     frequency_penalty: Any = None
     repetition_penalty: Any = None
@@ -151,7 +154,7 @@ class CompletionRequest(RequestBase):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     logprobs: Optional[int] = Field(default=None, ge=0)     # each token's log-probability and this many alternatives
     echo: bool = False                        # the prompt before the completion (with logprobs: the prompt's too)
-    best_of: Any = None
+    best_of: Optional[int] = Field(default=None, ge=1, le=MAX_CHOICES)    # samples per prompt; the n most likely
     suffix: Any = None
 
 
@@ -195,7 +198,6 @@ class DetokenizeRequest(_Strict):
 
 # the values that mean "no change" for each field accepted only at them (null: not sent, always neutral)
 NEUTRAL: dict[str, tuple] = {
-    "n": (1,), "best_of": (1,),
     "prompt_logprobs": (), "suffix": ("",),
     "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
     "min_tokens": (0,),

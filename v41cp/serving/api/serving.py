@@ -11,6 +11,7 @@ goes away cancels its request.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
 import time
@@ -59,6 +60,18 @@ def stops_of(req: RequestBase) -> tuple[str, ...]:
 
 def _finish(reason: str | None, stopped: bool) -> str:
     return "stop" if stopped or reason == "eos" else ("length" if reason == "length" else (reason or "stop"))
+
+
+def _usage(runs: list["TextRun"], prompts: int | None = None) -> dict:
+    """The usage of a request's runs: every run's completion tokens; the prompt tokens of each prompt once
+    (``prompts``: how many distinct prompts the runs sample, None: every run its own)."""
+    if len(runs) == 1:
+        return runs[0].usage()
+    each = len(runs) // prompts if prompts else 1
+    n = sum(len(run.handle.prompt_ids) for run in runs[::each])
+    out = sum(len(run.ids) for run in runs)
+    return {"prompt_tokens": n, "completion_tokens": out, "total_tokens": n + out,
+            "prompt_tokens_details": {"cached_tokens": sum(run.cached for run in runs[::each])}}
 
 
 def _sse(obj) -> str:
@@ -153,23 +166,28 @@ class OpenAIServing:
             raise ApiError(400, f"model: unknown model {name!r}; this server serves {self.model_name!r}", "model")
 
     def prompt_ids(self, prompt, param: str) -> list[int]:
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]                   # a batch of one prompt
+        """One prompt's ids: a string (through the tokenizer) or a list of token ids."""
         if isinstance(prompt, str):
             if self.codec is None:
                 raise ApiError(400, f"{param}: this checkpoint has no tokenizer.json; send token ids", param)
             ids = self.codec.encode(prompt)
-        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            ids = list(prompt)
         else:
-            raise ApiError(400, f"{param}: one prompt per request (a string or a list of token ids); "
-                                "batched prompts are not supported", param)
+            ids = [int(t) for t in prompt]
         if not ids:
-            raise ApiError(400, f"{param}: the prompt is empty", param)
+            raise ApiError(400, f"{param}: the prompt is empty", param.split("[")[0])
         bad = self.engine.cfg.out_of_vocabulary(ids)
         if bad:
-            raise ApiError(400, f"{param}: {bad}", param)
+            raise ApiError(400, f"{param}: {bad}", param.split("[")[0])
         return ids
+
+    def prompt_list(self, prompt, param: str = "prompt") -> list[list[int]]:
+        """The prompts of a completions request: one (a string, a list of ids) or a batch (a list of strings, a list
+        of id lists)."""
+        if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+            return [self.prompt_ids(prompt, param)]
+        if not prompt:
+            raise ApiError(400, f"{param}: the prompt is empty", param)
+        return [self.prompt_ids(p, f"{param}[{i}]") for i, p in enumerate(prompt)]
 
     def logprobs(self, count: int | None, param: str) -> int | None:
         """A request's log-probability alternatives, checked against the engine's ``max_logprobs``."""
@@ -219,50 +237,94 @@ class OpenAIServing:
         except LoopClosed as e:
             raise ApiError(503, str(e), None, "server_error")
 
-    async def collect(self, run: TextRun, request: Request) -> str:
-        """The whole text, cancelling the request if the client goes away meanwhile."""
-        parts: list[str] = []
-
-        async def consume():
-            async for d in run.deltas():
-                parts.append(d)
-
-        task = asyncio.ensure_future(consume())
+    async def start_all(self, work: list[tuple[list[int], SamplingParams]], prompt_param: str) -> list[RequestHandle]:
+        """Submit every (ids, sampling) of one API request; if one is refused, the others are cancelled (all or
+        nothing) and the refusal answered. More than the queue holds at once can never be served: 400."""
+        most = self.engine.capacity.max_waiting
+        if len(work) > most:
+            raise ApiError(400, f"{prompt_param}: {len(work)} sequences (prompts × best_of / n) are more than the "
+                                f"server queues at once ({most}, --max-waiting)", prompt_param)
+        handles: list[RequestHandle] = []
         try:
-            while not task.done():
-                await asyncio.wait({task}, timeout=0.1)
-                if not task.done() and await request.is_disconnected():
-                    task.cancel()
-                    run.handle.cancel()
-                    raise ApiError(499, "client disconnected", None, "client_closed")
-            task.result()
-        finally:
-            if not task.done():
-                task.cancel()
-            run.handle.cancel()
-            run.end()
-        if run.error is not None:
-            raise ApiError(503, run.error, None, "server_error")
-        return "".join(parts)
+            for ids, sp in work:
+                handles.append(await self.start(ids, sp, prompt_param))
+        except BaseException:
+            for h in handles:
+                h.cancel()
+            raise
+        return handles
 
-    def stream_response(self, run: TextRun, chunk, first=None, usage: bool = False) -> StreamingResponse:
-        async def body():
-            try:
-                if first is not None:
-                    yield _sse(first)
-                async for d in run.deltas():
-                    if d:
-                        yield _sse(chunk(d, None, run.take_logprobs()))
-                if run.error is not None:
-                    yield _sse({"error": {"message": run.error, "type": "server_error", "param": None, "code": 503}})
-                else:
-                    yield _sse(chunk(None, run.finish_reason, run.take_logprobs()))
-                    if usage:
-                        yield _sse({**chunk(None, None, ([], [])), "choices": [], "usage": run.usage()})
-                yield "data: [DONE]\n\n"
-            finally:                      # normal end, or the client went away (the task is cancelled)
+    async def collect(self, runs: list[TextRun], request: Request) -> list[str]:
+        """Each run's whole text, cancelling every request if the client goes away meanwhile."""
+        parts: list[list[str]] = [[] for _ in runs]
+
+        async def consume(i, run):
+            async for d in run.deltas():
+                parts[i].append(d)
+
+        tasks = [asyncio.ensure_future(consume(i, run)) for i, run in enumerate(runs)]
+        try:
+            while not all(t.done() for t in tasks):
+                await asyncio.wait(set(tasks), timeout=0.1, return_when=asyncio.ALL_COMPLETED)
+                if not all(t.done() for t in tasks) and await request.is_disconnected():
+                    raise ApiError(499, "client disconnected", None, "client_closed")
+            for t in tasks:
+                t.result()
+        finally:
+            for t, run in zip(tasks, runs):
+                if not t.done():
+                    t.cancel()
                 run.handle.cancel()
                 run.end()
+        failed = next((run.error for run in runs if run.error is not None), None)
+        if failed is not None:
+            raise ApiError(503, failed, None, "server_error")
+        return ["".join(p) for p in parts]
+
+    def stream_response(self, runs: list[TextRun], chunk, first=None, usage: bool = False) -> StreamingResponse:
+        """Server-sent events of ``runs`` (choice ``i`` is run ``i``): ``chunk(i, text, reason, logprobs taken)``
+        per non-empty delta and per finish, in arrival order; ``first(i)``: each choice's opening chunk; a usage
+        chunk over all runs; ``[DONE]``."""
+        async def body():
+            events: asyncio.Queue = asyncio.Queue()
+
+            async def pump(i, run):
+                try:
+                    async for d in run.deltas():
+                        if d:
+                            await events.put((i, d))
+                finally:
+                    await events.put((i, None))
+
+            tasks = []
+            try:
+                if first is not None:
+                    for i in range(len(runs)):
+                        yield _sse(first(i))
+                tasks = [asyncio.ensure_future(pump(i, run)) for i, run in enumerate(runs)]
+                left = len(runs)
+                while left:
+                    i, d = await events.get()
+                    run = runs[i]
+                    if d is not None:
+                        yield _sse(chunk(i, d, None, run.take_logprobs()))
+                        continue
+                    left -= 1
+                    if run.error is not None:
+                        yield _sse({"error": {"message": run.error, "type": "server_error", "param": None,
+                                              "code": 503}})
+                        break
+                    yield _sse(chunk(i, None, run.finish_reason, run.take_logprobs()))
+                else:
+                    if usage:
+                        yield _sse({**chunk(0, None, None, ([], [])), "choices": [], "usage": _usage(runs)})
+                yield "data: [DONE]\n\n"
+            finally:                      # normal end, or the client went away (the task is cancelled)
+                for t in tasks:
+                    t.cancel()
+                for run in runs:
+                    run.handle.cancel()
+                    run.end()
 
         return StreamingResponse(body(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -319,43 +381,70 @@ class OpenAIServing:
             raise ApiError(400, f"tokens: {bad}", "tokens")
         return {"prompt": codec.decode(req.tokens)}
 
+    @staticmethod
+    def _samples(sp: SamplingParams, count: int) -> list[SamplingParams]:
+        """``count`` independent samples of one prompt: consecutive seeds from the request's."""
+        return [dataclasses.replace(sp, seed=(sp.seed + j) % 2**63) for j in range(count)]
+
     async def completions(self, request: Request):
         req = await read_request(request, CompletionRequest)
         self.check_model(req.model)
         self.check_text_fields(req)
-        ids = self.prompt_ids(req.prompt, "prompt")
+        best_of = req.n if req.best_of is None else req.best_of
+        if best_of < req.n:
+            raise ApiError(400, f"best_of: must be at least n ({req.n}), got {best_of}", "best_of")
+        if req.stream and best_of > req.n:
+            raise ApiError(400, "best_of: the n most likely of best_of samples are known only at the end: not with "
+                                "stream", "best_of")
+        prompts = self.prompt_list(req.prompt)
         count = self.logprobs(req.logprobs, "logprobs")
-        sp = self.sampling(req, len(ids), req.max_tokens if req.max_tokens is not None else 16, count,
-                           count if req.echo and count is not None else None)
-        timer = self.metrics.timer(len(ids))
-        run = self.run(await self.start(ids, sp, "prompt"), req, timer)
+        ranked = best_of > req.n               # the samples' cumulative log-probabilities pick the n returned
+        work = []
+        for ids in prompts:
+            sp = self.sampling(req, len(ids), req.max_tokens if req.max_tokens is not None else 16,
+                               count if count is not None else (0 if ranked else None),
+                               count if req.echo and count is not None else None)
+            work += [(ids, s) for s in self._samples(sp, best_of)]
+        timers = [self.metrics.timer(len(ids)) for ids, _ in work]
+        handles = await self.start_all(work, "prompt")
+        runs = [self.run(h, req, t) for h, t in zip(handles, timers)]
         rid, now = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-        text_of, offset, echo = token_texts(self.codec), [0], [req.echo]
+        text_of = token_texts(self.codec)
+        offsets, echoed = [0] * len(runs), [not req.echo] * len(runs)
+        prompt_of = lambda i: req.prompt if len(prompts) == 1 else req.prompt[i // best_of]
 
-        def choice(text, reason, taken):
-            lp = None
-            if echo[0]:                        # the first chunk (or the whole answer) starts with the prompt
-                echo[0] = False
-                text = self.echo_text(req.prompt, ids) + (text or "")
+        def choice(i, index, text, reason, taken):
+            run, lp = runs[i], None
+            ids = run.handle.prompt_ids
+            if not echoed[i]:                  # the first chunk (or the whole answer) starts with the prompt
+                echoed[i] = True
+                text = self.echo_text(prompt_of(i), ids) + (text or "")
                 if req.logprobs is not None:
                     taken = (ids + taken[0], list(run.prompt_entries or [None] * len(ids)) + taken[1])
             if req.logprobs is not None:
-                lp = completion_logprobs(*taken, text_of, offset[0])
-                offset[0] += sum(len(t) for t in lp["tokens"])
-            c = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": reason}
+                lp = completion_logprobs(*taken, text_of, offsets[i])
+                offsets[i] += sum(len(t) for t in lp["tokens"])
+            c = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": reason}
             if req.return_token_ids and reason is not None:
                 c["token_ids"] = run.ids
             return c
 
-        def chunk(text, reason, taken):
+        def chunk(i, text, reason, taken):
             return {"id": rid, "object": "text_completion", "created": now, "model": self.model_name,
-                    "choices": [choice(text, reason, taken)] if text is not None or reason is not None else []}
+                    "choices": [choice(i, i, text, reason, taken)] if text is not None or reason is not None else []}
 
         if req.stream:
-            return self.stream_response(run, chunk, usage=bool(req.stream_options and req.stream_options.include_usage))
-        text = await self.collect(run, request)
+            return self.stream_response(runs, chunk, usage=bool(req.stream_options and req.stream_options.include_usage))
+        texts = await self.collect(runs, request)
+        keep = list(range(len(runs)))
+        if ranked:                             # per prompt: the n samples of highest cumulative log-probability
+            keep = [k for p in range(len(prompts))
+                    for k in sorted(range(p * best_of, (p + 1) * best_of),
+                                    key=lambda k: -sum(e[0] for e in runs[k].entries))[:req.n]]
+            keep.sort()
+        choices = [choice(k, j, texts[k], runs[k].finish_reason, runs[k].take_logprobs()) for j, k in enumerate(keep)]
         return {"id": rid, "object": "text_completion", "created": now, "model": self.model_name,
-                "choices": [choice(text, run.finish_reason, run.take_logprobs())], "usage": run.usage()}
+                "choices": choices, "usage": _usage(runs, len(prompts) if best_of > 1 else None)}
 
     async def chat_completions(self, request: Request):
         req = await read_request(request, ChatCompletionRequest)
@@ -374,36 +463,41 @@ class OpenAIServing:
             raise ApiError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
         sp = self.sampling(req, len(ids), max_tokens,
                            self.logprobs(req.top_logprobs or 0, "top_logprobs") if req.logprobs else None)
-        timer = self.metrics.timer(len(ids))
-        run = self.run(await self.start(ids, sp, "messages"), req, timer)
+        work = [(ids, s) for s in self._samples(sp, req.n)]
+        timers = [self.metrics.timer(len(ids)) for _ in work]
+        runs = [self.run(h, req, t) for h, t in zip(await self.start_all(work, "messages"), timers)]
         rid, now = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         text_of = token_texts(self.codec)
 
         def logprobs(taken):
             return chat_logprobs(*taken, text_of) if req.logprobs else None
 
-        def chunk(text, reason, taken):
+        def chunk(i, text, reason, taken):
             if text is None and reason is None:
                 choices = []
             else:
-                c = {"index": 0, "delta": {"content": text} if text is not None else {}, "logprobs": logprobs(taken),
+                c = {"index": i, "delta": {"content": text} if text is not None else {}, "logprobs": logprobs(taken),
                      "finish_reason": reason}
                 if req.return_token_ids and reason is not None:
-                    c["token_ids"] = run.ids
+                    c["token_ids"] = runs[i].ids
                 choices = [c]
             return {"id": rid, "object": "chat.completion.chunk", "created": now, "model": self.model_name,
                     "choices": choices}
 
         if req.stream:
-            first = {"id": rid, "object": "chat.completion.chunk", "created": now, "model": self.model_name,
-                     "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                  "finish_reason": None}]}
-            return self.stream_response(run, chunk, first,
-                                   usage=bool(req.stream_options and req.stream_options.include_usage))
-        text = await self.collect(run, request)
-        choice: dict = {"index": 0, "message": {"role": "assistant", "content": text},
-                        "logprobs": logprobs(run.take_logprobs()), "finish_reason": run.finish_reason}
-        if req.return_token_ids:
-            choice["token_ids"] = run.ids
+            def first(i):
+                return {"id": rid, "object": "chat.completion.chunk", "created": now, "model": self.model_name,
+                        "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                     "finish_reason": None}]}
+            return self.stream_response(runs, chunk, first,
+                                        usage=bool(req.stream_options and req.stream_options.include_usage))
+        texts = await self.collect(runs, request)
+        choices = []
+        for i, (run, text) in enumerate(zip(runs, texts)):
+            choice: dict = {"index": i, "message": {"role": "assistant", "content": text},
+                            "logprobs": logprobs(run.take_logprobs()), "finish_reason": run.finish_reason}
+            if req.return_token_ids:
+                choice["token_ids"] = run.ids
+            choices.append(choice)
         return {"id": rid, "object": "chat.completion", "created": now, "model": self.model_name,
-                "choices": [choice], "usage": run.usage()}
+                "choices": choices, "usage": _usage(runs, 1 if req.n > 1 else None)}
