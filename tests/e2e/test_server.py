@@ -339,16 +339,16 @@ HONOURED = {
     "completions": {"model": MODEL, "prompt": "w1 w2", "max_tokens": 2, "temperature": 0, "top_p": 0.9, "seed": 3,
                     "stop": ["w99"], "stream": False, "stream_options": {"include_usage": True}, "ignore_eos": True,
                     "return_token_ids": True, "top_k": 5, "min_p": 0.1, "stop_token_ids": [5], "logprobs": 2,
-                    "echo": True, "n": 2, "best_of": 3},
+                    "echo": True, "n": 2, "best_of": 3, "logit_bias": {"5": 10}, "min_tokens": 1},
     "chat": {"model": MODEL, "messages": [{"role": "user", "content": "w1"}], "max_tokens": 2,
              "max_completion_tokens": 2, "temperature": 0, "top_p": 0.9, "seed": 3, "stop": "w99", "stream": False,
              "stream_options": {"include_usage": True}, "ignore_eos": True, "return_token_ids": True,
              "add_generation_prompt": False, "top_k": 5, "min_p": 0.1, "stop_token_ids": [5], "logprobs": True,
-             "top_logprobs": 2, "n": 2},
+             "top_logprobs": 2, "n": 2, "logit_bias": {"5": 10}, "min_tokens": 1},
 }
 NEEDS = {"top_logprobs": {"logprobs": True}}            # a field honoured only with another
 CHANGING = {
-    "frequency_penalty": 0.5, "presence_penalty": -0.5, "logit_bias": {"5": 10},
+    "frequency_penalty": 0.5, "presence_penalty": -0.5,
     "suffix": "w1", "user": "u1", "audio": {"voice": "alloy", "format": "wav"},
     "function_call": "auto", "functions": [{"name": "f"}], "metadata": {"k": "v"}, "modalities": ["text", "audio"],
     "parallel_tool_calls": True, "prediction": {"type": "content", "content": "w1"}, "prompt_cache_key": "k",
@@ -356,7 +356,7 @@ CHANGING = {
     "service_tier": "auto", "store": True, "tool_choice": "auto",
     "tools": [{"type": "function", "function": {"name": "f"}}], "verbosity": "low",
     "web_search_options": {}, "repetition_penalty": 1.2,
-    "min_tokens": 2, "structured_outputs": {"json": {}}, "guided_json": {"type": "object"}, "guided_regex": "w1",
+    "structured_outputs": {"json": {}}, "guided_json": {"type": "object"}, "guided_regex": "w1",
     "guided_choice": ["w1"], "prompt_logprobs": 1, "include_stop_str_in_output": True, "skip_special_tokens": False,
     "chat_template_kwargs": {"thinking": True}, "priority": 1,
 }
@@ -400,8 +400,9 @@ def test_every_request_field_is_honoured_or_refused_by_name(server, kind):
 
 def test_sampling_controls_have_their_effect(server, client):
     """``top_k: 1`` and ``min_p`` near 1 at temperature 1 sample the greedy tokens; ``stop_token_ids`` ends the
-    request at the first of them (finish reason ``stop``, the id kept in the ids, hidden from the text); values
-    outside their ranges and ids outside the vocabulary answer 400 naming the field."""
+    request at the first of them (finish reason ``stop``, the id kept in the ids, hidden from the text); ``logit_bias``
+    forces (+100) and bans (−100) tokens; ``min_tokens`` holds a stop id back; values outside their ranges and ids
+    outside the vocabulary answer 400 naming the field."""
     args = dict(model=MODEL, prompt=PROMPTS[3], max_tokens=8)
     ids = lambda r: r.choices[0].model_extra["token_ids"]
     greedy = client.completions.create(**args, temperature=0, extra_body={"return_token_ids": True,
@@ -417,7 +418,23 @@ def test_sampling_controls_have_their_effect(server, client):
                                         extra_body={"return_token_ids": True, "stop_token_ids": [g[i]]})
     assert ids(stopped) == g[:i + 1] and stopped.choices[0].finish_reason == "stop"
     assert stopped.choices[0].text == TextCodec.from_checkpoint(default_checkpoint()).decode(g[:i])
+    # logit_bias: +100 on one token makes it every greedy token; -100 on each greedy token makes greedy avoid them
+    forced = client.completions.create(**args, temperature=0, logit_bias={"7": 100},
+                                       extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert ids(forced) == [7] * 8
+    banned = client.completions.create(**args, temperature=0, logit_bias={str(t): -100 for t in set(g)},
+                                       extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert not set(ids(banned)) & set(g)
+    # min_tokens: a stop id that would end the request at once is held back until min_tokens outputs
+    first = client.completions.create(**{**args, "max_tokens": 1}, temperature=0, extra_body={"return_token_ids": True})
+    held = client.completions.create(**args, temperature=0, extra_body={
+        "return_token_ids": True, "stop_token_ids": ids(first), "min_tokens": 3})
+    assert len(ids(held)) >= 3 and ids(held)[:3].count(ids(first)[0]) == 0
     for field, value, words in (("top_k", -2, "greater than or equal to -1"), ("min_p", 1.0, "less than 1"),
+                                ("logit_bias", {"5": 101}, "value in [-100, 100]"),
+                                ("logit_bias", {"w1": 1}, "keys are token ids"),
+                                ("logit_bias", {"256": 1}, "token id 256 is outside the vocabulary"),
+                                ("min_tokens", 17, "min_tokens must be an integer in [0, max_new_tokens=16]"),
                                 ("stop_token_ids", [5, 256], "token id 256 is outside the vocabulary"),
                                 ("stop_token_ids", "w1", "valid array")):
         r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "w1", field: value},

@@ -21,7 +21,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
     parser.add_argument("--follower-timeout", type=float, default=60.0,
                         help="across processes: seconds rank 0 waits for the followers at an iteration's exchange "
-                             "before it ends the requests in flight and exits (a dead follower is seen at once)")
+                             "before it ends the requests in flight and exits (a dead follower is seen at once); a "
+                             "follower that hears nothing from rank 0 for as long exits too")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on the /v1 routes, /tokenize and "
                                            "/detokenize (401 otherwise); /health and /metrics stay open")
     # 4,096 tokens per request: an evaluation harness asks for 256 new tokens after prompts of up to 3,840
@@ -48,7 +49,7 @@ def run(args) -> int:
     if args.nnodes > 1:                           # rank 0 serves HTTP, the others follow its broadcast commands
         control = ControlPlane()
         if not control.leader:
-            run_follower(eng, control)
+            run_follower(eng, control, args.follower_timeout)
             return 0
     name = args.served_model_name or Path(model.path).name
     run_server(eng, codec, name, args.host, args.port, progress=sys.stderr.isatty(), log_level=args.log_level,

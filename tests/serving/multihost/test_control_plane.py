@@ -14,7 +14,8 @@ pytestmark = pytest.mark.fast           # the developer tier (`pytest -m fast`)
 def test_commands_round_trip_as_bytes():
     c = Commands()
     sampling = SamplingParams(max_new_tokens=3, temperature=0.5, top_p=0.9, top_k=4, min_p=0.1, seed=7,
-                              stop_token_ids=(9, 11), logprobs=2, prompt_logprobs=1)
+                              stop_token_ids=(9, 11), logprobs=2, prompt_logprobs=1, logit_bias=((5, -2.5),),
+                              min_tokens=2)
     c.submit("a", [5, 17, 42], sampling)
     c.submit(3, [1], SamplingParams())
     c.cancel("a")
@@ -22,10 +23,12 @@ def test_commands_round_trip_as_bytes():
     assert got.ops == [("submit", "a", [5, 17, 42], {"max_new_tokens": 3, "temperature": 0.5, "top_p": 0.9,
                                                      "top_k": 4, "min_p": 0.1, "seed": 7, "stop_on_eos": True,
                                                      "stop_token_ids": [9, 11], "logprobs": 2,
-                                                     "prompt_logprobs": 1}),
+                                                     "prompt_logprobs": 1, "logit_bias": [[5, -2.5]],
+                                                     "min_tokens": 2}),
                        ("submit", 3, [1], {"max_new_tokens": 16, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
                                            "min_p": 0.0, "seed": 0, "stop_on_eos": True, "stop_token_ids": [],
-                                           "logprobs": None, "prompt_logprobs": None}),
+                                           "logprobs": None, "prompt_logprobs": None, "logit_bias": [],
+                                           "min_tokens": 0}),
                        ("cancel", "a")] and not got.close
     assert SamplingParams(**got.ops[0][3]) == sampling           # a follower rebuilds the leader's parameters
     with pytest.raises(TypeError, match="str or int"):
@@ -68,3 +71,43 @@ def test_a_follower_applying_the_leaders_commands_stays_in_lock_step():
     c.submit("x", [1, 2], SamplingParams(max_new_tokens=2))
     with pytest.raises(ValueError, match="already active"):
         apply_commands(follower, c)
+
+
+def test_a_follower_gives_up_on_a_leader_that_sends_nothing():
+    """`follow` with a timeout: an exchange that never returns (a leader hung alive) calls ``on_timeout`` within the
+    bound; a leader that exchanges often (idle iterations) never does."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from v41cp.serving.multihost.control_plane import follow
+
+    fired, messages = threading.Event(), []
+
+    def on_timeout(message):
+        messages.append(message)
+        fired.set()
+
+    class Hung:
+        rank = 1
+
+        def exchange(self, ops):
+            fired.wait(10)                      # returns only once the watchdog fired
+            raise RuntimeError("the test ends the wait")
+
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="ends the wait"):
+        follow(SimpleNamespace(pending=False), Hung(), timeout=0.5, on_timeout=on_timeout)
+    assert messages == ["rank 1: the leader sent nothing for 0.5 s"] and time.monotonic() - t0 < 5
+
+    class Idle:
+        rank, calls = 1, 0
+
+        def exchange(self, ops):
+            self.calls += 1
+            time.sleep(0.05)
+            return Commands(close=self.calls > 30)
+
+    messages.clear()
+    assert follow(SimpleNamespace(pending=False), Idle(), timeout=0.5, on_timeout=on_timeout) == 0
+    assert messages == []

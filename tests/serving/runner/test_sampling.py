@@ -122,3 +122,41 @@ def test_greedy_acceptance_keeps_the_matching_prefix():
     assert emitted[1].tolist() == [best[1, 0], -1, -1, -1]
     assert emitted[2].tolist() == [*best[2, :3], -1]
     assert emitted[3].tolist() == [*best[3, :2], -1, -1]
+
+
+def test_logit_bias_and_min_tokens_change_what_rows_sample():
+    """The bias is added before sampling (greedy too): +100 makes a token the argmax, −100 bans one; ``min_tokens``
+    holds the EOS and stop ids back while the output index is below it (also in the verification rows); vocab-sharded
+    logits (attention TP 8) give the same tokens as one device."""
+    import jax
+
+    from v41cp.serving.runner.sampling import ReplicateOn
+    from v41cp.sharding.topology import ParallelConfig
+
+    rng = np.random.default_rng(4)
+    v = 16                                                             # (split over 8 devices)
+    logits = rng.normal(size=(4, v)).astype(np.float32)
+    best = logits.argmax(-1)
+    second = np.argsort(-logits, axis=-1, kind="stable")[:, 1]
+    params = [SamplingParams(logit_bias=((7, 100.0),)), SamplingParams(logit_bias=((int(best[1]), -100.0),)),
+              SamplingParams(min_tokens=2, stop_token_ids=(int(best[2]),)),
+              SamplingParams(min_tokens=2, temperature=1.0, seed=3, logit_bias=tuple((t, -100.0) for t in range(v)
+                                                                                  if t not in (int(best[3]), 9)))]
+    mesh = ParallelConfig(tp_size=8).make_mesh(jax.devices()[:8])
+    for index, want in ((0, [7, second[1], second[2], None]), (2, [7, second[1], best[2], None])):
+        rows = SamplingRows.build(params, [index] * 4, 4, eos=int(best[3]))
+        got = np.asarray(sample_rows(jnp.asarray(logits), rows))
+        assert got[:3].tolist() == [int(w) for w in want[:3]], (index, got)
+        # row 3: EOS (= best[3]) held back at index 0 → only token 9 is left; at index 2 both are allowed
+        assert got[3] == 9 if index == 0 else got[3] in (9, int(best[3]))
+        sharded = jax.device_put(logits, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, ("tp",
+                                                                                                         "cp"))))
+        on_mesh = jax.jit(sample_rows, static_argnames="whole")(sharded, rows, whole=ReplicateOn(mesh))
+        assert np.asarray(on_mesh).tolist() == got.tolist()
+    # verification rows: row j of a request is output index + j — the stop id is held back at j < 2 only
+    r = 3
+    vlogits = np.repeat(logits[2:3, None], r, axis=1)                     # [1, R, V]: best[2] is every row's argmax
+    drafts = np.array([[second[2], second[2]]], np.int32)
+    emitted, kept = accept_rows(jnp.asarray(vlogits), jnp.asarray(drafts), jnp.asarray([r], np.int32),
+                                SamplingRows.build([params[2]], [0], 1))
+    assert np.asarray(kept).tolist() == [2] and np.asarray(emitted)[0].tolist() == [second[2], second[2], best[2]]

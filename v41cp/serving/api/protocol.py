@@ -7,7 +7,7 @@ JSON object (no ``NaN`` / ``Infinity``, at most `MAX_DEPTH` levels deep); then t
 
 **Field policy.** Every field a request may carry is declared here. A field is either *honoured* (it changes what
 the server does as the API defines), or *accepted only at its neutral value* — the value that means "no change"
-(``min_tokens: 0``, ``logit_bias: {}`` …; `NEUTRAL`) — and answered 400
+(``presence_penalty: 0``, ``repetition_penalty: 1`` …; `NEUTRAL`) — and answered 400
 naming it otherwise. A field not declared at all is answered 400 naming it. Nothing is silently ignored.
 """
 
@@ -131,13 +131,13 @@ class RequestBase(_Strict):
     stop_token_ids: Optional[list[int]] = None               # end after any of these ids (hidden from the text)
 
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)          # choices per prompt (sampled independently)
+    logit_bias: Optional[dict[str, float]] = None            # token id (a string) → added to its logit, in [-100, 100]
+    min_tokens: int = Field(default=0, ge=0)                 # no EOS / stop id before this many tokens
 
     # accepted only at the value that means "no change"
     presence_penalty: Any = None
     frequency_penalty: Any = None
     repetition_penalty: Any = None
-    logit_bias: Any = None
-    min_tokens: Any = None
     include_stop_str_in_output: Any = None
     response_format: Any = None               # chat in the OpenAI API; completions too in vLLM
     prompt_logprobs: Any = None
@@ -199,8 +199,7 @@ class DetokenizeRequest(_Strict):
 # the values that mean "no change" for each field accepted only at them (null: not sent, always neutral)
 NEUTRAL: dict[str, tuple] = {
     "prompt_logprobs": (), "suffix": ("",),
-    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
-    "min_tokens": (0,),
+    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
     "include_stop_str_in_output": (False,),
     "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
     "parallel_tool_calls": (), "response_format": ({"type": "text"},),

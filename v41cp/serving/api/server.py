@@ -107,12 +107,18 @@ def run_server(engine: EngineLike, codec: TextCodec | None, model_name: str, hos
             control.shutdown()
 
 
-def run_follower(engine: EngineLike, control: ControlPlane) -> int:
+def _leader_lost(message: str) -> None:
+    print(f"v41cp: {message}; exiting", file=sys.stderr, flush=True)
+    os._exit(EXIT_FOLLOWER_LOST)
+
+
+def run_follower(engine: EngineLike, control: ControlPlane, leader_timeout: float | None = 60.0) -> int:
     """A rank > 0 of a multi-process server: the leader's warm-up in lock-step, then its iterations until it
-    closes; returns the steps taken."""
+    closes; returns the steps taken. A leader that sends nothing for ``leader_timeout`` seconds (hung) ends this
+    process with status 3, as one that is gone does."""
     warm_up(engine, progress=False)
     try:
-        steps = follow(engine, control)
+        steps = follow(engine, control, leader_timeout, _leader_lost if leader_timeout is not None else None)
     except Exception as e:               # the leader is gone (its collective failed): exit now, not at a barrier
         print(f"v41cp: rank {control.rank}: the leader process is gone ({type(e).__name__}: {str(e)[:200]}); "
               "exiting", file=sys.stderr, flush=True)

@@ -197,6 +197,16 @@ class OpenAIServing:
                            param)
         return count
 
+    @staticmethod
+    def logit_bias(bias: dict | None) -> tuple:
+        """``{"token id": value}`` → ``((id, value), …)`` (the engine checks ids and values)."""
+        out = []
+        for key, value in (bias or {}).items():
+            if not key.isdigit():
+                raise ApiError(400, f"logit_bias: keys are token ids, got {key[:40]!r}", "logit_bias")
+            out.append((int(key), value))
+        return tuple(out)
+
     def sampling(self, req: RequestBase, n_prompt: int, max_tokens: int | None, logprobs: int | None = None,
                  prompt_logprobs: int | None = None) -> SamplingParams:
         """The request's sampling parameters; ``max_tokens`` defaults to what the capacity leaves after the prompt.
@@ -209,7 +219,8 @@ class OpenAIServing:
                               top_p=1.0 if req.top_p is None else req.top_p,
                               top_k=max(req.top_k or 0, 0), min_p=req.min_p or 0.0, seed=seed,
                               stop_on_eos=not req.ignore_eos, stop_token_ids=tuple(req.stop_token_ids or ()),
-                              logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                              logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                              logit_bias=self.logit_bias(req.logit_bias), min_tokens=req.min_tokens)
 
     def echo_text(self, prompt, ids: list[int]) -> str:
         """An echoed prompt: as sent, or its ids' text."""

@@ -15,6 +15,8 @@ idle server broadcasts an empty message every ``idle_wait`` seconds, so the foll
 from __future__ import annotations
 
 import json
+import threading
+import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -125,20 +127,45 @@ def release_finished(engine: Engine) -> None:
         engine.release(rid)
 
 
-def follow(engine: Engine, control: ControlPlane) -> int:
+def follow(engine: Engine, control: ControlPlane, timeout: float | None = None, on_timeout=None) -> int:
     """A follower rank's server loop: apply each broadcast iteration, step with the leader, until it closes.
-    Returns the number of steps taken."""
+    Returns the number of steps taken. ``timeout``: a watchdog thread calls ``on_timeout(message)`` when an exchange
+    has waited that many seconds (a leader that hangs alive sends nothing and would be waited for forever; an idle
+    leader still exchanges every iteration)."""
     steps = 0
-    while True:
-        commands = control.exchange(None)
-        if commands.close:
-            return steps
-        apply_commands(engine, commands)
-        if engine.pending:
-            try:
-                engine.step()
-                steps += 1
-            except Exception:            # the leader's step failed too (the same program): it drops every request
-                for rid in list(engine.requests):
-                    drop(engine, rid)
-            release_finished(engine)
+    since: list[float | None] = [None]
+    done = threading.Event()
+
+    def watch():
+        while not done.wait(min(1.0, timeout / 4)):
+            if since[0] is not None and time.monotonic() - since[0] > timeout:
+                on_timeout(f"rank {control.rank}: the leader sent nothing for {timeout:g} s")
+                return
+
+    if timeout is not None:
+        threading.Thread(target=watch, name="v41cp-leader-watchdog", daemon=True).start()
+    try:
+        while True:
+            since[0] = time.monotonic()
+            commands = control.exchange(None)
+            since[0] = None
+            if commands.close:
+                return steps
+            steps += _follow_one(engine, commands)
+    finally:
+        done.set()
+
+
+def _follow_one(engine: Engine, commands: Commands) -> int:
+    """Apply one iteration's commands and step with the leader: the steps taken (0 or 1)."""
+    apply_commands(engine, commands)
+    steps = 0
+    if engine.pending:
+        try:
+            engine.step()
+            steps = 1
+        except Exception:                # the leader's step failed too (the same program): it drops every request
+            for rid in list(engine.requests):
+                drop(engine, rid)
+        release_finished(engine)
+    return steps

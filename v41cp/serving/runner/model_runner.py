@@ -84,6 +84,7 @@ class ModelRunner:
                  speculative: Speculative | None = None, devices=None, record_logits: bool = False):
         self.cfg, self.capacity, self.parallel, self.speculative = cfg, capacity, parallel, speculative
         self.record_logits = record_logits
+        self.eos = cfg.eos_token_id              # held back from a request's first min_tokens outputs
         self.plan = None
         self.step_plan = None
         n = 1
@@ -190,7 +191,8 @@ class ModelRunner:
                 at_cut(req, end)
         if self.record_logits:
             req.last_logits = fetch(last)[0]
-        tokens, lp = sample_tokens(last, SamplingRows.build([req.sampling], [len(req.output)], 1), whole=self.whole,
+        tokens, lp = sample_tokens(last, SamplingRows.build([req.sampling], [len(req.output)], 1, eos=self.eos),
+                                   whole=self.whole,
                                    logprobs=self.capacity.max_logprobs)
         lp = self._logprobs(lp, [req])
         req.emit(int(fetch(tokens)[0]), self._entry(lp, req, 0))
@@ -243,7 +245,8 @@ class ModelRunner:
         last = [i for i in range(k) if starts[i] < ends[i] == totals[i]]          # whose history ends in the pass
         if last:
             tokens, lp = sample_tokens(logits, SamplingRows.build([reqs[i].sampling for i in last],
-                                                                  [len(reqs[i].output) for i in last], b, rows=last),
+                                                                  [len(reqs[i].output) for i in last], b, rows=last,
+                                                                  eos=self.eos),
                                        whole=self.whole, logprobs=self.capacity.max_logprobs)
             tokens, lp = fetch(tokens), self._logprobs(lp, [reqs[i] for i in last])
             recorded = fetch(logits) if self.record_logits else None
@@ -396,7 +399,8 @@ class ModelRunner:
         cfg = self.cfg
         meta = StepBatch.for_histories(cfg, [r.history for r in rows], slots, tables, self.capacity.max_batch,
                                        self.capacity.max_blocks)
-        sampling = SamplingRows.build([r.sampling for r in rows], [len(r.output) for r in rows], self.capacity.max_batch)
+        sampling = SamplingRows.build([r.sampling for r in rows], [len(r.output) for r in rows], self.capacity.max_batch,
+                                      eos=self.eos)
         tokens, lp, logits, self.cache = decode_and_sample(self.params, self.cache, meta, sampling, cfg, self.step_plan,
                                                            self.capacity.max_logprobs)
         tokens, lp = fetch(tokens), self._logprobs(lp, rows)
@@ -431,7 +435,8 @@ class ModelRunner:
         # rows within the reserved pages
         lengths = np.array([min(r, req.sampling.max_new_tokens - len(req.output)) for req in rows], np.int32)
         meta = StepBatch.verify(cfg, [req.history for req in rows], drafts, lengths, slots, tables, b, mb, r)
-        sampling = SamplingRows.build([req.sampling for req in rows], [len(req.output) for req in rows], b)
+        sampling = SamplingRows.build([req.sampling for req in rows], [len(req.output) for req in rows], b,
+                                      eos=self.eos)
         emitted, accepted, lp, logits, self.cache, undo, (feats, fpos, fok) = verify_and_accept(
             self.params, self.cache, meta, sampling, cfg, self.step_plan, features=True,
             logprobs=self.capacity.max_logprobs)

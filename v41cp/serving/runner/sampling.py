@@ -31,7 +31,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from v41cp.serving.runner.logprobs import token_logprobs
-from v41cp.serving.scheduler.request import SamplingParams
+from v41cp.serving.scheduler.request import MAX_LOGIT_BIAS, MAX_STOP_IDS, SamplingParams
 
 __all__ = ["SamplingRows", "sample_rows", "accept_rows", "token_distribution", "sample_tokens", "sample_with_logprobs",
            "ReplicateOn"]
@@ -45,7 +45,9 @@ class SamplingRows:
     """The sampling parameters of every batch row (data fields, shapes ``[B]``): ``temperature`` f32 (0: greedy),
     ``top_p`` f32 in (0, 1], ``top_k`` i32 (0: off), ``min_p`` f32 in [0, 1), ``seed`` uint32 ``[B, 2]`` (the 64-bit
     seed's high and low words), ``index`` i32 (the output index of the row's first sampled token), ``logprobs`` bool
-    (the row's request asks for log-probabilities: `v41cp.serving.runner.logprobs`)."""
+    (the row's request asks for log-probabilities: `v41cp.serving.runner.logprobs`); ``bias_ids`` / ``bias``
+    ``[B, MAX_LOGIT_BIAS]`` (−1: none) the logit bias; ``ban_ids [B, MAX_STOP_IDS + 1]`` (−1: none) the EOS and stop
+    ids that output indices below ``min_tokens [B]`` may not sample."""
 
     temperature: jax.Array
     top_p: jax.Array
@@ -54,13 +56,26 @@ class SamplingRows:
     seed: jax.Array
     index: jax.Array
     logprobs: jax.Array
+    bias_ids: jax.Array
+    bias: jax.Array
+    ban_ids: jax.Array
+    min_tokens: jax.Array
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], indices: Sequence[int], batch: int,
-              rows: Sequence[int] | None = None) -> "SamplingRows":
+              rows: Sequence[int] | None = None, eos: int | None = None) -> "SamplingRows":
         """Host arrays of ``batch`` rows: ``params[i]`` at output index ``indices[i]`` in row ``rows[i]`` (default
-        ``i``); the other rows are idle (greedy)."""
+        ``i``); the other rows are idle (greedy). ``eos``: the model's EOS id (held back by ``min_tokens``)."""
         at = np.arange(len(params)) if rows is None else np.asarray(rows, np.int64)
+        bias_ids = np.full((batch, MAX_LOGIT_BIAS), -1, np.int32)
+        bias = np.zeros((batch, MAX_LOGIT_BIAS), np.float32)
+        ban_ids = np.full((batch, MAX_STOP_IDS + 1), -1, np.int32)
+        for r, sp in zip(at, params):
+            for k, (t, v) in enumerate(sp.logit_bias):
+                bias_ids[r, k], bias[r, k] = t, v
+            if sp.min_tokens:
+                held = ((eos,) if eos is not None and sp.stop_on_eos else ()) + tuple(sp.stop_token_ids)
+                ban_ids[r, :len(held)] = held
 
         def col(values, dtype, idle):
             out = np.full(batch, idle, dtype)
@@ -75,7 +90,9 @@ class SamplingRows:
                    top_k=col([sp.top_k for sp in params], np.int32, 0),
                    min_p=col([sp.min_p for sp in params], np.float32, 0.0), seed=seeds,
                    index=col(list(indices), np.int32, 0),
-                   logprobs=col([sp.logprobs is not None for sp in params], bool, False))
+                   logprobs=col([sp.logprobs is not None for sp in params], bool, False),
+                   bias_ids=bias_ids, bias=bias, ban_ids=ban_ids,
+                   min_tokens=col([sp.min_tokens for sp in params], np.int32, 0))
 
     @classmethod
     def abstract(cls, batch: int, sharding=None) -> "SamplingRows":
@@ -83,7 +100,9 @@ class SamplingRows:
         s = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
         return cls(temperature=s((batch,), jnp.float32), top_p=s((batch,), jnp.float32), top_k=s((batch,), jnp.int32),
                    min_p=s((batch,), jnp.float32), seed=s((batch, 2), jnp.uint32), index=s((batch,), jnp.int32),
-                   logprobs=s((batch,), jnp.bool_))
+                   logprobs=s((batch,), jnp.bool_), bias_ids=s((batch, MAX_LOGIT_BIAS), jnp.int32),
+                   bias=s((batch, MAX_LOGIT_BIAS), jnp.float32), ban_ids=s((batch, MAX_STOP_IDS + 1), jnp.int32),
+                   min_tokens=s((batch,), jnp.int32))
 
     def take(self, rows: jax.Array) -> "SamplingRows":
         """The parameters of batch rows ``rows``."""
@@ -98,6 +117,35 @@ def _keys(rows: SamplingRows, offset, stream: int):
     return jax.vmap(one)(rows.seed, rows.index + offset)
 
 
+def adjusted_logits(logits: jax.Array, rows: SamplingRows, whole=None) -> jax.Array:
+    """``logits [B, V]`` with each row's logit bias added and its held-back ids (EOS and stop ids before
+    ``min_tokens`` outputs) at −inf — what every row samples from (greedy included). A batch with neither skips it
+    (``lax.cond``); vocab-sharded logits (``whole``: its mesh) are changed where they lie, each device its slice."""
+    ban = (rows.index < rows.min_tokens)[:, None] & (rows.ban_ids >= 0)
+    ids = jnp.concatenate([rows.bias_ids, jnp.where(ban, rows.ban_ids, -1)], axis=1)
+    add = jnp.concatenate([jnp.where(rows.bias_ids >= 0, rows.bias, 0.0), jnp.where(ban, -jnp.inf, 0.0)], axis=1)
+    active = (ids >= 0).any()
+    return jax.lax.cond(active, partial(_scatter_add, mesh=whole.mesh if whole is not None else None),
+                        lambda x, i, a: x, logits.astype(jnp.float32), ids, add)
+
+
+def _scatter_add(x: jax.Array, ids: jax.Array, add: jax.Array, mesh=None) -> jax.Array:
+    """``x [B, V]`` plus ``add [B, K]`` at ids ``[B, K]`` (−1: nothing); with ``mesh``, on each device's vocabulary
+    slice (split over attention TP, ("tp", "cp"))."""
+    axes = tuple(a for a in ("tp", "cp") if mesh is not None and mesh.shape.get(a, 1) > 1)
+
+    def local(part, ids, add):
+        v = part.shape[-1]
+        loc = ids - (jax.lax.axis_index(axes) * v if axes else 0)
+        ok = (ids >= 0) & (loc >= 0) & (loc < v)
+        return part.at[jnp.arange(part.shape[0])[:, None], jnp.clip(loc, 0, v - 1)].add(jnp.where(ok, add, 0.0))
+
+    if not axes:
+        return local(x, ids, add)
+    return jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(None, axes), PartitionSpec(), PartitionSpec()),
+                         out_specs=PartitionSpec(None, axes))(x, ids, add)
+
+
 def _support_logits(logits: jax.Array, rows: SamplingRows, whole=None):
     """``(z [B, V], greedy [B])``: the tempered logits with −inf outside each row's support, and which rows are
     greedy (temperature 0, or ``logits / T`` not finite). ``whole``: makes the vocabulary axis whole on every
@@ -105,7 +153,7 @@ def _support_logits(logits: jax.Array, rows: SamplingRows, whole=None):
     None: as it is)."""
     t = rows.temperature[:, None]
     z = logits.astype(jnp.float32) / jnp.where(t > 0, t, 1.0)
-    greedy = (rows.temperature <= 0) | ~jnp.isfinite(z).all(-1)
+    greedy = (rows.temperature <= 0) | (jnp.isnan(z) | (z == jnp.inf)).any(-1)   # (−inf: held back / filtered)
     filtered = (rows.top_k > 0).any() | (rows.top_p < 1).any() | (rows.min_p > 0).any()
     sort = partial(_filtered, whole=whole or (lambda x: x))
     return jax.lax.cond(filtered, sort, lambda z, rows: z, z, rows), greedy
@@ -130,6 +178,7 @@ def _filtered(z: jax.Array, rows: SamplingRows, whole) -> jax.Array:
 
 def token_distribution(logits: jax.Array, rows: SamplingRows, whole=None) -> jax.Array:
     """The probabilities [B, V] that `sample_rows` draws from (a one-hot of the argmax for greedy rows)."""
+    logits = adjusted_logits(logits, rows, whole)
     z, greedy = _support_logits(logits, rows, whole)
     onehot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
     return jnp.where(greedy[:, None], onehot, jax.nn.softmax(z, axis=-1))
@@ -142,6 +191,7 @@ def _draw(keys, z: jax.Array) -> jax.Array:
 def sample_rows(logits: jax.Array, rows: SamplingRows, whole=None) -> jax.Array:
     """One token per row of ``logits [B, V]`` (FP32): ``[B]`` int32 (see the module docstring; ``whole`` as in
     `_support_logits`)."""
+    logits = adjusted_logits(logits, rows, whole)
     z, greedy = _support_logits(logits, rows, whole)
     drawn = _draw(_keys(rows, 0, TOKEN), z)
     return jnp.where(greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), drawn)
@@ -181,7 +231,9 @@ def accept_rows(logits: jax.Array, drafts: jax.Array, lengths: jax.Array, rows: 
     b, r, v = logits.shape
     flat = jax.tree.map(lambda a: jnp.repeat(a, r, axis=0), rows)
     flat = SamplingRows(**{**vars(flat), "index": flat.index + jnp.tile(jnp.arange(r, dtype=jnp.int32), b)})
-    z, greedy = _support_logits(logits.reshape(b * r, v), flat, whole)
+    logits = adjusted_logits(logits.reshape(b * r, v), flat, whole)
+    z, greedy = _support_logits(logits, flat, whole)
+    logits = logits.reshape(b, r, v)
     p = jnp.where(greedy[:, None], jax.nn.one_hot(jnp.argmax(logits.reshape(b * r, v), -1), v), jax.nn.softmax(z, -1))
     p = p.reshape(b, r, v)
     greedy = greedy.reshape(b, r)

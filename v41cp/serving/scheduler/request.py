@@ -14,9 +14,12 @@ import numpy as np
 from v41cp.config import ModelConfig
 from v41cp.serving.capacity import Capacity
 
-__all__ = ["RequestError", "EngineFull", "SamplingParams", "Request", "check_request", "STATUSES"]
+__all__ = ["RequestError", "EngineFull", "SamplingParams", "Request", "check_request", "STATUSES", "MAX_LOGIT_BIAS",
+           "MAX_STOP_IDS"]
 
 STATUSES = ("waiting", "running", "done", "cancelled")
+MAX_LOGIT_BIAS = 300        # logit_bias entries per request (the OpenAI API's bound): a static width of the steps
+MAX_STOP_IDS = 16           # stop_token_ids held back by min_tokens (with the EOS): a static width of the steps
 
 
 class RequestError(ValueError):
@@ -51,9 +54,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()   # the request ends after any of these (finish reason "stop")
     logprobs: int | None = None         # each output token's log-probability and this many alternatives (None: off)
     prompt_logprobs: int | None = None  # the same for each prompt token after the first (None: off)
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit) pairs, before sampling
+    min_tokens: int = 0                 # EOS and stop_token_ids are not sampled before this many outputs
 
-    def __post_init__(self):           # (a list from JSON, e.g. the control plane's broadcast, becomes a tuple)
+    def __post_init__(self):           # (lists from JSON, e.g. the control plane's broadcast, become tuples)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", tuple((t, v) for t, v in self.logit_bias))
 
 
 @dataclass
@@ -137,6 +143,20 @@ def check_request(rid, prompt: list[int], sampling: SamplingParams, cfg: ModelCo
     bad = cfg.out_of_vocabulary(list(sampling.stop_token_ids))
     if bad:
         raise RequestError.of(rid, bad, "stop_token_ids")
+    bias = sampling.logit_bias
+    if len(bias) > MAX_LOGIT_BIAS or any(type(t) is not int or type(v) not in (int, float) or not -100 <= v <= 100
+                                         for t, v in bias):
+        raise RequestError.of(rid, f"logit_bias must be at most {MAX_LOGIT_BIAS} (token id, value in [-100, 100]) "
+                                   "pairs", "logit_bias")
+    bad = cfg.out_of_vocabulary([t for t, _ in bias])
+    if bad:
+        raise RequestError.of(rid, bad, "logit_bias")
+    if type(sampling.min_tokens) is not int or not 0 <= sampling.min_tokens <= sampling.max_new_tokens:
+        raise RequestError.of(rid, f"min_tokens must be an integer in [0, max_new_tokens={sampling.max_new_tokens}], "
+                                   f"got {sampling.min_tokens!r}", "min_tokens")
+    if sampling.min_tokens and len(sampling.stop_token_ids) > MAX_STOP_IDS:
+        raise RequestError.of(rid, f"min_tokens holds back at most {MAX_STOP_IDS} stop_token_ids, got "
+                                   f"{len(sampling.stop_token_ids)}", "min_tokens")
     for name in ("logprobs", "prompt_logprobs"):
         lp = getattr(sampling, name)
         if lp is not None and (type(lp) is not int or not 0 <= lp <= capacity.max_logprobs):
