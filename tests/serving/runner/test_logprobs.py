@@ -17,12 +17,13 @@ from v41cp.sharding.topology import ParallelConfig
 
 pytestmark = pytest.mark.fast           # the developer tier (`pytest -m fast`)
 
-CAP = Capacity(max_batch=3, max_tokens=48, block_tokens=4, max_logprobs=5)
+CAP = Capacity(max_batch=3, max_tokens=48, block_tokens=4, max_logprobs=5, prefill_tokens=16)
 
 
 @pytest.fixture(scope="module")
 def setup():
-    return load(default_checkpoint())
+    cfg, params = load(default_checkpoint())
+    return cfg, params, Engine(params, cfg, CAP, record_logits=True)       # one engine (its programs) for the file
 
 
 def _log_softmax(x):
@@ -61,14 +62,13 @@ def _check_entries(req, logits, count):
 
 
 def test_logprobs_are_the_log_softmax_of_each_tokens_logits(setup):
-    cfg, params = setup
+    cfg, params, eng = setup
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, 256, n).tolist() for n in (6, 13, 9)]
     requests = {"greedy": (prompts[0], SamplingParams(max_new_tokens=7, stop_on_eos=False, logprobs=3)),
                 "sampled": (prompts[1], SamplingParams(max_new_tokens=7, temperature=0.7, top_k=8, seed=4,
                                                        stop_on_eos=False, logprobs=5)),
                 "none": (prompts[2], SamplingParams(max_new_tokens=7, stop_on_eos=False))}
-    eng = Engine(params, cfg, CAP, record_logits=True)
     logits = _run_recording(eng, requests)
     _check_entries(eng.requests["greedy"], logits["greedy"], 3)
     _check_entries(eng.requests["sampled"], logits["sampled"], 5)     # the model's distribution, not the tempered one
@@ -84,11 +84,10 @@ def test_logprobs_are_the_log_softmax_of_each_tokens_logits(setup):
 def test_speculative_rows_carry_the_logprobs_of_plain_decoding(setup):
     """Injected proposals (the target's greedy continuation, a wrong token at draft 1): the verification rows'
     entries equal plain decoding's for the same tokens."""
-    cfg, params = setup
+    cfg, params, plain = setup
     rng = np.random.default_rng(8)
     prompts = {f"p{n}": rng.integers(3, 256, n).tolist() for n in (5, 11)}
     sp = SamplingParams(max_new_tokens=9, stop_on_eos=False, logprobs=2)
-    plain = Engine(params, cfg, CAP)
     for rid, p in prompts.items():
         plain.submit(rid, p, sp)
     want = {r["id"]: r for r in plain.run()}
@@ -133,14 +132,14 @@ def test_prompt_logprobs_equal_the_full_forward(setup):
     engines that do not compute them (token-serial prefill, CED narrowing) refuse the request naming the field."""
     from v41cp import model
 
-    cfg, params = setup
+    cfg, params, eng = setup
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, 256, n).tolist() for n in (20, 7, 1)]
-    eng = Engine(params, cfg, Capacity(max_batch=3, max_tokens=48, block_tokens=4, prefill_tokens=16))
     sp = SamplingParams(max_new_tokens=2, stop_on_eos=False, prompt_logprobs=3)
     for i, p in enumerate(prompts):
-        eng.submit(i, p, sp)
-    res = {r["id"]: r for r in eng.run()}
+        eng.submit(f"q{i}", p, sp)
+    res = {r["id"][1:]: r for r in eng.run() if r["id"] in ("q0", "q1", "q2")}
+    res = {int(k): v for k, v in res.items()}
     for i, p in enumerate(prompts):
         got = res[i]["prompt_logprobs"]
         assert len(got) == len(p) and got[0] is None
