@@ -433,6 +433,8 @@ def test_sampling_controls_have_their_effect(server, client):
     for field, value, words in (("top_k", -2, "greater than or equal to -1"), ("min_p", 1.0, "less than 1"),
                                 ("logit_bias", {"5": 101}, "value in [-100, 100]"),
                                 ("logit_bias", {"w1": 1}, "keys are token ids"),
+                                ("logit_bias", {"\u00b2": 1}, "keys are token ids"),
+                                ("logit_bias", {"1": 1, "01": 2}, "appears twice"),
                                 ("logit_bias", {"256": 1}, "token id 256 is outside the vocabulary"),
                                 ("min_tokens", 17, "min_tokens must be an integer in [0, max_new_tokens=16]"),
                                 ("stop_token_ids", [5, 256], "token id 256 is outside the vocabulary"),
@@ -541,12 +543,15 @@ def test_n_best_of_and_batched_prompts(server, client, codec):
     assert [ids(c) for c in three.choices] == [ids(c) for c in seeded]
     assert len({tuple(ids(c)) for c in three.choices}) > 1
     assert three.usage.prompt_tokens == len(codec.encode(long)) and three.usage.completion_tokens == 12
-    streamed = client.completions.create(prompt=long, temperature=1.0, seed=5, n=3, stream=True, **args)
-    texts = ["", "", ""]
+    streamed = client.completions.create(prompt=long, temperature=1.0, seed=5, n=3, stream=True,
+                                         stream_options={"include_usage": True}, **args)
+    texts, usage = ["", "", ""], None
     for chunk in streamed:
+        usage = chunk.usage or usage
         for c in chunk.choices:
             texts[c.index] += c.text
     assert texts == [c.text for c in three.choices]
+    assert usage.prompt_tokens == three.usage.prompt_tokens and usage.completion_tokens == 12
     best = client.completions.create(prompt=long, temperature=1.0, seed=5, n=2, best_of=3, **args)
     score = [sum(c.logprobs.token_logprobs) for c in seeded]
     top = sorted(sorted(range(3), key=lambda j: -score[j])[:2])

@@ -22,7 +22,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--follower-timeout", type=float, default=60.0,
                         help="across processes: seconds rank 0 waits for the followers at an iteration's exchange "
                              "before it ends the requests in flight and exits (a dead follower is seen at once); a "
-                             "follower that hears nothing from rank 0 for as long exits too")
+                             "follower that hears nothing from rank 0 at an exchange for as long exits too (a hang "
+                             "inside a step's collectives is not watched)")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on the /v1 routes, /tokenize and "
                                            "/detokenize (401 otherwise); /health and /metrics stay open")
     # 4,096 tokens per request: an evaluation harness asks for 256 new tokens after prompts of up to 3,840

@@ -79,6 +79,10 @@ def test_logprobs_are_the_log_softmax_of_each_tokens_logits(setup):
         with pytest.raises(RequestError) as e:
             eng.submit("bad", [5, 6], SamplingParams(logprobs=bad))
         assert e.value.field == "logprobs" and "max_logprobs" in str(e.value)
+    with pytest.raises(RequestError) as e:                             # an engine that computes none refuses 0 too
+        Engine(params, cfg, Capacity(max_batch=1, max_tokens=16, max_logprobs=0)).submit("x", [5], SamplingParams(
+            logprobs=0))
+    assert e.value.field == "logprobs" and "max_logprobs=0" in str(e.value)
 
 
 def test_speculative_rows_carry_the_logprobs_of_plain_decoding(setup):

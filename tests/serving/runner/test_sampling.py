@@ -160,3 +160,10 @@ def test_logit_bias_and_min_tokens_change_what_rows_sample():
     emitted, kept = accept_rows(jnp.asarray(vlogits), jnp.asarray(drafts), jnp.asarray([r], np.int32),
                                 SamplingRows.build([params[2]], [0], 1))
     assert np.asarray(kept).tolist() == [2] and np.asarray(emitted)[0].tolist() == [second[2], second[2], best[2]]
+
+
+def test_a_temperature_that_leaves_nothing_finite_is_greedy():
+    """``logits / T`` of negative logits at a tiny temperature is −inf everywhere: the row is greedy (not NaN)."""
+    logits = -np.abs(np.random.default_rng(1).normal(size=(2, V))).astype(np.float32) - 1.0
+    rows = SamplingRows.build([SamplingParams(temperature=1e-39, seed=s) for s in (1, 2)], [0, 0], 2)
+    assert np.asarray(sample_rows(jnp.asarray(logits), rows)).tolist() == logits.argmax(-1).tolist()

@@ -202,9 +202,12 @@ class OpenAIServing:
         """``{"token id": value}`` → ``((id, value), …)`` (the engine checks ids and values)."""
         out = []
         for key, value in (bias or {}).items():
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit()):
                 raise ApiError(400, f"logit_bias: keys are token ids, got {key[:40]!r}", "logit_bias")
             out.append((int(key), value))
+        if len({t for t, _ in out}) < len(out):
+            raise ApiError(400, "logit_bias: a token id appears twice (as keys such as \"1\" and \"01\")",
+                           "logit_bias")
         return tuple(out)
 
     def sampling(self, req: RequestBase, n_prompt: int, max_tokens: int | None, logprobs: int | None = None,
@@ -292,20 +295,21 @@ class OpenAIServing:
             raise ApiError(503, failed, None, "server_error")
         return ["".join(p) for p in parts]
 
-    def stream_response(self, runs: list[TextRun], chunk, first=None, usage: bool = False) -> StreamingResponse:
+    def stream_response(self, runs: list[TextRun], chunk, first=None, usage: bool = False,
+                        prompts: int | None = None) -> StreamingResponse:
         """Server-sent events of ``runs`` (choice ``i`` is run ``i``): ``chunk(i, text, reason, logprobs taken)``
         per non-empty delta and per finish, in arrival order; ``first(i)``: each choice's opening chunk; a usage
-        chunk over all runs; ``[DONE]``."""
+        chunk over all runs (``prompts``: as `_usage`); ``[DONE]``."""
         async def body():
             events: asyncio.Queue = asyncio.Queue()
 
-            async def pump(i, run):
+            async def pump(i, run):          # (each delta's log-probabilities taken with it: the pump runs ahead)
                 try:
                     async for d in run.deltas():
                         if d:
-                            await events.put((i, d))
+                            await events.put((i, d, run.take_logprobs()))
                 finally:
-                    await events.put((i, None))
+                    await events.put((i, None, None))
 
             tasks = []
             try:
@@ -315,10 +319,10 @@ class OpenAIServing:
                 tasks = [asyncio.ensure_future(pump(i, run)) for i, run in enumerate(runs)]
                 left = len(runs)
                 while left:
-                    i, d = await events.get()
+                    i, d, taken = await events.get()
                     run = runs[i]
                     if d is not None:
-                        yield _sse(chunk(i, d, None, run.take_logprobs()))
+                        yield _sse(chunk(i, d, None, taken))
                         continue
                     left -= 1
                     if run.error is not None:
@@ -328,7 +332,8 @@ class OpenAIServing:
                     yield _sse(chunk(i, None, run.finish_reason, run.take_logprobs()))
                 else:
                     if usage:
-                        yield _sse({**chunk(0, None, None, ([], [])), "choices": [], "usage": _usage(runs)})
+                        yield _sse({**chunk(0, None, None, ([], [])), "choices": [],
+                                    "usage": _usage(runs, prompts)})
                 yield "data: [DONE]\n\n"
             finally:                      # normal end, or the client went away (the task is cancelled)
                 for t in tasks:
@@ -404,6 +409,9 @@ class OpenAIServing:
         best_of = req.n if req.best_of is None else req.best_of
         if best_of < req.n:
             raise ApiError(400, f"best_of: must be at least n ({req.n}), got {best_of}", "best_of")
+        if best_of > req.n and self.engine.capacity.max_logprobs == 0:
+            raise ApiError(400, "best_of: ranking samples needs log-probabilities, which this server does not compute "
+                                "(--max-logprobs 0)", "best_of")
         if req.stream and best_of > req.n:
             raise ApiError(400, "best_of: the n most likely of best_of samples are known only at the end: not with "
                                 "stream", "best_of")
@@ -445,7 +453,8 @@ class OpenAIServing:
                     "choices": [choice(i, i, text, reason, taken)] if text is not None or reason is not None else []}
 
         if req.stream:
-            return self.stream_response(runs, chunk, usage=bool(req.stream_options and req.stream_options.include_usage))
+            return self.stream_response(runs, chunk, usage=bool(req.stream_options and req.stream_options.include_usage),
+                                        prompts=len(prompts) if best_of > 1 else None)
         texts = await self.collect(runs, request)
         keep = list(range(len(runs)))
         if ranked:                             # per prompt: the n samples of highest cumulative log-probability
@@ -501,7 +510,8 @@ class OpenAIServing:
                         "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                      "finish_reason": None}]}
             return self.stream_response(runs, chunk, first,
-                                        usage=bool(req.stream_options and req.stream_options.include_usage))
+                                        usage=bool(req.stream_options and req.stream_options.include_usage),
+                                        prompts=1 if req.n > 1 else None)
         texts = await self.collect(runs, request)
         choices = []
         for i, (run, text) in enumerate(zip(runs, texts)):

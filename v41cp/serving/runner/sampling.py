@@ -142,6 +142,8 @@ def _scatter_add(x: jax.Array, ids: jax.Array, add: jax.Array, mesh=None) -> jax
 
     if not axes:
         return local(x, ids, add)
+    if x.shape[-1] % int(np.prod([mesh.shape[a] for a in axes])):        # not split evenly: left to the partitioner
+        return x.at[jnp.arange(x.shape[0])[:, None], jnp.maximum(ids, 0)].add(jnp.where(ids >= 0, add, 0.0))
     return jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(None, axes), PartitionSpec(), PartitionSpec()),
                          out_specs=PartitionSpec(None, axes))(x, ids, add)
 
@@ -153,7 +155,8 @@ def _support_logits(logits: jax.Array, rows: SamplingRows, whole=None):
     None: as it is)."""
     t = rows.temperature[:, None]
     z = logits.astype(jnp.float32) / jnp.where(t > 0, t, 1.0)
-    greedy = (rows.temperature <= 0) | (jnp.isnan(z) | (z == jnp.inf)).any(-1)   # (−inf: held back / filtered)
+    # overflowed logits / T: +inf or NaN somewhere, or nothing finite left (−inf alone: held back / filtered)
+    greedy = (rows.temperature <= 0) | (jnp.isnan(z) | (z == jnp.inf)).any(-1) | ~jnp.isfinite(z).any(-1)
     filtered = (rows.top_k > 0).any() | (rows.top_p < 1).any() | (rows.min_p > 0).any()
     sort = partial(_filtered, whole=whole or (lambda x: x))
     return jax.lax.cond(filtered, sort, lambda z, rows: z, z, rows), greedy

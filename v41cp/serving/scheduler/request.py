@@ -159,6 +159,8 @@ def check_request(rid, prompt: list[int], sampling: SamplingParams, cfg: ModelCo
                                    f"{len(sampling.stop_token_ids)}", "min_tokens")
     for name in ("logprobs", "prompt_logprobs"):
         lp = getattr(sampling, name)
+        if lp is not None and capacity.max_logprobs == 0:
+            raise RequestError.of(rid, f"{name}: this engine computes no log-probabilities (max_logprobs=0)", name)
         if lp is not None and (type(lp) is not int or not 0 <= lp <= capacity.max_logprobs):
             raise RequestError.of(rid, f"{name} must be an integer in [0, {capacity.max_logprobs}] (the engine's "
                                        f"max_logprobs), got {lp!r}", name)
