@@ -301,7 +301,7 @@ class EngineLoop:
             stream.sent += len(new)
             finished = req.status in ("done", "cancelled")
             if new or finished:
-                scored = getattr(req, "prompt_logprobs", None)
+                scored = req.prompt_logprobs
                 first = scored is not None and not stream.prompt_sent
                 stream.prompt_sent = stream.prompt_sent or first
                 stream.emit(TokenEvent(new, finish_reason=req.finish_reason if finished else None,

@@ -238,10 +238,12 @@ class ModelRunner:
         batch = build_span_batch(cfg, histories, self.span_layout.n, query_parallel=self.span_layout.query_parallel,
                                  starts=starts, ends=ends, slots=slots, block_tables=full, ced=self.capacity.ced,
                                  decoder_ends=decoder_ends, **self.span_buckets(int((ends - starts).sum())))
-        targets = self._targets(reqs, starts, ends, batch.rows)
+        targets, scoring = self._targets(reqs, starts, ends, batch.rows)
         logits, scored = self._span_pass(batch, slots, targets)
-        if targets is not None and (targets >= 0).any():
-            self._prompt_entries(reqs, starts, ends, targets, jax.tree.map(fetch, scored))
+        if scoring:                                      # each scored row's entry, in prompt order
+            scored = jax.tree.map(fetch, scored)
+            for req, row in scoring:
+                req.prompt_logprobs.append(entries(scored, (0, row), req.sampling.prompt_logprobs))
         last = [i for i in range(k) if starts[i] < ends[i] == totals[i]]          # whose history ends in the pass
         if last:
             tokens, lp = sample_tokens(logits, SamplingRows.build([reqs[i].sampling for i in last],
@@ -277,34 +279,22 @@ class ModelRunner:
             self._write_context(np.asarray(slots), feats, pos, ok)
         return logits, out[-1] if score else None
 
-    def _targets(self, reqs, starts, ends, rows: int) -> np.ndarray | None:
-        """``[1, rows]`` int32: each packed row's next prompt token when its request asks for prompt
-        log-probabilities and has not had that position's yet (−1 elsewhere); None when the engine scores none."""
+    def _targets(self, reqs, starts, ends, rows: int):
+        """``(targets [1, rows] int32, scoring)``: each packed row's next prompt token when its request asks for
+        prompt log-probabilities and has not had that position's yet (−1 elsewhere), and the ``(request, row)``
+        pairs so scored, in prompt order; ``(None, [])`` when the engine scores none."""
         if not self.scores_prompts:
-            return None
-        out = np.full((1, rows), -1, np.int32)
-        at = 0
+            return None, []
+        out, scoring, at = np.full((1, rows), -1, np.int32), [], 0
         for i, req in enumerate(reqs):
             a, e = int(starts[i]), int(ends[i])
             if req.sampling.prompt_logprobs is not None:
-                done = len(req.prompt_logprobs or [None])           # positions 0 … done − 1 have their entry
+                done = len(req.prompt_logprobs)                     # positions 0 … done − 1 have their entry
                 for p in range(max(a, done - 1), min(e, len(req.prompt) - 1)):
                     out[0, at + p - a] = req.prompt[p + 1]
+                    scoring.append((req, at + p - a))
             at += e - a
-        return out
-
-    def _prompt_entries(self, reqs, starts, ends, targets, scored) -> None:
-        """Append each scoring request's new prompt positions' entries (`Request.prompt_logprobs`)."""
-        at = 0
-        for i, req in enumerate(reqs):
-            a, e = int(starts[i]), int(ends[i])
-            if req.sampling.prompt_logprobs is not None:
-                if req.prompt_logprobs is None:
-                    req.prompt_logprobs = [None]                    # the first token has none
-                for p in range(a, e):
-                    if targets[0, at + p - a] >= 0 and p + 1 == len(req.prompt_logprobs):
-                        req.prompt_logprobs.append(entries(scored, (0, at + p - a), req.sampling.prompt_logprobs))
-            at += e - a
+        return out, scoring
 
     # ------------------------------------------------------------------ warm-up
     def warm_up_programs(self, prefill: bool = True, decode: bool = True) -> list[tuple[str, Callable[[], None]]]:
