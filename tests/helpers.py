@@ -161,3 +161,20 @@ def compile_events():
         yield compiled
     finally:
         listening[0] = False
+
+
+def penalized_reference(logits, prompt, outputs, presence=0.0, frequency=0.0, repetition=1.0) -> np.ndarray:
+    """A row of logits with the penalties applied as vLLM defines them, in float64: repetition on every id of the
+    prompt or the outputs (positive logits divided by it, the others multiplied), then minus ``frequency`` per
+    occurrence among the outputs and ``presence`` once for an id among them."""
+    x = np.asarray(logits, np.float64).copy()
+    count = np.bincount(np.asarray(outputs, np.int64), minlength=x.size)[:x.size].astype(np.float64)
+    seen = (count > 0) | np.isin(np.arange(x.size), np.asarray(prompt, np.int64))
+    x[seen] = np.where(x[seen] > 0, x[seen] / repetition, x[seen] * repetition)
+    return x - frequency * count - presence * (count > 0)
+
+
+def top_gap(row) -> float:
+    """The gap between a row's two largest values, relative to its largest magnitude (a greedy choice's margin)."""
+    row = np.sort(np.asarray(row, np.float64))
+    return float((row[-1] - row[-2]) / max(np.abs(row).max(), 1e-30))

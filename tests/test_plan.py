@@ -12,6 +12,7 @@ from v41cp.config import preset
 from v41cp.plan import floor_flops
 from v41cp.serving.attention.dcp import DCPPlan
 from v41cp.serving.capacity import Capacity
+from v41cp.serving.runner.penalties import TokenCounts
 from v41cp.serving.runner.sampling import SamplingRows
 from v41cp.serving.runner.steps import decode_and_sample, init_cache
 from v41cp.serving.step_batch import StepBatch
@@ -45,7 +46,9 @@ def test_plan_equals_the_compiled_engine_program(capsys):
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     meta = jax.device_put(StepBatch.idle(cfg, BATCH, max_blocks), rep)
     sampling = jax.device_put(SamplingRows.build([], [], BATCH), rep)
-    compiled = decode_and_sample.lower(params, cache, meta, sampling, cfg, plan, Capacity().max_logprobs).compile()
+    counts = TokenCounts.zeros(BATCH, cfg.vocab_size, mesh)
+    compiled = decode_and_sample.lower(params, cache, meta, sampling, counts, cfg, plan,
+                                       Capacity().max_logprobs).compile()
     cost = program_cost(compiled)                            # loop bodies counted per iteration
     mem = compiled.memory_analysis()
     assert out["flops_per_device"] == cost["flops"] and out["bytes_accessed_per_device"] == cost["bytes accessed"]

@@ -11,6 +11,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from helpers import penalized_reference
 from server_harness import ServerProcess
 
 from v41cp.checkpoint import default_checkpoint
@@ -339,23 +340,24 @@ HONOURED = {
     "completions": {"model": MODEL, "prompt": "w1 w2", "max_tokens": 2, "temperature": 0, "top_p": 0.9, "seed": 3,
                     "stop": ["w99"], "stream": False, "stream_options": {"include_usage": True}, "ignore_eos": True,
                     "return_token_ids": True, "top_k": 5, "min_p": 0.1, "stop_token_ids": [5], "logprobs": 2,
-                    "echo": True, "n": 2, "best_of": 3, "logit_bias": {"5": 10}, "min_tokens": 1},
+                    "echo": True, "n": 2, "best_of": 3, "logit_bias": {"5": 10}, "min_tokens": 1,
+                    "frequency_penalty": 0.5, "presence_penalty": -0.5, "repetition_penalty": 1.2},
     "chat": {"model": MODEL, "messages": [{"role": "user", "content": "w1"}], "max_tokens": 2,
              "max_completion_tokens": 2, "temperature": 0, "top_p": 0.9, "seed": 3, "stop": "w99", "stream": False,
              "stream_options": {"include_usage": True}, "ignore_eos": True, "return_token_ids": True,
              "add_generation_prompt": False, "top_k": 5, "min_p": 0.1, "stop_token_ids": [5], "logprobs": True,
-             "top_logprobs": 2, "n": 2, "logit_bias": {"5": 10}, "min_tokens": 1},
+             "top_logprobs": 2, "n": 2, "logit_bias": {"5": 10}, "min_tokens": 1, "frequency_penalty": 0.5,
+             "presence_penalty": -0.5, "repetition_penalty": 1.2},
 }
 NEEDS = {"top_logprobs": {"logprobs": True}}            # a field honoured only with another
 CHANGING = {
-    "frequency_penalty": 0.5, "presence_penalty": -0.5,
     "suffix": "w1", "user": "u1", "audio": {"voice": "alloy", "format": "wav"},
     "function_call": "auto", "functions": [{"name": "f"}], "metadata": {"k": "v"}, "modalities": ["text", "audio"],
     "parallel_tool_calls": True, "prediction": {"type": "content", "content": "w1"}, "prompt_cache_key": "k",
     "reasoning_effort": "low", "response_format": {"type": "json_object"}, "safety_identifier": "s",
     "service_tier": "auto", "store": True, "tool_choice": "auto",
     "tools": [{"type": "function", "function": {"name": "f"}}], "verbosity": "low",
-    "web_search_options": {}, "repetition_penalty": 1.2,
+    "web_search_options": {},
     "structured_outputs": {"json": {}}, "guided_json": {"type": "object"}, "guided_regex": "w1",
     "guided_choice": ["w1"], "prompt_logprobs": 1, "include_stop_str_in_output": True, "skip_special_tokens": False,
     "chat_template_kwargs": {"thinking": True}, "priority": 1,
@@ -398,11 +400,12 @@ def test_every_request_field_is_honoured_or_refused_by_name(server, kind):
     assert after["free_blocks"] == before["free_blocks"]
 
 
-def test_sampling_controls_have_their_effect(server, client):
+def test_sampling_controls_have_their_effect(server, client, codec):
     """``top_k: 1`` and ``min_p`` near 1 at temperature 1 sample the greedy tokens; ``stop_token_ids`` ends the
     request at the first of them (finish reason ``stop``, the id kept in the ids, hidden from the text); ``logit_bias``
-    forces (+100) and bans (−100) tokens; ``min_tokens`` holds a stop id back; values outside their ranges and ids
-    outside the vocabulary answer 400 naming the field."""
+    forces (+100) and bans (−100) tokens; ``min_tokens`` holds a stop id back; with presence, frequency and
+    repetition penalties each greedy token is the argmax of the penalized logits (as vLLM defines them) of the
+    model's full forward; values outside their ranges and ids outside the vocabulary answer 400 naming the field."""
     args = dict(model=MODEL, prompt=PROMPTS[3], max_tokens=8)
     ids = lambda r: r.choices[0].model_extra["token_ids"]
     greedy = client.completions.create(**args, temperature=0, extra_body={"return_token_ids": True,
@@ -430,6 +433,22 @@ def test_sampling_controls_have_their_effect(server, client):
     held = client.completions.create(**args, temperature=0, extra_body={
         "return_token_ids": True, "stop_token_ids": ids(first), "min_tokens": 3})
     assert len(ids(held)) >= 3 and ids(held)[:3].count(ids(first)[0]) == 0
+    # penalties: the argmax of the reference-penalized logits of a full forward over prompt + output, each token
+    # (no decision within the FP8 cache's rounding of the logits, scaled by the repetition penalty)
+    from v41cp import model
+    from v41cp.checkpoint import load
+
+    cfg, params = load(default_checkpoint())
+    pen = client.completions.create(**args, temperature=0, frequency_penalty=1.5, presence_penalty=0.4,
+                                    extra_body={"return_token_ids": True, "ignore_eos": True,
+                                                "repetition_penalty": 1.6})
+    out, prompt = ids(pen), codec.encode(PROMPTS[3])
+    logits = np.asarray(model.forward(params, cfg, np.asarray([prompt + out])))[0, len(prompt) - 1:-1]
+    tol = 2 * 1.6 * 1e-4 * np.abs(logits).max()
+    for j, row in enumerate(logits):
+        z = penalized_reference(row, prompt, out[:j], presence=0.4, frequency=1.5, repetition=1.6)
+        assert z[out[j]] >= z.max() - tol, (j, out)
+    assert out != g
     for field, value, words in (("top_k", -2, "greater than or equal to -1"), ("min_p", 1.0, "less than 1"),
                                 ("logit_bias", {"5": 101}, "value in [-100, 100]"),
                                 ("logit_bias", {"w1": 1}, "keys are token ids"),
@@ -437,6 +456,9 @@ def test_sampling_controls_have_their_effect(server, client):
                                 ("logit_bias", {"1": 1, "01": 2}, "appears twice"),
                                 ("logit_bias", {"256": 1}, "token id 256 is outside the vocabulary"),
                                 ("min_tokens", 17, "min_tokens must be an integer in [0, max_new_tokens=16]"),
+                                ("presence_penalty", 2.5, "less than or equal to 2"),
+                                ("frequency_penalty", -3, "greater than or equal to -2"),
+                                ("repetition_penalty", 0, "greater than 0"),
                                 ("stop_token_ids", [5, 256], "token id 256 is outside the vocabulary"),
                                 ("stop_token_ids", "w1", "valid array")):
         r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "w1", field: value},

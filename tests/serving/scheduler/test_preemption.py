@@ -1,11 +1,13 @@
 """Pages on demand with preemption: a request takes blocks as it grows; when they run out the newest running request
 is preempted (pages and slot freed, back to the queue with its outputs) and recomputed later. Greedy and seeded
-outputs equal a run with ample pages, every page comes back, and the oldest request always progresses."""
+outputs equal a run with ample pages, every page comes back, and the oldest request always progresses. Two of the
+requests carry penalties, so a recomputed request's token counts are rebuilt exactly in whatever slot it lands."""
 
 import dataclasses
 
 import numpy as np
 import pytest
+from helpers import penalized_reference, top_gap
 
 from v41cp.checkpoint import default_checkpoint, load
 from v41cp.config import preset
@@ -63,11 +65,11 @@ def _workload(cfg):
     stem = rng.integers(3, cfg.vocab_size, 10).tolist()
     greedy = SamplingParams(max_new_tokens=26, stop_on_eos=False)
     seeded = SamplingParams(max_new_tokens=22, temperature=1.0, top_p=0.9, top_k=40, seed=3, stop_on_eos=False)
-    # (id, prompt, sampling, submitted at step): shared prefixes, long outputs, late arrivals
+    # (id, prompt, sampling, submitted at step): shared prefixes, long outputs, late arrivals, penalties
     return [("a", stem + rng.integers(3, cfg.vocab_size, 4).tolist(), greedy, 0),
             ("b", stem + rng.integers(3, cfg.vocab_size, 9).tolist(), seeded, 0),
-            ("c", rng.integers(3, cfg.vocab_size, 7).tolist(), greedy, 2),
-            ("d", stem[:6], dataclasses.replace(seeded, seed=8), 5)]
+            ("c", rng.integers(3, cfg.vocab_size, 7).tolist(), dataclasses.replace(greedy, frequency_penalty=0.7), 2),
+            ("d", stem[:6], dataclasses.replace(seeded, seed=8, presence_penalty=0.5, repetition_penalty=1.3), 5)]
 
 
 def _run(eng, work, logits=None):
@@ -81,7 +83,7 @@ def _run(eng, work, logits=None):
         if logits is not None:
             for rid, r in eng.requests.items():
                 if r.sampling.temperature == 0 and r.last_logits is not None and len(r.output) > len(logits[rid]):
-                    logits[rid].append(np.array(r.last_logits))
+                    logits[rid].append((len(r.output) - 1, np.array(r.last_logits)))   # (output index, logits)
         step += 1
         assert step < 400
     return {rid: eng.result(rid)["output_ids"] for rid, *_ in work}
@@ -99,7 +101,10 @@ def ample(tiny):
     want = _run(Engine(params, cfg, AMPLE, record_logits=True), work, logits)
     # no greedy token sits on a near-tie that a recompute's rounding could flip (top-1 − top-2 gap of its logits; the
     # logits of each step's last token per request: a prefill step also decodes, so one token per prompt is unseen)
-    gaps = [np.diff(np.sort(row)[-2:])[0] / np.abs(row).max() for rows in logits.values() for row in rows]
+    prompt, sp = {rid: p for rid, p, *_ in work}, {rid: s for rid, _, s, _ in work}
+    gaps = [top_gap(penalized_reference(row, prompt[rid], want[rid][:i], sp[rid].presence_penalty,
+                                        sp[rid].frequency_penalty, sp[rid].repetition_penalty))
+            for rid, rows in logits.items() for i, row in rows]
     assert len(gaps) >= 2 * 26 - 2 and min(gaps) > 1e-4, min(gaps)
     return work, want
 

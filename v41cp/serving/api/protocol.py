@@ -7,7 +7,7 @@ JSON object (no ``NaN`` / ``Infinity``, at most `MAX_DEPTH` levels deep); then t
 
 **Field policy.** Every field a request may carry is declared here. A field is either *honoured* (it changes what
 the server does as the API defines), or *accepted only at its neutral value* — the value that means "no change"
-(``presence_penalty: 0``, ``repetition_penalty: 1`` …; `NEUTRAL`) — and answered 400
+(``suffix: ""``, ``include_stop_str_in_output: false`` …; `NEUTRAL`) — and answered 400
 naming it otherwise. A field not declared at all is answered 400 naming it. Nothing is silently ignored.
 """
 
@@ -133,16 +133,17 @@ class RequestBase(_Strict):
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)          # choices per prompt (sampled independently)
     logit_bias: Optional[dict[str, float]] = None            # token id (a string) → added to its logit, in [-100, 100]
     min_tokens: int = Field(default=0, ge=0)                 # no EOS / stop id before this many tokens
+    # penalties on the device (`v41cp.serving.runner.penalties`): OpenAI's two, vLLM's repetition penalty
+    presence_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: Optional[float] = Field(default=None, gt=0.0)
 
     # accepted only at the value that means "no change"
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    repetition_penalty: Any = None
     include_stop_str_in_output: Any = None
     response_format: Any = None               # chat in the OpenAI API; completions too in vLLM
     prompt_logprobs: Any = None
 
-    @field_validator("temperature", "top_p", "min_p")
+    @field_validator("temperature", "top_p", "min_p", "repetition_penalty")
     @classmethod
     def _finite(cls, v):
         if v is not None and not math.isfinite(v):
@@ -199,7 +200,6 @@ class DetokenizeRequest(_Strict):
 # the values that mean "no change" for each field accepted only at them (null: not sent, always neutral)
 NEUTRAL: dict[str, tuple] = {
     "prompt_logprobs": (), "suffix": ("",),
-    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
     "include_stop_str_in_output": (False,),
     "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
     "parallel_tool_calls": (), "response_format": ({"type": "text"},),

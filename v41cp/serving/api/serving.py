@@ -223,7 +223,10 @@ class OpenAIServing:
                               top_k=max(req.top_k or 0, 0), min_p=req.min_p or 0.0, seed=seed,
                               stop_on_eos=not req.ignore_eos, stop_token_ids=tuple(req.stop_token_ids or ()),
                               logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                              logit_bias=self.logit_bias(req.logit_bias), min_tokens=req.min_tokens)
+                              logit_bias=self.logit_bias(req.logit_bias), min_tokens=req.min_tokens,
+                              presence_penalty=req.presence_penalty or 0.0,
+                              frequency_penalty=req.frequency_penalty or 0.0,
+                              repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty)
 
     def echo_text(self, prompt, ids: list[int]) -> str:
         """An echoed prompt: as sent, or its ids' text."""

@@ -39,6 +39,7 @@ from v41cp.serving.cache.slot_state import put_slot_state, take_slot_state
 from v41cp.serving.capacity import Capacity
 from v41cp.serving.multihost.fetch import fetch
 from v41cp.serving.runner.logprobs import TokenLogprobs, entries
+from v41cp.serving.runner.penalties import TokenCounts, reset_slot
 from v41cp.serving.runner.sampling import ReplicateOn, SamplingRows, sample_tokens
 from v41cp.serving.runner.span_batch import build_span_batch
 from v41cp.serving.runner.span_prefill import SpanLayout, prefill_span
@@ -121,6 +122,10 @@ class ModelRunner:
         self.num_blocks = capacity.block_count(n)
         self.cache = init_cache(cfg, self.num_blocks, capacity.block_tokens, capacity.max_batch,
                                 None if self.plan else cache_sharding, plan=self.plan)
+        # the penalties' per-slot token counts; ``_counted[slot] = (request, outputs)``: whose they are, and how many
+        # of its outputs they hold (`_sync_counts`)
+        self.counts = TokenCounts.zeros(capacity.max_batch, cfg.vocab_size, mesh, cache_sharding)
+        self._counted: dict[int, tuple[Request, int]] = {}
         self.stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_steps": 0, "decode_tokens": 0,
                       "decode_s": 0.0, "step_s": deque(maxlen=4096), "ced_encoder_only_rows": 0}
         self.dparams = self.dcache = None
@@ -191,11 +196,13 @@ class ModelRunner:
                 at_cut(req, end)
         if self.record_logits:
             req.last_logits = fetch(last)[0]
-        tokens, lp = sample_tokens(last, SamplingRows.build([req.sampling], [len(req.output)], 1, eos=self.eos),
-                                   whole=self.whole,
-                                   logprobs=self.capacity.max_logprobs)
+        self._sync_counts([req], [slot])
+        tokens, lp, self.counts = sample_tokens(last, SamplingRows.build([req.sampling], [len(req.output)], 1,
+                                                                         eos=self.eos, slots=[slot]),
+                                                self.counts, whole=self.whole, logprobs=self.capacity.max_logprobs)
         lp = self._logprobs(lp, [req])
         req.emit(int(fetch(tokens)[0]), self._entry(lp, req, 0))
+        self._counted_now([req], [slot])
         self.stats["prefill_tokens"] += n - req.cached
         req.filled = n
         self.stats["ced_encoder_only_rows"] += encoder_rows
@@ -246,10 +253,11 @@ class ModelRunner:
                 req.prompt_logprobs.append(entries(scored, (0, row), req.sampling.prompt_logprobs))
         last = [i for i in range(k) if starts[i] < ends[i] == totals[i]]          # whose history ends in the pass
         if last:
-            tokens, lp = sample_tokens(logits, SamplingRows.build([reqs[i].sampling for i in last],
-                                                                  [len(reqs[i].output) for i in last], b, rows=last,
-                                                                  eos=self.eos),
-                                       whole=self.whole, logprobs=self.capacity.max_logprobs)
+            self._sync_counts([reqs[i] for i in last], [slots[i] for i in last])
+            rows = SamplingRows.build([reqs[i].sampling for i in last], [len(reqs[i].output) for i in last], b,
+                                      rows=last, eos=self.eos, slots=[slots[i] for i in last])
+            tokens, lp, self.counts = sample_tokens(logits, rows, self.counts, whole=self.whole,
+                                                    logprobs=self.capacity.max_logprobs)
             tokens, lp = fetch(tokens), self._logprobs(lp, [reqs[i] for i in last])
             recorded = fetch(logits) if self.record_logits else None
         for i, req in enumerate(reqs):
@@ -262,6 +270,7 @@ class ModelRunner:
             reqs[i].emit(int(tokens[i]), self._entry(lp, reqs[i], i))
             if recorded is not None:
                 reqs[i].last_logits = recorded[i]
+        self._counted_now([reqs[i] for i in last], [slots[i] for i in last])
         self.stats["prefill_s"] += time.perf_counter() - t0
         for i in last:
             done(reqs[i])
@@ -317,6 +326,8 @@ class ModelRunner:
         if decode:
             out.append(("decode", self._idle_decode) if self.speculative is None else
                        ("speculative round", self._idle_speculative))
+        if prefill or decode:
+            out.append(("penalty counts", self._idle_counts))
         return out
 
     def warm_up(self, progress: Callable[[str, int, int], None] | None = None, prefill: bool = True,
@@ -342,8 +353,9 @@ class ModelRunner:
             batch = dataclasses.replace(batch, qcp=dataclasses.replace(batch.qcp, continued=True))
         logits, _ = self._span_pass(batch, [0] * b, np.full((1, batch.rows), -1, np.int32)
                                     if self.scores_prompts else None)
-        fetch(sample_tokens(logits, SamplingRows.build([], [], b), whole=self.whole,
-                            logprobs=self.capacity.max_logprobs)[0])
+        tokens, _, self.counts = sample_tokens(logits, SamplingRows.build([], [], b), self.counts, whole=self.whole,
+                                               logprobs=self.capacity.max_logprobs)
+        fetch(tokens)
 
     def _idle_chunk(self) -> None:
         cfg, b, c = self.cfg, self.capacity.max_batch, self.capacity.prefill_chunk
@@ -357,8 +369,15 @@ class ModelRunner:
         else:
             logits, self.cache = prefill_chunk(self.params, self.cache, metas, cfg, False, self.step_plan)
         last = jax.lax.dynamic_index_in_dim(logits[:, 0], np.int32(0), keepdims=True)      # as `prefill_serial`
-        fetch(sample_tokens(last, SamplingRows.build([], [], 1), whole=self.whole,
-                            logprobs=self.capacity.max_logprobs)[0])
+        tokens, _, self.counts = sample_tokens(last, SamplingRows.build([], [], 1), self.counts, whole=self.whole,
+                                               logprobs=self.capacity.max_logprobs)
+        fetch(tokens)
+
+    def _idle_counts(self) -> None:
+        """Rebuild slot 0's token counts from an empty history (what it holds is no one's afterwards)."""
+        self._counted.pop(0, None)
+        self.counts = reset_slot(self.counts, np.int32(0), np.full(self.capacity.max_tokens, -1, np.int32),
+                                 np.int32(0), mesh=self.mesh)
 
     def _idle_slot_state(self) -> None:
         """Take slot 0's state and put it back (unchanged): the prefix cache's store and resume programs."""
@@ -367,8 +386,9 @@ class ModelRunner:
     def _idle_decode(self) -> None:
         b = self.capacity.max_batch
         meta = StepBatch.idle(self.cfg, b, self.capacity.max_blocks)
-        tokens, _, _, self.cache = decode_and_sample(self.params, self.cache, meta, SamplingRows.build([], [], b),
-                                                     self.cfg, self.step_plan, self.capacity.max_logprobs)
+        tokens, _, _, self.cache, self.counts = decode_and_sample(
+            self.params, self.cache, meta, SamplingRows.build([], [], b), self.counts, self.cfg, self.step_plan,
+            self.capacity.max_logprobs)
         fetch(tokens)
 
     def _idle_speculative(self) -> None:
@@ -390,15 +410,17 @@ class ModelRunner:
         meta = StepBatch.for_histories(cfg, [r.history for r in rows], slots, tables, self.capacity.max_batch,
                                        self.capacity.max_blocks)
         sampling = SamplingRows.build([r.sampling for r in rows], [len(r.output) for r in rows], self.capacity.max_batch,
-                                      eos=self.eos)
-        tokens, lp, logits, self.cache = decode_and_sample(self.params, self.cache, meta, sampling, cfg, self.step_plan,
-                                                           self.capacity.max_logprobs)
+                                      eos=self.eos, slots=slots)
+        self._sync_counts(rows, slots)
+        tokens, lp, logits, self.cache, self.counts = decode_and_sample(
+            self.params, self.cache, meta, sampling, self.counts, cfg, self.step_plan, self.capacity.max_logprobs)
         tokens, lp = fetch(tokens), self._logprobs(lp, rows)
         logits = fetch(logits) if self.record_logits else None
         for i, req in enumerate(rows):
             if logits is not None:
                 req.last_logits = logits[i]
             req.emit(int(tokens[i]), self._entry(lp, req, i))
+            self._counted_now([req], [slots[i]])
             done(req)
         self.stats["decode_steps"] += 1
         self.stats["decode_tokens"] += len(rows)
@@ -426,9 +448,10 @@ class ModelRunner:
         lengths = np.array([min(r, req.sampling.max_new_tokens - len(req.output)) for req in rows], np.int32)
         meta = StepBatch.verify(cfg, [req.history for req in rows], drafts, lengths, slots, tables, b, mb, r)
         sampling = SamplingRows.build([req.sampling for req in rows], [len(req.output) for req in rows], b,
-                                      eos=self.eos)
-        emitted, accepted, lp, logits, self.cache, undo, (feats, fpos, fok) = verify_and_accept(
-            self.params, self.cache, meta, sampling, cfg, self.step_plan, features=True,
+                                      eos=self.eos, slots=slots)
+        self._sync_counts(rows, slots)
+        emitted, accepted, lp, logits, self.cache, self.counts, undo, (feats, fpos, fok) = verify_and_accept(
+            self.params, self.cache, meta, sampling, self.counts, cfg, self.step_plan, features=True,
             logprobs=self.capacity.max_logprobs)
         self.cache = commit_rows(self.cache, undo, accepted + 1, cfg, self.step_plan)   # the anchor and the kept
         emitted, lp = fetch(emitted), self._logprobs(lp, rows)
@@ -442,6 +465,7 @@ class ModelRunner:
             req.spec["steps"] += 1
             req.spec["proposed"] += int(lengths[i] - 1)
             req.spec["accepted"] += m
+            self._counted_now([req], [slots[i]], len(req.output) + m + 1)    # the device counted all it emitted
             for j, t in enumerate(emitted[i, :m + 1]):
                 req.emit(int(t), self._entry(lp, req, (i, j)))
                 req.spec["emitted"] += 1
@@ -457,6 +481,30 @@ class ModelRunner:
         self.stats["drafts_accepted"] += int(kept.sum()) - len(rows)
         self.stats["decode_tokens"] += emitted_total
         self.stats["decode_s"] += time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ penalties
+    def _sync_counts(self, reqs, slots) -> None:
+        """Make the token counts of each penalized request's slot its own (`v41cp.serving.runner.penalties`):
+        rebuilt from its prompt and outputs unless the slot already holds them (the same request, as many
+        outputs)."""
+        for req, slot in zip(reqs, slots):
+            sp = req.sampling
+            if sp.presence_penalty == 0 and sp.frequency_penalty == 0 and sp.repetition_penalty == 1:
+                continue
+            held = self._counted.get(slot)
+            if held is not None and held[0] is req and held[1] == len(req.output):
+                continue
+            ids = np.full(self.capacity.max_tokens, -1, np.int32)
+            hist = req.history
+            ids[:len(hist)] = hist
+            self.counts = reset_slot(self.counts, np.int32(slot), ids, np.int32(len(req.prompt)), mesh=self.mesh)
+            self._counted[slot] = (req, len(req.output))
+
+    def _counted_now(self, reqs, slots, outputs: int | None = None) -> None:
+        """After a sampling step: the penalized requests' slots count ``outputs`` (default: all) of their outputs."""
+        for req, slot in zip(reqs, slots):
+            if slot in self._counted and self._counted[slot][0] is req:
+                self._counted[slot] = (req, len(req.output) if outputs is None else outputs)
 
     # ------------------------------------------------------------------ log-probabilities
     def _logprobs(self, lp, reqs) -> TokenLogprobs | None:
@@ -491,8 +539,8 @@ class ModelRunner:
         """Optimized HLO of this runner's decode step (its static bucket, with the sampling), for structure checks."""
         b = self.capacity.max_batch
         meta = StepBatch.idle(self.cfg, b, self.capacity.max_blocks)
-        return decode_and_sample.lower(self.params, self.cache, meta, SamplingRows.build([], [], b), self.cfg,
-                                       self.step_plan, self.capacity.max_logprobs).compile().as_text()
+        return decode_and_sample.lower(self.params, self.cache, meta, SamplingRows.build([], [], b), self.counts,
+                                       self.cfg, self.step_plan, self.capacity.max_logprobs).compile().as_text()
 
     @staticmethod
     def compile_counts() -> dict[str, int]:

@@ -3,6 +3,8 @@ the sampled ids (``[B]`` int32) come back to the host — never the ``[B, vocab]
 
 * `SamplingRows` — the per-row sampling parameters of a step as device data (a registered dataclass, one entry per
   batch row; idle rows greedy);
+* `adjusted_logits(logits [B, V], rows, counts)` — what rows sample from: the logit bias, the ids held back by
+  ``min_tokens`` and the presence / frequency / repetition penalties (`v41cp.serving.runner.penalties`) applied;
 * `sample_rows(logits [B, V], rows)` — greedy (temperature 0) or temperature sampling restricted to the top-k,
   top-p (nucleus) and min-p support, one token per row;
 * `accept_rows(logits [B, R, V], drafts [B, R−1], lengths [B], rows)` — speculative acceptance against point-mass
@@ -31,6 +33,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from v41cp.serving.runner.logprobs import token_logprobs
+from v41cp.serving.runner.penalties import TokenCounts, apply_penalties, count_tokens
+from v41cp.serving.runner.vocab_slices import add_at_ids, on_vocab_slices
 from v41cp.serving.scheduler.request import MAX_LOGIT_BIAS, MAX_STOP_IDS, SamplingParams
 
 __all__ = ["SamplingRows", "sample_rows", "accept_rows", "token_distribution", "sample_tokens", "sample_with_logprobs",
@@ -47,7 +51,8 @@ class SamplingRows:
     seed's high and low words), ``index`` i32 (the output index of the row's first sampled token), ``logprobs`` bool
     (the row's request asks for log-probabilities: `v41cp.serving.runner.logprobs`); ``bias_ids`` / ``bias``
     ``[B, MAX_LOGIT_BIAS]`` (−1: none) the logit bias; ``ban_ids [B, MAX_STOP_IDS + 1]`` (−1: none) the EOS and stop
-    ids that output indices below ``min_tokens [B]`` may not sample."""
+    ids that output indices below ``min_tokens [B]`` may not sample; ``presence`` / ``frequency`` / ``repetition`` f32
+    the penalties (0, 0, 1: off) and ``slot`` i32 the row's batch slot (its `TokenCounts` row; −1: none)."""
 
     temperature: jax.Array
     top_p: jax.Array
@@ -60,12 +65,18 @@ class SamplingRows:
     bias: jax.Array
     ban_ids: jax.Array
     min_tokens: jax.Array
+    presence: jax.Array
+    frequency: jax.Array
+    repetition: jax.Array
+    slot: jax.Array
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], indices: Sequence[int], batch: int,
-              rows: Sequence[int] | None = None, eos: int | None = None) -> "SamplingRows":
+              rows: Sequence[int] | None = None, eos: int | None = None,
+              slots: Sequence[int] | None = None) -> "SamplingRows":
         """Host arrays of ``batch`` rows: ``params[i]`` at output index ``indices[i]`` in row ``rows[i]`` (default
-        ``i``); the other rows are idle (greedy). ``eos``: the model's EOS id (held back by ``min_tokens``)."""
+        ``i``) of batch slot ``slots[i]`` (needed by penalties); the other rows are idle (greedy). ``eos``: the
+        model's EOS id (held back by ``min_tokens``)."""
         at = np.arange(len(params)) if rows is None else np.asarray(rows, np.int64)
         bias_ids = np.full((batch, MAX_LOGIT_BIAS), -1, np.int32)
         bias = np.zeros((batch, MAX_LOGIT_BIAS), np.float32)
@@ -92,7 +103,11 @@ class SamplingRows:
                    index=col(list(indices), np.int32, 0),
                    logprobs=col([sp.logprobs is not None for sp in params], bool, False),
                    bias_ids=bias_ids, bias=bias, ban_ids=ban_ids,
-                   min_tokens=col([sp.min_tokens for sp in params], np.int32, 0))
+                   min_tokens=col([sp.min_tokens for sp in params], np.int32, 0),
+                   presence=col([sp.presence_penalty for sp in params], np.float32, 0.0),
+                   frequency=col([sp.frequency_penalty for sp in params], np.float32, 0.0),
+                   repetition=col([sp.repetition_penalty for sp in params], np.float32, 1.0),
+                   slot=col([-1] * len(params) if slots is None else list(slots), np.int32, -1))
 
     @classmethod
     def abstract(cls, batch: int, sharding=None) -> "SamplingRows":
@@ -102,7 +117,8 @@ class SamplingRows:
                    min_p=s((batch,), jnp.float32), seed=s((batch, 2), jnp.uint32), index=s((batch,), jnp.int32),
                    logprobs=s((batch,), jnp.bool_), bias_ids=s((batch, MAX_LOGIT_BIAS), jnp.int32),
                    bias=s((batch, MAX_LOGIT_BIAS), jnp.float32), ban_ids=s((batch, MAX_STOP_IDS + 1), jnp.int32),
-                   min_tokens=s((batch,), jnp.int32))
+                   min_tokens=s((batch,), jnp.int32), presence=s((batch,), jnp.float32),
+                   frequency=s((batch,), jnp.float32), repetition=s((batch,), jnp.float32), slot=s((batch,), jnp.int32))
 
     def take(self, rows: jax.Array) -> "SamplingRows":
         """The parameters of batch rows ``rows``."""
@@ -117,35 +133,20 @@ def _keys(rows: SamplingRows, offset, stream: int):
     return jax.vmap(one)(rows.seed, rows.index + offset)
 
 
-def adjusted_logits(logits: jax.Array, rows: SamplingRows, whole=None) -> jax.Array:
+def adjusted_logits(logits: jax.Array, rows: SamplingRows, whole=None, counts: TokenCounts | None = None,
+                    prior: jax.Array | None = None) -> jax.Array:
     """``logits [B, V]`` with each row's logit bias added and its held-back ids (EOS and stop ids before
-    ``min_tokens`` outputs) at −inf — what every row samples from (greedy included). A batch with neither skips it
-    (``lax.cond``); vocab-sharded logits (``whole``: its mesh) are changed where they lie, each device its slice."""
+    ``min_tokens`` outputs) at −inf, then with ``counts`` its penalties applied (`apply_penalties`; ``prior [B, K]``:
+    ids counted on top of the slot's) — what every row samples from (greedy included). A batch with none of them
+    skips each (``lax.cond``); vocab-sharded logits (``whole``: its mesh) are changed where they lie, each device
+    its slice."""
     ban = (rows.index < rows.min_tokens)[:, None] & (rows.ban_ids >= 0)
     ids = jnp.concatenate([rows.bias_ids, jnp.where(ban, rows.ban_ids, -1)], axis=1)
     add = jnp.concatenate([jnp.where(rows.bias_ids >= 0, rows.bias, 0.0), jnp.where(ban, -jnp.inf, 0.0)], axis=1)
-    active = (ids >= 0).any()
-    return jax.lax.cond(active, partial(_scatter_add, mesh=whole.mesh if whole is not None else None),
-                        lambda x, i, a: x, logits.astype(jnp.float32), ids, add)
-
-
-def _scatter_add(x: jax.Array, ids: jax.Array, add: jax.Array, mesh=None) -> jax.Array:
-    """``x [B, V]`` plus ``add [B, K]`` at ids ``[B, K]`` (−1: nothing); with ``mesh``, on each device's vocabulary
-    slice (split over attention TP, ("tp", "cp"))."""
-    axes = tuple(a for a in ("tp", "cp") if mesh is not None and mesh.shape.get(a, 1) > 1)
-
-    def local(part, ids, add):
-        v = part.shape[-1]
-        loc = ids - (jax.lax.axis_index(axes) * v if axes else 0)
-        ok = (ids >= 0) & (loc >= 0) & (loc < v)
-        return part.at[jnp.arange(part.shape[0])[:, None], jnp.clip(loc, 0, v - 1)].add(jnp.where(ok, add, 0.0))
-
-    if not axes:
-        return local(x, ids, add)
-    if x.shape[-1] % int(np.prod([mesh.shape[a] for a in axes])):        # not split evenly: left to the partitioner
-        return x.at[jnp.arange(x.shape[0])[:, None], jnp.maximum(ids, 0)].add(jnp.where(ids >= 0, add, 0.0))
-    return jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(None, axes), PartitionSpec(), PartitionSpec()),
-                         out_specs=PartitionSpec(None, axes))(x, ids, add)
+    mesh = whole.mesh if whole is not None else None
+    logits = jax.lax.cond((ids >= 0).any(), lambda x, i, a: on_vocab_slices(add_at_ids, x, i, a, mesh=mesh),
+                          lambda x, i, a: x, logits.astype(jnp.float32), ids, add)
+    return logits if counts is None else apply_penalties(logits, rows, counts, prior, mesh)
 
 
 def _support_logits(logits: jax.Array, rows: SamplingRows, whole=None):
@@ -179,9 +180,10 @@ def _filtered(z: jax.Array, rows: SamplingRows, whole) -> jax.Array:
     return jnp.where(jnp.take_along_axis(keep, inverse, axis=-1), z, -jnp.inf)
 
 
-def token_distribution(logits: jax.Array, rows: SamplingRows, whole=None) -> jax.Array:
+def token_distribution(logits: jax.Array, rows: SamplingRows, whole=None, counts: TokenCounts | None = None
+                       ) -> jax.Array:
     """The probabilities [B, V] that `sample_rows` draws from (a one-hot of the argmax for greedy rows)."""
-    logits = adjusted_logits(logits, rows, whole)
+    logits = adjusted_logits(logits, rows, whole, counts)
     z, greedy = _support_logits(logits, rows, whole)
     onehot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
     return jnp.where(greedy[:, None], onehot, jax.nn.softmax(z, axis=-1))
@@ -191,10 +193,10 @@ def _draw(keys, z: jax.Array) -> jax.Array:
     return jax.vmap(jax.random.categorical)(keys, z).astype(jnp.int32)
 
 
-def sample_rows(logits: jax.Array, rows: SamplingRows, whole=None) -> jax.Array:
+def sample_rows(logits: jax.Array, rows: SamplingRows, whole=None, counts: TokenCounts | None = None) -> jax.Array:
     """One token per row of ``logits [B, V]`` (FP32): ``[B]`` int32 (see the module docstring; ``whole`` as in
-    `_support_logits`)."""
-    logits = adjusted_logits(logits, rows, whole)
+    `_support_logits`; ``counts``: the slots' token counts, for penalized rows)."""
+    logits = adjusted_logits(logits, rows, whole, counts)
     z, greedy = _support_logits(logits, rows, whole)
     drawn = _draw(_keys(rows, 0, TOKEN), z)
     return jnp.where(greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), drawn)
@@ -211,30 +213,36 @@ class ReplicateOn:
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, PartitionSpec()))
 
 
-def sample_with_logprobs(logits: jax.Array, rows: SamplingRows, whole=None, logprobs: int = 0):
+def sample_with_logprobs(logits: jax.Array, rows: SamplingRows, counts: TokenCounts | None = None, whole=None,
+                         logprobs: int = 0):
     """`sample_rows` and, with ``logprobs = n > 0``, the tokens' log-probabilities with the top ``n`` of each row
-    (`token_logprobs`; computed only when a row asks): ``(tokens [B], TokenLogprobs or None)``."""
-    tokens = sample_rows(logits, rows, whole)
-    return tokens, (token_logprobs(logits, tokens, rows.logprobs.any(), logprobs, whole) if logprobs else None)
+    (`token_logprobs`, of the model's logits; computed only when a row asks): ``(tokens [B], TokenLogprobs or None,
+    counts with the tokens counted — or None without counts)``."""
+    tokens = sample_rows(logits, rows, whole, counts)
+    lp = token_logprobs(logits, tokens, rows.logprobs.any(), logprobs, whole) if logprobs else None
+    mesh = whole.mesh if whole is not None else None
+    return tokens, lp, (None if counts is None else count_tokens(counts, rows, tokens[:, None], mesh))
 
 
-# the prefills' first tokens: a program on the pass's device logits
-sample_tokens = jax.jit(sample_with_logprobs, static_argnames=("whole", "logprobs"))
+# the prefills' first tokens: a program on the pass's device logits (the counts donated)
+sample_tokens = jax.jit(sample_with_logprobs, static_argnames=("whole", "logprobs"), donate_argnames=("counts",))
 
 
-def accept_rows(logits: jax.Array, drafts: jax.Array, lengths: jax.Array, rows: SamplingRows, whole=None
-                ) -> tuple[jax.Array, jax.Array]:
+def accept_rows(logits: jax.Array, drafts: jax.Array, lengths: jax.Array, rows: SamplingRows, whole=None,
+                counts: TokenCounts | None = None) -> tuple[jax.Array, jax.Array]:
     """Speculative acceptance of ``drafts [B, R−1]`` against the verification rows' ``logits [B, R, V]`` (row ``j``
     predicts the token after draft ``j``; only the first ``lengths [B] ≤ R`` rows of a request are real): ``(emitted
     [B, R] int32 — the kept drafts, then one token from the target, −1 after —, kept [B] int32 drafts)``.
     Greedy rows keep drafts while they equal the argmax; sampled rows keep draft ``d`` at row ``j`` when a uniform
     draw (stream 1 of output index ``index + j``) is below ``p_j(d)``, and the first rejected row draws from its
     distribution without ``d`` (stream 2) — exactly the target's distribution (lossless). After every real draft is
-    kept, the last real row draws from its full distribution (stream 2)."""
+    kept, the last real row draws from its full distribution (stream 2). With ``counts``, row ``j`` is penalized
+    with drafts ``0 … j−1`` counted as outputs (what plain decoding would have counted)."""
     b, r, v = logits.shape
     flat = jax.tree.map(lambda a: jnp.repeat(a, r, axis=0), rows)
     flat = SamplingRows(**{**vars(flat), "index": flat.index + jnp.tile(jnp.arange(r, dtype=jnp.int32), b)})
-    logits = adjusted_logits(logits.reshape(b * r, v), flat, whole)
+    earlier = jnp.where(jnp.arange(r - 1)[None] < jnp.arange(r)[:, None], drafts[:, None, :], -1)   # [B, R, R−1]
+    logits = adjusted_logits(logits.reshape(b * r, v), flat, whole, counts, earlier.reshape(b * r, r - 1))
     z, greedy = _support_logits(logits, flat, whole)
     logits = logits.reshape(b, r, v)
     p = jnp.where(greedy[:, None], jax.nn.one_hot(jnp.argmax(logits.reshape(b * r, v), -1), v), jax.nn.softmax(z, -1))

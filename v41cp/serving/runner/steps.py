@@ -42,6 +42,7 @@ from v41cp.serving.cache import paged as pc
 from v41cp.serving.cache.device_cache import POOLS, PagedCache, init_cache
 from v41cp.serving.cache.undo import VerifyUndo
 from v41cp.serving.runner.logprobs import token_logprobs
+from v41cp.serving.runner.penalties import TokenCounts, count_tokens
 from v41cp.serving.runner.sampling import ReplicateOn, SamplingRows, accept_rows, sample_with_logprobs
 from v41cp.serving.step_batch import StepBatch
 
@@ -88,16 +89,17 @@ def _whole(plan: DCPPlan | None):
     return ReplicateOn(plan.mesh) if plan is not None else None
 
 
-@partial(jax.jit, static_argnames=("cfg", "plan", "logprobs"), donate_argnames=("cache",))
-def decode_and_sample(params: dict, cache: PagedCache, meta: StepBatch, sampling: SamplingRows, cfg: ModelConfig,
-                      plan: DCPPlan | None = None, logprobs: int = 0):
-    """`decode_step` with each row's token sampled in the same program (`sample_rows`, parameters ``sampling``):
-    ``(tokens [max_batch] int32, log-probabilities, logits [max_batch, vocab] FP32, cache)`` — the engine fetches
-    the tokens, and the log-probabilities (`TokenLogprobs` ``[max_batch]`` with the top ``logprobs``, computed when a
-    row asks; None for ``logprobs = 0``) only when a request asks."""
+@partial(jax.jit, static_argnames=("cfg", "plan", "logprobs"), donate_argnames=("cache", "counts"))
+def decode_and_sample(params: dict, cache: PagedCache, meta: StepBatch, sampling: SamplingRows, counts: TokenCounts,
+                      cfg: ModelConfig, plan: DCPPlan | None = None, logprobs: int = 0):
+    """`decode_step` with each row's token sampled in the same program (`sample_rows`, parameters ``sampling``,
+    penalized rows against their slots' ``counts``): ``(tokens [max_batch] int32, log-probabilities, logits
+    [max_batch, vocab] FP32, cache, counts)`` — the engine fetches the tokens, and the log-probabilities
+    (`TokenLogprobs` ``[max_batch]`` with the top ``logprobs``, computed when a row asks; None for ``logprobs = 0``)
+    only when a request asks; the penalized rows' tokens are counted."""
     logits, cache, _, _, _ = _forward_rows(params, cache, meta, cfg, plan)
-    tokens, lp = sample_with_logprobs(logits[:, 0], sampling, _whole(plan), logprobs)
-    return tokens, lp, logits[:, 0], cache
+    tokens, lp, counts = sample_with_logprobs(logits[:, 0], sampling, counts, _whole(plan), logprobs)
+    return tokens, lp, logits[:, 0], cache, counts
 
 
 @partial(jax.jit, static_argnames=("cfg", "plan", "features"), donate_argnames=("cache",))
@@ -117,22 +119,23 @@ def verify_step(params: dict, cache: PagedCache, rows: StepBatch, cfg: ModelConf
     return (logits, cache, undo, feats) if features else (logits, cache, undo)
 
 
-@partial(jax.jit, static_argnames=("cfg", "plan", "features", "logprobs"), donate_argnames=("cache",))
-def verify_and_accept(params: dict, cache: PagedCache, rows: StepBatch, sampling: SamplingRows, cfg: ModelConfig,
-                      plan: DCPPlan | None = None, features: bool = False, logprobs: int = 0):
+@partial(jax.jit, static_argnames=("cfg", "plan", "features", "logprobs"), donate_argnames=("cache", "counts"))
+def verify_and_accept(params: dict, cache: PagedCache, rows: StepBatch, sampling: SamplingRows, counts: TokenCounts,
+                      cfg: ModelConfig, plan: DCPPlan | None = None, features: bool = False, logprobs: int = 0):
     """`verify_step` of ``rows`` (each request's anchor then its drafts) with the speculative acceptance in the same
-    program (`accept_rows`, parameters ``sampling``): ``(emitted [max_batch, k] int32, kept [max_batch] int32 drafts,
-    log-probabilities of the emitted tokens (`TokenLogprobs` ``[max_batch, k]``, as in `decode_and_sample`; None for
-    ``logprobs = 0``), logits [max_batch, k, vocab], cache, undo[, features])`` — the engine fetches ``emitted``
-    and ``kept`` (the log-probabilities when a request asks) and passes ``kept + 1`` to `commit_rows` on the
-    device."""
+    program (`accept_rows`, parameters ``sampling``, penalized rows against ``counts``): ``(emitted [max_batch, k]
+    int32, kept [max_batch] int32 drafts, log-probabilities of the emitted tokens (`TokenLogprobs` ``[max_batch,
+    k]``, as in `decode_and_sample`; None for ``logprobs = 0``), logits [max_batch, k, vocab], cache, counts (the
+    emitted tokens counted), undo[, features])`` — the engine fetches ``emitted`` and ``kept`` (the
+    log-probabilities when a request asks) and passes ``kept + 1`` to `commit_rows` on the device."""
     if rows.rows > cfg.sliding_window:
         raise ValueError(f"verify_step: rows={rows.rows} exceeds sliding_window={cfg.sliding_window}")
     logits, cache, undo, feats, _ = _forward_rows(params, cache, rows, cfg, plan, undo=True,
                                                features=rows.rows if features else 0)
-    emitted, kept = accept_rows(logits, rows.tokens[:, 1:], rows.lengths, sampling, _whole(plan))
+    emitted, kept = accept_rows(logits, rows.tokens[:, 1:], rows.lengths, sampling, _whole(plan), counts)
     lp = token_logprobs(logits, emitted, sampling.logprobs.any(), logprobs, _whole(plan)) if logprobs else None
-    return (emitted, kept, lp, logits, cache, undo) + ((feats,) if features else ())
+    counts = count_tokens(counts, sampling, emitted, plan.mesh if plan is not None else None)
+    return (emitted, kept, lp, logits, cache, counts, undo) + ((feats,) if features else ())
 
 
 @partial(jax.jit, static_argnames=("cfg", "plan"), donate_argnames=("cache",))

@@ -24,7 +24,8 @@ MAX_STOP_IDS = 16           # stop_token_ids held back by min_tokens (with the E
 
 class RequestError(ValueError):
     """A request is rejected at submit; ``field`` names the offending input (``prompt``, ``max_new_tokens``,
-    ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop_token_ids``, ``request_id``). Nothing else
+    ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop_token_ids``, ``logit_bias``, ``min_tokens``,
+    the penalties, ``request_id`` …). Nothing else
     changes."""
 
     def __init__(self, message: str, field: str, detail: str | None = None):
@@ -56,6 +57,11 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for each prompt token after the first (None: off)
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit) pairs, before sampling
     min_tokens: int = 0                 # EOS and stop_token_ids are not sampled before this many outputs
+    # penalties (`v41cp.serving.runner.penalties`): once / per occurrence among the outputs; repetition: the logits
+    # of ids in the prompt or outputs divided (positive) or multiplied (otherwise) by it
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self):           # (lists from JSON, e.g. the control plane's broadcast, become tuples)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -157,6 +163,13 @@ def check_request(rid, prompt: list[int], sampling: SamplingParams, cfg: ModelCo
     if sampling.min_tokens and len(sampling.stop_token_ids) > MAX_STOP_IDS:
         raise RequestError.of(rid, f"min_tokens holds back at most {MAX_STOP_IDS} stop_token_ids, got "
                                    f"{len(sampling.stop_token_ids)}", "min_tokens")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(sampling, name)
+        if type(v) not in (int, float) or not -2 <= v <= 2:
+            raise RequestError.of(rid, f"{name} must be a number in [-2, 2], got {v!r}", name)
+    v = sampling.repetition_penalty
+    if type(v) not in (int, float) or not 0 < v < float("inf"):
+        raise RequestError.of(rid, f"repetition_penalty must be a finite number > 0, got {v!r}", "repetition_penalty")
     for name in ("logprobs", "prompt_logprobs"):
         lp = getattr(sampling, name)
         if lp is not None and capacity.max_logprobs == 0:
