@@ -347,7 +347,7 @@ HONOURED = {
              "stream_options": {"include_usage": True}, "ignore_eos": True, "return_token_ids": True,
              "add_generation_prompt": False, "top_k": 5, "min_p": 0.1, "stop_token_ids": [5], "logprobs": True,
              "top_logprobs": 2, "n": 2, "logit_bias": {"5": 10}, "min_tokens": 1, "frequency_penalty": 0.5,
-             "presence_penalty": -0.5, "repetition_penalty": 1.2},
+             "presence_penalty": -0.5, "repetition_penalty": 1.2, "chat_template_kwargs": {"thinking": True}},
 }
 NEEDS = {"top_logprobs": {"logprobs": True}}            # a field honoured only with another
 CHANGING = {

@@ -21,6 +21,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--chat", action="store_true", help="each --prompt is a user message, put into the "
                         "checkpoint's chat format (tokenizer_config.json chat_template or chat_template.jinja)")
     parser.add_argument("--system", help="system message for --chat")
+    parser.add_argument("--thinking", action="store_true", help="with --chat: the chat format's thinking mode "
+                        "(the DeepSeek-V4 encoding's; a template gets thinking=true)")
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -48,7 +50,7 @@ def prompts(args, codec) -> list[list[int]]:
         if args.chat:
             messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
                 {"role": "user", "content": text}]
-            ids = codec.chat_ids(messages)
+            ids = codec.chat_ids(messages, options={"thinking": True} if args.thinking else None)
         else:
             ids = codec.encode(text)
         if not ids:

@@ -144,3 +144,65 @@ def test_chat_format_of_the_checkpoint_and_its_absence(codec, tmp_path):
         TextCodec.from_checkpoint(tmp_path).chat_prompt(messages)
     with pytest.raises(ChatFormatError, match="no tokenizer.json"):
         TextCodec.from_checkpoint(tmp_path / "missing")
+
+
+# The DeepSeek-V4 release's chat encoding (`v41cp.serving.api.chat_v4`), against the release's own golden test
+# output (encoding/tests/test_output_2.txt of deepseek-ai/DeepSeek-V4-Pro: input test_input_2.json) and the worked
+# examples of its README and of the engines' tests; one line each, nothing between turns.
+_B, _E, _U, _A = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"
+_TWO_TURNS = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "Hello"},
+              {"role": "assistant", "content": "Hi there! How can I help you?",
+               "reasoning_content": "The user said hello, I should greet back."},
+              {"role": "user", "content": "What is the capital of France?"}]
+_ANSWER = {"role": "assistant", "content": "The capital of France is Paris.",
+           "reasoning_content": "The user asks about the capital of France. It is Paris."}
+_HISTORY = (f"{_B}You are a helpful assistant.{_U}Hello{_A}</think>Hi there! How can I help you?{_E}"
+            f"{_U}What is the capital of France?{_A}")
+
+
+@pytest.mark.parametrize("messages,thinking,effort,want", [
+    (_TWO_TURNS + [_ANSWER], True, None,                                 # the release's golden file
+     _HISTORY + "<think>The user asks about the capital of France. It is Paris.</think>The capital of France is "
+     f"Paris.{_E}"),
+    (_TWO_TURNS + [_ANSWER], False, None, _HISTORY + f"</think>The capital of France is Paris.{_E}"),
+    (_TWO_TURNS, True, None, _HISTORY + "<think>"),
+    (_TWO_TURNS, False, "max", _HISTORY + "</think>"),                  # effort only in thinking mode
+    (_TWO_TURNS[:1] + [{"role": "user", "content": "What is 2+2?"}], True, "high",
+     f"{_B}You are a helpful assistant.{_U}What is 2+2?{_A}<think>"),
+    ([{"role": "user", "content": "Hello"}], False, None, f"{_B}{_U}Hello{_A}</think>"),
+    (_TWO_TURNS[:1] + [{"role": "user", "content": "Hi"}], True, "max",
+     _B + "Reasoning Effort: Absolute maximum with no shortcuts permitted.\nYou MUST be very thorough in your "
+     "thinking and comprehensively decompose the problem to resolve the root cause, rigorously stress-testing your "
+     "logic against all potential paths, edge cases, and adversarial scenarios.\nExplicitly write out your entire "
+     "deliberation process, documenting every intermediate step, considered alternative, and rejected hypothesis to "
+     f"ensure absolutely no assumption is left unchecked.\n\nYou are a helpful assistant.{_U}Hi{_A}<think>"),
+], ids=["golden-thinking", "chat-history", "thinking-prompt", "chat-prompt", "readme", "user-only", "effort-max"])
+def test_the_deepseek_v4_chat_encoding(messages, thinking, effort, want):
+    c = _released_codec()
+    assert c.deepseek_v4 and c.has_chat_format and c.chat_template is None
+    assert c.chat_prompt(messages, options={"thinking": thinking}, reasoning_effort=effort) == want
+    ids = c.chat_ids(messages, options={"enable_thinking": thinking}, reasoning_effort=effort)
+    assert ids == c.encode(want, add_special_tokens=False) and ids[0] == 0               # BOS, by its own id
+    marker = c.tokenizer.token_to_id("<think>" if thinking and messages[-1]["role"] == "user" else "</think>")
+    assert marker in ids[-3:] or messages[-1]["role"] == "assistant"
+
+
+def test_the_deepseek_v4_chat_options_are_checked():
+    c = _released_codec()
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert c.chat_prompt(msgs) == f"{_B}{_U}Hi{_A}</think>"                      # non-thinking unless asked
+    assert c.chat_prompt(msgs + [{"role": "assistant", "content": "Hel"}], add_generation_prompt=False) \
+        == f"{_B}{_U}Hi{_A}</think>Hel"                                         # a final turn continued: no EOS
+    for kwargs, param in (({"options": {"thinking": "yes"}}, "chat_template_kwargs"),
+                          ({"options": {"thinking": True, "tools": []}}, "chat_template_kwargs"),
+                          ({"reasoning_effort": "low"}, "reasoning_effort")):
+        with pytest.raises(ChatFormatError) as e:
+            c.chat_prompt(msgs, **kwargs)
+        assert e.value.param == param, kwargs
+    with pytest.raises(ChatFormatError, match="role 'tool'"):
+        c.chat_prompt(msgs + [{"role": "tool", "content": "42"}])
+    tiny = TextCodec.from_checkpoint(default_checkpoint())                    # a template: the kwargs are its variables
+    assert not tiny.deepseek_v4 and tiny.chat_prompt(msgs, options={"thinking": True}) == tiny.chat_prompt(msgs)
+    with pytest.raises(ChatFormatError) as e:
+        tiny.chat_prompt(msgs, reasoning_effort="max")
+    assert e.value.param == "reasoning_effort"

@@ -173,6 +173,10 @@ class ChatCompletionRequest(RequestBase):
     add_generation_prompt: bool = True        # vLLM extension: end the chat prompt with the assistant's turn opener
     logprobs: Optional[bool] = None           # each token's log-probability, with top_logprobs alternatives
     top_logprobs: Optional[int] = Field(default=None, ge=0)
+    # the chat format's options (vLLM / SGLang): a Jinja template's variables, or the DeepSeek-V4 encoding's
+    # {"thinking": bool}; reasoning_effort: the V4 encoding's "high" / "max" (`TextCodec.chat_prompt`)
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    reasoning_effort: Optional[str] = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -188,6 +192,7 @@ class TokenizeRequest(_Strict):
     messages: Optional[list[ChatMessage]] = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: Optional[dict[str, Any]] = None
     return_token_strs: bool = False
 
 

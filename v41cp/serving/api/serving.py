@@ -74,6 +74,12 @@ def _usage(runs: list["TextRun"], prompts: int | None = None) -> dict:
             "prompt_tokens_details": {"cached_tokens": sum(run.cached for run in runs[::each])}}
 
 
+def _chat_error(e: ChatFormatError) -> str:
+    """A chat-format error as the API's message: prefixed by the field it names, once."""
+    text = str(e)
+    return text if text.startswith(f"{e.param}:") else f"{e.param}: {text}"
+
+
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
@@ -383,9 +389,9 @@ class OpenAIServing:
         else:
             try:
                 ids = self._codec("messages").chat_ids([m.model_dump() for m in req.messages],
-                                                       req.add_generation_prompt)
+                                                       req.add_generation_prompt, req.chat_template_kwargs)
             except ChatFormatError as e:
-                raise ApiError(400, f"messages: {e}", "messages")
+                raise ApiError(400, _chat_error(e), e.param)
         strs = [self.codec.tokenizer.id_to_token(t) for t in ids] if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": self.capacity, "tokens": ids, "token_strs": strs}
 
@@ -476,9 +482,10 @@ class OpenAIServing:
         if self.codec is None:
             raise ApiError(400, "messages: this checkpoint has no tokenizer.json, so no chat format", "messages")
         try:
-            ids = self.codec.chat_ids([m.model_dump() for m in req.messages], req.add_generation_prompt)
+            ids = self.codec.chat_ids([m.model_dump() for m in req.messages], req.add_generation_prompt,
+                                      req.chat_template_kwargs, req.reasoning_effort)
         except ChatFormatError as e:
-            raise ApiError(400, f"messages: {e}", "messages")
+            raise ApiError(400, _chat_error(e), e.param)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if not ids:
             raise ApiError(400, "messages: the chat prompt is empty", "messages")

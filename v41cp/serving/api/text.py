@@ -3,7 +3,9 @@
 * `TextCodec.from_checkpoint(dir)` reads ``tokenizer.json`` (the ``tokenizers`` package) and, when the
   checkpoint provides one, its chat format: ``chat_template`` of ``tokenizer_config.json`` or a
   ``chat_template.jinja`` file (the Hugging Face convention; rendered in Jinja's immutable sandbox, as
-  ``transformers`` does). Without one, `TextCodec.chat_prompt` raises `ChatFormatError` saying so.
+  ``transformers`` does); without a template, a vocabulary holding the DeepSeek-V4 chat markers speaks the
+  release's encoding (`v41cp.serving.api.chat_v4`: thinking and non-thinking, which is the default). Without
+  either, `TextCodec.chat_prompt` raises `ChatFormatError` saying so.
 * `TextStream` turns a growing list of output token ids into text deltas whose concatenation is exactly
   ``decode(ids)`` (incremental detokenization by a prefix / read offset, so each token costs a short decode,
   and a token that ends mid-character waits for the next), and applies OpenAI-style stop strings: the text
@@ -24,13 +26,20 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from v41cp.serving.api import chat_v4
+
 __all__ = ["ChatFormatError", "TextCodec", "TextStream", "normalize_messages"]
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class ChatFormatError(ValueError):
-    """The checkpoint has no chat format, or the messages do not fit it (names the offending value)."""
+    """The checkpoint has no chat format, or the messages (or the chat options: ``param``) do not fit it (names the
+    offending value)."""
+
+    def __init__(self, message: str, param: str = "messages"):
+        super().__init__(message)
+        self.param = param
 
 
 def _token_text(value) -> str | None:
@@ -77,6 +86,7 @@ class TextCodec:
     chat_template: str | None = None
     bos_token: str | None = None
     eos_token: str | None = None
+    deepseek_v4: bool = False                # no template, the V4 chat markers in the vocabulary: the V4 encoding
     _compiled: object = field(default=None, repr=False)
 
     @classmethod
@@ -102,7 +112,8 @@ class TextCodec:
             template = jinja_file.read_text()
         if template is not None and not isinstance(template, str):
             raise ChatFormatError(f"{str(cfg_file)!r}: chat_template must be a string, got {type(template).__name__}")
-        return cls(tok, str(path), template, bos, eos)
+        v4 = template is None and all(tok.token_to_id(m) is not None for m in chat_v4.MARKERS)
+        return cls(tok, str(path), template, bos, eos, v4)
 
     # ------------------------------------------------------------------ tokens <-> text
     @property
@@ -126,11 +137,24 @@ class TextCodec:
     # ------------------------------------------------------------------ chat
     @property
     def has_chat_format(self) -> bool:
-        return self.chat_template is not None
+        return self.chat_template is not None or self.deepseek_v4
 
-    def chat_prompt(self, messages, add_generation_prompt: bool = True) -> str:
-        """The prompt text of chat ``messages`` in the checkpoint's own chat format."""
+    def chat_prompt(self, messages, add_generation_prompt: bool = True, options: dict | None = None,
+                    reasoning_effort: str | None = None) -> str:
+        """The prompt text of chat ``messages`` in the checkpoint's own chat format. ``options`` (the API's
+        ``chat_template_kwargs``): variables of a Jinja template; for the DeepSeek-V4 encoding only ``thinking``
+        (alias ``enable_thinking``, a bool; default False). ``reasoning_effort``: the V4 encoding's ``"high"`` /
+        ``"max"`` (a template has none)."""
         messages = normalize_messages(messages)
+        options = dict(options or {})
+        if self.deepseek_v4:
+            return self._v4_prompt(messages, add_generation_prompt, options, reasoning_effort)
+        if reasoning_effort is not None:
+            raise ChatFormatError(f"reasoning_effort: not supported by the chat template of {self.path!r} (it takes "
+                                  f"no reasoning effort), got {reasoning_effort!r}", "reasoning_effort")
+        reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token"} & set(options)
+        if reserved:
+            raise ChatFormatError(f"chat_template_kwargs may not set {sorted(reserved)}", "chat_template_kwargs")
         if self.chat_template is None:
             raise ChatFormatError(f"checkpoint {self.path!r} provides no chat format (no chat_template in "
                                   "tokenizer_config.json, no chat_template.jinja): send a plain prompt instead")
@@ -154,13 +178,32 @@ class TextCodec:
                 raise ChatFormatError(f"checkpoint {self.path!r}: the chat template does not parse: {e}") from e
 
         try:
-            return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+            return self._compiled.render(**options, messages=messages, add_generation_prompt=add_generation_prompt,
                                          bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except TemplateError as e:
             raise ChatFormatError(f"chat template failed on these messages: {e}") from e
 
-    def chat_ids(self, messages, add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.chat_prompt(messages, add_generation_prompt), add_special_tokens=False)
+    @staticmethod
+    def _v4_prompt(messages, add_generation_prompt: bool, options: dict, reasoning_effort) -> str:
+        thinking = options.pop("thinking", options.pop("enable_thinking", False))
+        if options:
+            raise ChatFormatError(f"chat_template_kwargs: the DeepSeek-V4 chat format takes only 'thinking', got "
+                                  f"{sorted(options)}", "chat_template_kwargs")
+        if type(thinking) is not bool:
+            raise ChatFormatError(f"chat_template_kwargs: thinking must be true or false, got {thinking!r}",
+                                  "chat_template_kwargs")
+        if reasoning_effort not in chat_v4.REASONING_EFFORTS:
+            raise ChatFormatError(f"reasoning_effort: the DeepSeek-V4 chat format takes 'high' or 'max', got "
+                                  f"{reasoning_effort!r}", "reasoning_effort")
+        try:
+            return chat_v4.encode_messages(messages, thinking, reasoning_effort, add_generation_prompt)
+        except ValueError as e:
+            raise ChatFormatError(str(e)) from e
+
+    def chat_ids(self, messages, add_generation_prompt: bool = True, options: dict | None = None,
+                 reasoning_effort: str | None = None) -> list[int]:
+        return self.encode(self.chat_prompt(messages, add_generation_prompt, options, reasoning_effort),
+                           add_special_tokens=False)
 
 
 class TextStream:
