@@ -12,6 +12,7 @@ from v41cp.config import preset
 from v41cp.plan import floor_flops
 from v41cp.serving.attention.dcp import DCPPlan
 from v41cp.serving.capacity import Capacity
+from v41cp.serving.runner.grammar import no_masks
 from v41cp.serving.runner.penalties import TokenCounts
 from v41cp.serving.runner.sampling import SamplingRows
 from v41cp.serving.runner.steps import decode_and_sample, init_cache
@@ -45,7 +46,7 @@ def test_plan_equals_the_compiled_engine_program(capsys):
     cache = init_cache(cfg, num_blocks, BLOCK, BATCH, plan=plan)
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     meta = jax.device_put(StepBatch.idle(cfg, BATCH, max_blocks), rep)
-    sampling = jax.device_put(SamplingRows.build([], [], BATCH), rep)
+    sampling = jax.device_put(SamplingRows.build([], [], BATCH, masks=no_masks(BATCH, cfg.vocab_size)), rep)
     counts = TokenCounts.zeros(BATCH, cfg.vocab_size, mesh)
     compiled = decode_and_sample.lower(params, cache, meta, sampling, counts, cfg, plan,
                                        Capacity().max_logprobs).compile()

@@ -32,6 +32,7 @@ from v41cp.model import abstract_params
 from v41cp.serving.attention.dcp import DCPPlan
 from v41cp.serving.cache.device_cache import cache_layout
 from v41cp.serving.capacity import Capacity
+from v41cp.serving.runner.grammar import mask_words
 from v41cp.serving.runner.penalties import TokenCounts
 from v41cp.serving.runner.sampling import SamplingRows
 from v41cp.serving.runner.span_batch import build_span_batch
@@ -131,7 +132,8 @@ def _decode_program(cfg, batch, context, block_tokens, parallel, mesh, params):
         jax.devices()[0]))
     meta = StepBatch(arg((batch, 1)), arg((batch,)), arg((batch,)), arg((batch,)), arg((batch, max_blocks)),
                      arg((batch, 1, n_eng, cfg.engram_hash_heads if n_eng else 0)), batch, max_blocks, 1)
-    sampling = SamplingRows.abstract(batch, rep or jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    sampling = SamplingRows.abstract(batch, rep or jax.sharding.SingleDeviceSharding(jax.devices()[0]),
+                                     mask_words(cfg.vocab_size))         # with the grammar masks the engine carries
     # with the log-probability work a server's engine compiles in (run only when a request asks)
     counts = TokenCounts.abstract(batch, cfg.vocab_size, mesh)      # the penalties' token counts
     return decode_and_sample.lower(params, cache, meta, sampling, counts, cfg, plan, Capacity().max_logprobs), cache

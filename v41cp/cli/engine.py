@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from v41cp.checkpoint import open_checkpoint
 from v41cp.cli import flags
 from v41cp.serving.api.text import ChatFormatError, TextCodec
@@ -26,7 +28,8 @@ def open_engine(args, capacity: Capacity):
                                   fake_quant=model.fake_quant, progress=flags.OutputFlags.from_args(args).progress(),
                                   **model.storage(), **flags.BackendFlags.from_args(args).overrides())
     speculative = flags.SpeculativeFlags.from_args(args).speculative(cfg, model.path)
-    return cfg, Engine(params, cfg, capacity, mesh=mesh, parallel=parallel, speculative=speculative)
+    return cfg, Engine(params, cfg, capacity, mesh=mesh, parallel=parallel, speculative=speculative,
+                       tokenizer=_tokenizer(model.path))
 
 
 def _disaggregated_engine(args, capacity: Capacity):
@@ -40,9 +43,17 @@ def _disaggregated_engine(args, capacity: Capacity):
                                   progress=flags.OutputFlags.from_args(args).progress(), **model.storage(),
                                   **flags.BackendFlags.from_args(args).overrides())
     speculative = flags.SpeculativeFlags.from_args(args).speculative(cfg, model.path)
+    tok = _tokenizer(model.path)
     if nnodes > 1:                                # prefill in process 0, decode in process 1
-        return cfg, CrossProcessDisaggregatedEngine(params, cfg, capacity, prefill, decode, speculative=speculative)
-    return cfg, DisaggregatedEngine(params, cfg, capacity, prefill, decode, speculative=speculative)
+        return cfg, CrossProcessDisaggregatedEngine(params, cfg, capacity, prefill, decode, speculative=speculative,
+                                                    tokenizer=tok)
+    return cfg, DisaggregatedEngine(params, cfg, capacity, prefill, decode, speculative=speculative, tokenizer=tok)
+
+
+def _tokenizer(checkpoint: str) -> str | None:
+    """The checkpoint's ``tokenizer.json`` (structured output's grammars need it), or None."""
+    path = Path(checkpoint) / "tokenizer.json"
+    return str(path) if path.exists() else None
 
 
 def text_codec(checkpoint: str, required: bool) -> TextCodec | None:

@@ -35,6 +35,7 @@ from typing import Protocol, runtime_checkable
 
 from v41cp.config import ModelConfig
 from v41cp.serving.capacity import Capacity
+from v41cp.serving.runner.grammar import GrammarError, Grammars
 from v41cp.serving.runner.model_runner import ModelRunner
 from v41cp.serving.runner.speculative import Speculative, check_speculative
 from v41cp.serving.scheduler.request import EngineFull, Request, RequestError, SamplingParams
@@ -94,7 +95,7 @@ class Engine:
 
     def __init__(self, params, cfg: ModelConfig, capacity: Capacity = Capacity(), mesh=None,
                  parallel: ParallelConfig | None = None, speculative: Speculative | None = None,
-                 devices=None, role: str = "both", record_logits: bool = False):
+                 devices=None, role: str = "both", record_logits: bool = False, tokenizer: str | None = None):
         if role not in ROLES:
             raise ValueError(f"engine role must be 'both', 'prefill' or 'decode', got {role!r}")
         if speculative is not None:
@@ -103,7 +104,10 @@ class Engine:
                 raise ValueError("speculative decoding needs the drafter's parameters (v41cp.checkpoint.open_drafter) "
                                  "or a proposer")
         self.cfg, self.capacity, self.role, self.parallel, self.speculative = cfg, capacity, role, parallel, speculative
-        self.runner = ModelRunner(params, cfg, capacity, mesh, parallel, speculative, devices, record_logits)
+        # structured output needs the tokenizer (`v41cp.serving.runner.grammar`); without it grammars are refused
+        self.grammars = Grammars(tokenizer, cfg.vocab_size, cfg.eos_token_id) if tokenizer is not None else None
+        self.runner = ModelRunner(params, cfg, capacity, mesh, parallel, speculative, devices, record_logits,
+                                  self.grammars)
         self.scheduler = Scheduler(cfg, capacity, self.runner.kv_parallel_size, role)
 
     # ------------------------------------------------------------------ the parts' state, by name
@@ -170,6 +174,14 @@ class Engine:
             raise RequestError.of(rid, "prompt log-probabilities are computed by the span prefill's packed passes "
                                        "(not the token-serial prefill, model-wide QCP or CED narrowing, as this engine "
                                        "runs)", "prompt_logprobs")
+        if sampling.grammar is not None:
+            if self.grammars is None:
+                raise RequestError.of(rid, "structured output needs the checkpoint's tokenizer, which this engine was "
+                                           "not given (Engine(tokenizer=...))", "response_format")
+            try:
+                self.grammars.check(sampling.grammar)
+            except GrammarError as e:
+                raise RequestError.of(rid, f"the grammar is not usable: {e}", "response_format") from None
         self.scheduler.submit(rid, prompt_ids, sampling)
 
     def cancel(self, rid) -> None:

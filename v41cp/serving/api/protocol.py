@@ -137,10 +137,13 @@ class RequestBase(_Strict):
     presence_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: Optional[float] = Field(default=None, gt=0.0)
+    # structured output (`v41cp.serving.api.structured`): OpenAI's response_format (completions too, as vLLM),
+    # vLLM's structured_outputs {json | regex | choice}
+    response_format: Any = None
+    structured_outputs: Any = None
 
     # accepted only at the value that means "no change"
     include_stop_str_in_output: Any = None
-    response_format: Any = None               # chat in the OpenAI API; completions too in vLLM
     prompt_logprobs: Any = None
 
     @field_validator("temperature", "top_p", "min_p", "repetition_penalty")
@@ -207,7 +210,7 @@ NEUTRAL: dict[str, tuple] = {
     "prompt_logprobs": (), "suffix": ("",),
     "include_stop_str_in_output": (False,),
     "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
-    "parallel_tool_calls": (), "response_format": ({"type": "text"},),
+    "parallel_tool_calls": (),
 }
 
 

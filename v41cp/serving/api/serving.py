@@ -33,6 +33,7 @@ from v41cp.serving.api.protocol import (
     TokenizeRequest,
     parse_request,
 )
+from v41cp.serving.api.structured import grammar_of
 from v41cp.serving.api.text import ChatFormatError, TextCodec
 from v41cp.serving.engine import EngineFull, RequestError, SamplingParams
 
@@ -232,7 +233,8 @@ class OpenAIServing:
                               logit_bias=self.logit_bias(req.logit_bias), min_tokens=req.min_tokens,
                               presence_penalty=req.presence_penalty or 0.0,
                               frequency_penalty=req.frequency_penalty or 0.0,
-                              repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty)
+                              repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                              grammar=grammar_of(req.response_format, req.structured_outputs))
 
     def echo_text(self, prompt, ids: list[int]) -> str:
         """An echoed prompt: as sent, or its ids' text."""

@@ -64,7 +64,7 @@ class DisaggregatedEngine(TwoRoles):
 
     def __init__(self, params, cfg: ModelConfig, capacity: Capacity, prefill: ParallelConfig,
                  decode: ParallelConfig, devices=None, transport: str = "copy", record_logits: bool = False,
-                 speculative: Speculative | None = None):
+                 speculative: Speculative | None = None, tokenizer: str | None = None):
         if transport not in ("copy", "collective"):
             raise ValueError(f"transport must be 'copy' or 'collective', got {transport!r}")
         devices = list(jax.devices() if devices is None else devices)
@@ -75,11 +75,12 @@ class DisaggregatedEngine(TwoRoles):
         self.cfg, self.capacity = cfg, capacity
         # with DSpark both roles run the drafter: the prefill writes its context window, the transfer carries it;
         # with prefix caching the prefill role keeps the cache (a hit's pages and state move like a cold prefill's)
+        # with a grammar each role keeps its own matcher, rebuilt from the request's outputs (the first token's)
         self.prefill = Engine(params, cfg, capacity, parallel=prefill, devices=devices[:p], role="prefill",
-                              record_logits=record_logits, speculative=speculative)
+                              record_logits=record_logits, speculative=speculative, tokenizer=tokenizer)
         self.decode = Engine(params, cfg, dataclasses.replace(capacity, prefix_caching=False), parallel=decode,
                              devices=devices[p:p + d], role="decode", record_logits=record_logits,
-                             speculative=speculative)
+                             speculative=speculative, tokenizer=tokenizer)
         self.speculative, self.prefix = speculative, self.prefill.prefix
         self._finished: dict = {}                      # rid -> (request, result): ended by its first token
         self.transfers: list[dict] = []

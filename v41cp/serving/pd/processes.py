@@ -72,7 +72,8 @@ class CrossProcessDisaggregatedEngine(TwoRoles):
     """See the module docstring."""
 
     def __init__(self, params, cfg: ModelConfig, capacity: Capacity, prefill: ParallelConfig,
-                 decode: ParallelConfig, record_logits: bool = False, speculative: Speculative | None = None):
+                 decode: ParallelConfig, record_logits: bool = False, speculative: Speculative | None = None,
+                 tokenizer: str | None = None):
         if jax.process_count() != 2:
             raise ValueError(f"PD across processes runs the prefill role in process 0 and the decode role in process "
                              f"1: it needs exactly 2 processes, got {jax.process_count()}")
@@ -91,7 +92,7 @@ class CrossProcessDisaggregatedEngine(TwoRoles):
         # with prefix caching the prefill role (process 0) holds the cache: its admissions alone decide what it reuses
         self.engine = Engine(params, cfg, capacity if self.is_prefill else replace(capacity, prefix_caching=False),
                              parallel=mine, devices=local, role=self.role, record_logits=record_logits,
-                             speculative=speculative)
+                             speculative=speculative, tokenizer=tokenizer)
         # the other role's allocator (host only): a request is accepted when it fits both roles, on both processes
         other_kvp = decode.kv_parallel_size if self.is_prefill else prefill.kv_parallel_size
         self._other_alloc = BlockAllocator(Engine.block_count(capacity, other_kvp), capacity.block_tokens,

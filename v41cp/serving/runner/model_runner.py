@@ -38,6 +38,7 @@ from v41cp.serving.cache.request_state import request_state
 from v41cp.serving.cache.slot_state import put_slot_state, take_slot_state
 from v41cp.serving.capacity import Capacity
 from v41cp.serving.multihost.fetch import fetch
+from v41cp.serving.runner.grammar import Grammars, no_masks
 from v41cp.serving.runner.logprobs import TokenLogprobs, entries
 from v41cp.serving.runner.penalties import TokenCounts, reset_slot
 from v41cp.serving.runner.sampling import ReplicateOn, SamplingRows, sample_tokens
@@ -82,9 +83,11 @@ class ModelRunner:
     ``Request.last_logits`` (``[vocab]`` per request and step: for tests and debugging, not for serving)."""
 
     def __init__(self, params, cfg: ModelConfig, capacity: Capacity, mesh=None, parallel: ParallelConfig | None = None,
-                 speculative: Speculative | None = None, devices=None, record_logits: bool = False):
+                 speculative: Speculative | None = None, devices=None, record_logits: bool = False,
+                 grammars: Grammars | None = None):
         self.cfg, self.capacity, self.parallel, self.speculative = cfg, capacity, parallel, speculative
         self.record_logits = record_logits
+        self.grammars = grammars                 # structured output (`v41cp.serving.runner.grammar`), if any
         self.eos = cfg.eos_token_id              # held back from a request's first min_tokens outputs
         self.plan = None
         self.step_plan = None
@@ -197,11 +200,10 @@ class ModelRunner:
         if self.record_logits:
             req.last_logits = fetch(last)[0]
         self._sync_counts([req], [slot])
-        tokens, lp, self.counts = sample_tokens(last, SamplingRows.build([req.sampling], [len(req.output)], 1,
-                                                                         eos=self.eos, slots=[slot]),
-                                                self.counts, whole=self.whole, logprobs=self.capacity.max_logprobs)
+        tokens, lp, self.counts = sample_tokens(last, self._rows([req], 1, slots=[slot]), self.counts,
+                                                whole=self.whole, logprobs=self.capacity.max_logprobs)
         lp = self._logprobs(lp, [req])
-        req.emit(int(fetch(tokens)[0]), self._entry(lp, req, 0))
+        self._emit(req, int(fetch(tokens)[0]), self._entry(lp, req, 0))
         self._counted_now([req], [slot])
         self.stats["prefill_tokens"] += n - req.cached
         req.filled = n
@@ -254,8 +256,7 @@ class ModelRunner:
         last = [i for i in range(k) if starts[i] < ends[i] == totals[i]]          # whose history ends in the pass
         if last:
             self._sync_counts([reqs[i] for i in last], [slots[i] for i in last])
-            rows = SamplingRows.build([reqs[i].sampling for i in last], [len(reqs[i].output) for i in last], b,
-                                      rows=last, eos=self.eos, slots=[slots[i] for i in last])
+            rows = self._rows([reqs[i] for i in last], b, rows=last, slots=[slots[i] for i in last])
             tokens, lp, self.counts = sample_tokens(logits, rows, self.counts, whole=self.whole,
                                                     logprobs=self.capacity.max_logprobs)
             tokens, lp = fetch(tokens), self._logprobs(lp, [reqs[i] for i in last])
@@ -267,7 +268,7 @@ class ModelRunner:
                 self.stats["ced_encoder_only_rows"] += max(0, min(int(ends[i]), int(decoder_ends[i]) - ced_rows(cfg))
                                                           - int(starts[i]))
         for i in last:
-            reqs[i].emit(int(tokens[i]), self._entry(lp, reqs[i], i))
+            self._emit(reqs[i], int(tokens[i]), self._entry(lp, reqs[i], i))
             if recorded is not None:
                 reqs[i].last_logits = recorded[i]
         self._counted_now([reqs[i] for i in last], [slots[i] for i in last])
@@ -353,7 +354,7 @@ class ModelRunner:
             batch = dataclasses.replace(batch, qcp=dataclasses.replace(batch.qcp, continued=True))
         logits, _ = self._span_pass(batch, [0] * b, np.full((1, batch.rows), -1, np.int32)
                                     if self.scores_prompts else None)
-        tokens, _, self.counts = sample_tokens(logits, SamplingRows.build([], [], b), self.counts, whole=self.whole,
+        tokens, _, self.counts = sample_tokens(logits, self._rows([], b), self.counts, whole=self.whole,
                                                logprobs=self.capacity.max_logprobs)
         fetch(tokens)
 
@@ -369,7 +370,7 @@ class ModelRunner:
         else:
             logits, self.cache = prefill_chunk(self.params, self.cache, metas, cfg, False, self.step_plan)
         last = jax.lax.dynamic_index_in_dim(logits[:, 0], np.int32(0), keepdims=True)      # as `prefill_serial`
-        tokens, _, self.counts = sample_tokens(last, SamplingRows.build([], [], 1), self.counts, whole=self.whole,
+        tokens, _, self.counts = sample_tokens(last, self._rows([], 1), self.counts, whole=self.whole,
                                                logprobs=self.capacity.max_logprobs)
         fetch(tokens)
 
@@ -387,7 +388,7 @@ class ModelRunner:
         b = self.capacity.max_batch
         meta = StepBatch.idle(self.cfg, b, self.capacity.max_blocks)
         tokens, _, _, self.cache, self.counts = decode_and_sample(
-            self.params, self.cache, meta, SamplingRows.build([], [], b), self.counts, self.cfg, self.step_plan,
+            self.params, self.cache, meta, self._rows([], b), self.counts, self.cfg, self.step_plan,
             self.capacity.max_logprobs)
         fetch(tokens)
 
@@ -409,8 +410,7 @@ class ModelRunner:
         cfg = self.cfg
         meta = StepBatch.for_histories(cfg, [r.history for r in rows], slots, tables, self.capacity.max_batch,
                                        self.capacity.max_blocks)
-        sampling = SamplingRows.build([r.sampling for r in rows], [len(r.output) for r in rows], self.capacity.max_batch,
-                                      eos=self.eos, slots=slots)
+        sampling = self._rows(rows, self.capacity.max_batch, slots=slots)
         self._sync_counts(rows, slots)
         tokens, lp, logits, self.cache, self.counts = decode_and_sample(
             self.params, self.cache, meta, sampling, self.counts, cfg, self.step_plan, self.capacity.max_logprobs)
@@ -419,7 +419,7 @@ class ModelRunner:
         for i, req in enumerate(rows):
             if logits is not None:
                 req.last_logits = logits[i]
-            req.emit(int(tokens[i]), self._entry(lp, req, i))
+            self._emit(req, int(tokens[i]), self._entry(lp, req, i))
             self._counted_now([req], [slots[i]])
             done(req)
         self.stats["decode_steps"] += 1
@@ -444,11 +444,12 @@ class ModelRunner:
             drafts = np.zeros((b, n), np.int32)
             for i, req in enumerate(rows):
                 drafts[i] = checked_proposals(spec.proposer(req.rid, list(req.history), n), n, cfg.vocab_size)
-        # rows within the reserved pages
-        lengths = np.array([min(r, req.sampling.max_new_tokens - len(req.output)) for req in rows], np.int32)
+        # rows within the reserved pages; a grammar row verifies no drafts (its masks would need them)
+        lengths = np.array([1 if req.sampling.grammar is not None else min(r, req.sampling.max_new_tokens
+                                                                           - len(req.output)) for req in rows],
+                           np.int32)
         meta = StepBatch.verify(cfg, [req.history for req in rows], drafts, lengths, slots, tables, b, mb, r)
-        sampling = SamplingRows.build([req.sampling for req in rows], [len(req.output) for req in rows], b,
-                                      eos=self.eos, slots=slots)
+        sampling = self._rows(rows, b, slots=slots)
         self._sync_counts(rows, slots)
         emitted, accepted, lp, logits, self.cache, self.counts, undo, (feats, fpos, fok) = verify_and_accept(
             self.params, self.cache, meta, sampling, self.counts, cfg, self.step_plan, features=True,
@@ -467,7 +468,7 @@ class ModelRunner:
             req.spec["accepted"] += m
             self._counted_now([req], [slots[i]], len(req.output) + m + 1)    # the device counted all it emitted
             for j, t in enumerate(emitted[i, :m + 1]):
-                req.emit(int(t), self._entry(lp, req, (i, j)))
+                self._emit(req, int(t), self._entry(lp, req, (i, j)))
                 req.spec["emitted"] += 1
                 emitted_total += 1
                 done(req)
@@ -481,6 +482,21 @@ class ModelRunner:
         self.stats["drafts_accepted"] += int(kept.sum()) - len(rows)
         self.stats["decode_tokens"] += emitted_total
         self.stats["decode_s"] += time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ sampling rows, grammars
+    def _rows(self, reqs, batch: int, rows=None, slots=None) -> SamplingRows:
+        """The `SamplingRows` of ``reqs`` (at their next output index) in ``rows`` of a ``batch``-row step, in batch
+        ``slots``, with their grammars' masks (every step carries masks, all bits set without grammar rows)."""
+        masks = (self.grammars.masks(reqs, batch, rows) if self.grammars is not None and reqs
+                 else no_masks(batch, self.cfg.vocab_size))
+        return SamplingRows.build([r.sampling for r in reqs], [len(r.output) for r in reqs], batch, rows=rows,
+                                  eos=self.eos, slots=slots, masks=masks)
+
+    def _emit(self, req: Request, token: int, logprob) -> None:
+        """Append a sampled token to ``req``; a request whose grammar is complete is marked to end."""
+        req.emit(token, logprob)
+        if self.grammars is not None and self.grammars.advance(req):
+            req.grammar_done = True
 
     # ------------------------------------------------------------------ penalties
     def _sync_counts(self, reqs, slots) -> None:
@@ -539,7 +555,7 @@ class ModelRunner:
         """Optimized HLO of this runner's decode step (its static bucket, with the sampling), for structure checks."""
         b = self.capacity.max_batch
         meta = StepBatch.idle(self.cfg, b, self.capacity.max_blocks)
-        return decode_and_sample.lower(self.params, self.cache, meta, SamplingRows.build([], [], b), self.counts,
+        return decode_and_sample.lower(self.params, self.cache, meta, self._rows([], b), self.counts,
                                        self.cfg, self.step_plan, self.capacity.max_logprobs).compile().as_text()
 
     @staticmethod

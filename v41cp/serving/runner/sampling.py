@@ -52,7 +52,9 @@ class SamplingRows:
     (the row's request asks for log-probabilities: `v41cp.serving.runner.logprobs`); ``bias_ids`` / ``bias``
     ``[B, MAX_LOGIT_BIAS]`` (−1: none) the logit bias; ``ban_ids [B, MAX_STOP_IDS + 1]`` (−1: none) the EOS and stop
     ids that output indices below ``min_tokens [B]`` may not sample; ``presence`` / ``frequency`` / ``repetition`` f32
-    the penalties (0, 0, 1: off) and ``slot`` i32 the row's batch slot (its `TokenCounts` row; −1: none)."""
+    the penalties (0, 0, 1: off) and ``slot`` i32 the row's batch slot (its `TokenCounts` row; −1: none); ``mask
+    [B, words]`` int32 the ids a row's grammar allows (bit ``i % 32`` of word ``i // 32``; all set: no grammar;
+    ``words = 0``: a program without grammars, `v41cp.serving.runner.grammar`)."""
 
     temperature: jax.Array
     top_p: jax.Array
@@ -69,14 +71,16 @@ class SamplingRows:
     frequency: jax.Array
     repetition: jax.Array
     slot: jax.Array
+    mask: jax.Array
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], indices: Sequence[int], batch: int,
               rows: Sequence[int] | None = None, eos: int | None = None,
-              slots: Sequence[int] | None = None) -> "SamplingRows":
+              slots: Sequence[int] | None = None, masks: np.ndarray | None = None) -> "SamplingRows":
         """Host arrays of ``batch`` rows: ``params[i]`` at output index ``indices[i]`` in row ``rows[i]`` (default
         ``i``) of batch slot ``slots[i]`` (needed by penalties); the other rows are idle (greedy). ``eos``: the
-        model's EOS id (held back by ``min_tokens``)."""
+        model's EOS id (held back by ``min_tokens``); ``masks [batch, words]``: the grammar masks (None: none, zero
+        words)."""
         at = np.arange(len(params)) if rows is None else np.asarray(rows, np.int64)
         bias_ids = np.full((batch, MAX_LOGIT_BIAS), -1, np.int32)
         bias = np.zeros((batch, MAX_LOGIT_BIAS), np.float32)
@@ -107,18 +111,21 @@ class SamplingRows:
                    presence=col([sp.presence_penalty for sp in params], np.float32, 0.0),
                    frequency=col([sp.frequency_penalty for sp in params], np.float32, 0.0),
                    repetition=col([sp.repetition_penalty for sp in params], np.float32, 1.0),
-                   slot=col([-1] * len(params) if slots is None else list(slots), np.int32, -1))
+                   slot=col([-1] * len(params) if slots is None else list(slots), np.int32, -1),
+                   mask=np.zeros((batch, 0), np.int32) if masks is None else np.asarray(masks, np.int32))
 
     @classmethod
-    def abstract(cls, batch: int, sharding=None) -> "SamplingRows":
-        """``jax.ShapeDtypeStruct`` leaves of ``batch`` rows (lowering a step ahead of traffic)."""
+    def abstract(cls, batch: int, sharding=None, words: int = 0) -> "SamplingRows":
+        """``jax.ShapeDtypeStruct`` leaves of ``batch`` rows with grammar masks of ``words`` words (lowering a step
+        ahead of traffic)."""
         s = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
         return cls(temperature=s((batch,), jnp.float32), top_p=s((batch,), jnp.float32), top_k=s((batch,), jnp.int32),
                    min_p=s((batch,), jnp.float32), seed=s((batch, 2), jnp.uint32), index=s((batch,), jnp.int32),
                    logprobs=s((batch,), jnp.bool_), bias_ids=s((batch, MAX_LOGIT_BIAS), jnp.int32),
                    bias=s((batch, MAX_LOGIT_BIAS), jnp.float32), ban_ids=s((batch, MAX_STOP_IDS + 1), jnp.int32),
                    min_tokens=s((batch,), jnp.int32), presence=s((batch,), jnp.float32),
-                   frequency=s((batch,), jnp.float32), repetition=s((batch,), jnp.float32), slot=s((batch,), jnp.int32))
+                   frequency=s((batch,), jnp.float32), repetition=s((batch,), jnp.float32), slot=s((batch,), jnp.int32),
+                   mask=s((batch, words), jnp.int32))
 
     def take(self, rows: jax.Array) -> "SamplingRows":
         """The parameters of batch rows ``rows``."""
@@ -140,13 +147,25 @@ def adjusted_logits(logits: jax.Array, rows: SamplingRows, whole=None, counts: T
     ids counted on top of the slot's) — what every row samples from (greedy included). A batch with none of them
     skips each (``lax.cond``); vocab-sharded logits (``whole``: its mesh) are changed where they lie, each device
     its slice."""
+    mesh = whole.mesh if whole is not None else None
+    logits = logits.astype(jnp.float32)
+    if rows.mask.shape[-1]:                                               # grammar rows: disallowed ids at −inf
+        logits = jax.lax.cond((rows.mask != -1).any(), lambda x, m: on_vocab_slices(_allowed, x, m, mesh=mesh),
+                              lambda x, m: x, logits, rows.mask)
     ban = (rows.index < rows.min_tokens)[:, None] & (rows.ban_ids >= 0)
     ids = jnp.concatenate([rows.bias_ids, jnp.where(ban, rows.ban_ids, -1)], axis=1)
     add = jnp.concatenate([jnp.where(rows.bias_ids >= 0, rows.bias, 0.0), jnp.where(ban, -jnp.inf, 0.0)], axis=1)
-    mesh = whole.mesh if whole is not None else None
     logits = jax.lax.cond((ids >= 0).any(), lambda x, i, a: on_vocab_slices(add_at_ids, x, i, a, mesh=mesh),
-                          lambda x, i, a: x, logits.astype(jnp.float32), ids, add)
+                          lambda x, i, a: x, logits, ids, add)
     return logits if counts is None else apply_penalties(logits, rows, counts, prior, mesh)
+
+
+def _allowed(part: jax.Array, offset, mask: jax.Array) -> jax.Array:
+    """``part [N, v]`` (ids ``offset …``) with the ids whose bit is clear in ``mask [N, words]`` at −inf."""
+    ids = offset + jnp.arange(part.shape[-1], dtype=jnp.int32)
+    words = jnp.take(mask, ids // 32, axis=1, mode="clip")
+    bits = jax.lax.shift_right_logical(words, jnp.broadcast_to(ids % 32, words.shape)) & 1
+    return jnp.where(bits == 1, part, -jnp.inf)
 
 
 def _support_logits(logits: jax.Array, rows: SamplingRows, whole=None):

@@ -62,6 +62,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # structured output: an llguidance grammar (JSON text; `v41cp.serving.runner.grammar`) the output must match
+    grammar: str | None = None
 
     def __post_init__(self):           # (lists from JSON, e.g. the control plane's broadcast, become tuples)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -94,6 +96,9 @@ class Request:
         return self.sampling.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt)
     spec: dict = field(default_factory=lambda: {"steps": 0, "proposed": 0, "accepted": 0, "emitted": 0})
     cached: int = 0                        # prompt tokens reused from the prefix cache (not prefilled)
+    matcher: object = field(default=None, repr=False)   # with sampling.grammar: its llguidance matcher (host)
+    matched: int = 0                       # outputs the matcher has consumed
+    grammar_done: bool = False             # its grammar is complete: it ends (finish reason "stop")
     prefix_nodes: list = field(default_factory=list)   # prefix-cache nodes this request holds
     cuts: tuple = ()                       # prompt positions where its prefill stores a slot state
     preemptions: int = 0                   # times its pages were taken back (it was recomputed after each)
@@ -143,6 +148,9 @@ def check_request(rid, prompt: list[int], sampling: SamplingParams, cfg: ModelCo
         raise RequestError.of(rid, f"min_p must be in [0, 1), got {sampling.min_p!r}", "min_p")
     if type(sampling.seed) is not int or not 0 <= sampling.seed < 2**63:
         raise RequestError.of(rid, f"seed must be an integer in [0, 2**63), got {sampling.seed!r}", "seed")
+    if sampling.grammar is not None and not isinstance(sampling.grammar, str):
+        raise RequestError.of(rid, f"grammar must be llguidance's grammar text, got {type(sampling.grammar).__name__}",
+                              "response_format")
     if any(type(t) is not int for t in sampling.stop_token_ids):
         raise RequestError.of(rid, f"stop_token_ids must be integers, got {list(sampling.stop_token_ids)!r}",
                               "stop_token_ids")

@@ -100,6 +100,8 @@ class Scheduler:
             req.status, req.finish_reason = "done", "eos"
         elif tok in req.sampling.stop_token_ids:
             req.status, req.finish_reason = "done", "stop"
+        elif req.grammar_done:                   # its grammar admits nothing more
+            req.status, req.finish_reason = "done", "stop"
         elif len(req.output) >= req.sampling.max_new_tokens:
             req.status, req.finish_reason = "done", "length"
         if req.status == "done":

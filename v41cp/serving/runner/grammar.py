@@ -1,0 +1,110 @@
+"""Structured output: a request's grammar as a token mask, computed on the host and applied inside the jitted steps.
+
+The grammar library is **llguidance** (Microsoft's low-level guidance parser: a Rust core behind an ABI3 wheel with no
+Python dependencies; JSON schemas, regular expressions and Lark grammars; a token mask in tens of microseconds). The
+alternatives were xgrammar (needs torch at install) and outlines-core (regex and JSON schema only).
+
+* `SamplingParams.grammar` carries an llguidance grammar (the JSON text `llguidance.LLMatcher.grammar_from_*`
+  returns; the server builds it from ``response_format`` / ``structured_outputs``: `v41cp.serving.api.structured`).
+* `Grammars` (one per engine, from the checkpoint's ``tokenizer.json``; the llguidance tokenizer is built on first
+  use) checks a grammar at submit (`check`), keeps one matcher per request (on `Request.matcher`, rebuilt from the
+  grammar and the request's outputs wherever it is missing — an engine that adopts a request, a restart — so the
+  state is always a function of the outputs), writes each step's masks (`masks`: ``[batch, ⌈V/32⌉]`` int32 bits,
+  all set for rows without a grammar) and advances the matchers by the tokens a step emitted (`advance`: a request
+  whose grammar is complete is done, finish reason ``stop``).
+* The step applies the mask (`v41cp.serving.runner.sampling.adjusted_logits`): disallowed ids at −inf, before the
+  bias, penalties and filters, greedy included, each device on its vocabulary slice; a batch without grammar rows
+  skips it (`lax.cond`).
+
+Speculative decoding: a grammar row verifies no drafts (its round is one plain decode step), since the masks of
+draft positions would depend on drafts the host has not seen.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["Grammars", "GrammarError", "mask_words", "no_masks"]
+
+
+class GrammarError(ValueError):
+    """A grammar this engine cannot use (invalid, or a tokenizer llguidance cannot read)."""
+
+
+def mask_words(vocab: int) -> int:
+    """32-bit words of a token mask over ``vocab`` ids."""
+    return -(-vocab // 32)
+
+
+class Grammars:
+    """llguidance matchers for one engine's requests (see the module docstring). ``tokenizer_json``: the path of the
+    checkpoint's ``tokenizer.json``; ``vocab``: the model's vocabulary size (≥ the tokenizer's); ``eos``: its EOS
+    id."""
+
+    def __init__(self, tokenizer_json: str | Path, vocab: int, eos: int):
+        self.path, self.vocab, self.eos = Path(tokenizer_json), vocab, eos
+        self.words = mask_words(vocab)
+        self._tok = None
+
+    @property
+    def tokenizer(self):
+        if self._tok is None:
+            import llguidance
+
+            try:
+                self._tok = llguidance.LLTokenizer(self.path.read_text(), n_vocab=self.vocab, eos_token=self.eos)
+            except (ValueError, OSError) as e:
+                raise GrammarError(f"the tokenizer {str(self.path)!r} cannot drive a grammar: {e}") from e
+        return self._tok
+
+    def check(self, grammar: str) -> None:
+        """Raise `GrammarError` with llguidance's message unless ``grammar`` is valid for this tokenizer."""
+        import llguidance
+
+        if not isinstance(grammar, str):
+            raise GrammarError(f"a grammar is llguidance's JSON text, got {type(grammar).__name__}")
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        if error:                                   # llguidance's message, on one line (its source excerpt dropped)
+            lines = [ln.strip() for ln in error.splitlines() if ln.strip() and not ln.strip().startswith(("^", "|"))]
+            raise GrammarError(" ".join(ln for ln in lines if not ln[:1].isdigit())[:500] or error)
+
+    def matcher(self, req):
+        """``req``'s matcher, advanced over all its outputs (built when missing)."""
+        if getattr(req, "matcher", None) is None:
+            import llguidance
+
+            req.matcher, req.matched = llguidance.LLMatcher(self.tokenizer, req.sampling.grammar, log_level=0), 0
+        self._consume(req)
+        return req.matcher
+
+    @staticmethod
+    def _consume(req) -> None:
+        while req.matched < len(req.output):
+            if not req.matcher.consume_token(req.output[req.matched]):
+                raise GrammarError(f"request {req.rid!r}: output token {req.output[req.matched]} breaks its grammar: "
+                                   f"{req.matcher.get_error()}")
+            req.matched += 1
+
+    def masks(self, reqs, batch: int, rows=None) -> np.ndarray:
+        """``[batch, words]`` int32: request ``reqs[i]``'s allowed next ids in row ``rows[i]`` (default ``i``); every
+        bit set elsewhere."""
+        import llguidance.numpy as lln
+
+        out = np.full((batch, self.words), -1, np.int32)
+        for i, req in enumerate(reqs):
+            if req.sampling.grammar is not None:
+                lln.fill_next_token_bitmask(self.matcher(req), out, i if rows is None else rows[i])
+        return out
+
+    def advance(self, req) -> bool:
+        """Consume ``req``'s new outputs; True when its grammar is complete (nothing but the end may follow)."""
+        if req.sampling.grammar is None:
+            return False
+        return self.matcher(req).is_stopped()
+
+
+def no_masks(batch: int, vocab: int) -> np.ndarray:
+    """The masks of a batch without grammar rows (every id allowed)."""
+    return np.full((batch, mask_words(vocab)), -1, np.int32)
