@@ -96,7 +96,7 @@ def test_structured_output_through_the_openai_client(api, v4vocab):
                                           extra_body={"structured_outputs": so})
             assert c.choices[0].finish_reason == "stop" and check(c.choices[0].text), (so, c.choices[0].text)
     for body, param, words in (
-            ({"structured_outputs": {"regex": "[a-z]+("}}, "response_format", "unclosed group"),
+            ({"structured_outputs": {"regex": "[a-z]+("}}, "structured_outputs", "unclosed group"),
             ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
             ({"response_format": {"type": "yaml"}}, "response_format", "type must be"),
             ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format",

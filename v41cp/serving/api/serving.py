@@ -249,7 +249,8 @@ class OpenAIServing:
         if self.codec is None and stops:
             raise ApiError(400, "stop: stop strings need the checkpoint's tokenizer.json, which it lacks", "stop")
 
-    async def start(self, ids: list[int], sp: SamplingParams, prompt_param: str) -> RequestHandle:
+    async def start(self, ids: list[int], sp: SamplingParams, prompt_param: str,
+                    grammar_param: str = "response_format") -> RequestHandle:
         try:
             return await self.loop.submit(ids, sp)
         except EngineFull as e:
@@ -257,14 +258,17 @@ class OpenAIServing:
                            {"Retry-After": "1"})
         except RequestError as e:
             param = {"max_new_tokens": "max_tokens", "prompt": prompt_param, "request_id": None,
-                     "prompt_logprobs": "echo"}.get(e.field, e.field)
+                     "prompt_logprobs": "echo", "response_format": grammar_param}.get(e.field, e.field)
             raise ApiError(400, f"{param}: {e.detail}" if param else e.detail, param)
         except LoopClosed as e:
             raise ApiError(503, str(e), None, "server_error")
 
-    async def start_all(self, work: list[tuple[list[int], SamplingParams]], prompt_param: str) -> list[RequestHandle]:
-        """Submit every (ids, sampling) of one API request; if one is refused, the others are cancelled (all or
-        nothing) and the refusal answered. More than the queue holds at once can never be served: 400."""
+    async def start_all(self, work: list[tuple[list[int], SamplingParams]], prompt_param: str,
+                        req: RequestBase | None = None) -> list[RequestHandle]:
+        """Submit every (ids, sampling) of one API request ``req``; if one is refused, the others are cancelled (all
+        or nothing) and the refusal answered. More than the queue holds at once can never be served: 400."""
+        grammar_param = ("structured_outputs" if req is not None and req.structured_outputs is not None
+                         else "response_format")
         most = self.engine.capacity.max_waiting
         if len(work) > most:
             raise ApiError(400, f"{prompt_param}: {len(work)} sequences (prompts × best_of / n) are more than the "
@@ -272,7 +276,7 @@ class OpenAIServing:
         handles: list[RequestHandle] = []
         try:
             for ids, sp in work:
-                handles.append(await self.start(ids, sp, prompt_param))
+                handles.append(await self.start(ids, sp, prompt_param, grammar_param))
         except BaseException:
             for h in handles:
                 h.cancel()
@@ -436,7 +440,7 @@ class OpenAIServing:
                                count if req.echo and count is not None else None)
             work += [(ids, s) for s in self._samples(sp, best_of)]
         timers = [self.metrics.timer(len(ids)) for ids, _ in work]
-        handles = await self.start_all(work, "prompt")
+        handles = await self.start_all(work, "prompt", req)
         runs = [self.run(h, req, t) for h, t in zip(handles, timers)]
         rid, now = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         text_of = token_texts(self.codec)
@@ -497,7 +501,7 @@ class OpenAIServing:
                            self.logprobs(req.top_logprobs or 0, "top_logprobs") if req.logprobs else None)
         work = [(ids, s) for s in self._samples(sp, req.n)]
         timers = [self.metrics.timer(len(ids)) for _ in work]
-        runs = [self.run(h, req, t) for h, t in zip(await self.start_all(work, "messages"), timers)]
+        runs = [self.run(h, req, t) for h, t in zip(await self.start_all(work, "messages", req), timers)]
         rid, now = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         text_of = token_texts(self.codec)
 

@@ -56,7 +56,8 @@ class Grammars:
             try:
                 self._tok = llguidance.LLTokenizer(self.path.read_text(), n_vocab=self.vocab, eos_token=self.eos)
             except (ValueError, OSError) as e:
-                raise GrammarError(f"the tokenizer {str(self.path)!r} cannot drive a grammar: {e}") from e
+                raise GrammarError(f"structured output is not supported with the tokenizer {str(self.path)!r} "
+                                   f"(llguidance cannot read it: {e})") from e
         return self._tok
 
     def check(self, grammar: str) -> None:
