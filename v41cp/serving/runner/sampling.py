@@ -142,8 +142,9 @@ def _keys(rows: SamplingRows, offset, stream: int):
 
 def adjusted_logits(logits: jax.Array, rows: SamplingRows, whole=None, counts: TokenCounts | None = None,
                     prior: jax.Array | None = None) -> jax.Array:
-    """``logits [B, V]`` with each row's logit bias added and its held-back ids (EOS and stop ids before
-    ``min_tokens`` outputs) at −inf, then with ``counts`` its penalties applied (`apply_penalties`; ``prior [B, K]``:
+    """``logits [B, V]`` with the ids a row's grammar forbids at −inf (``rows.mask``), each row's logit bias added
+    and its held-back ids (EOS and stop ids before ``min_tokens`` outputs) at −inf, then with ``counts`` its
+    penalties applied (`apply_penalties`; ``prior [B, K]``:
     ids counted on top of the slot's) — what every row samples from (greedy included). A batch with none of them
     skips each (``lax.cond``); vocab-sharded logits (``whole``: its mesh) are changed where they lie, each device
     its slice."""
