@@ -167,3 +167,33 @@ def test_a_temperature_that_leaves_nothing_finite_is_greedy():
     logits = -np.abs(np.random.default_rng(1).normal(size=(2, V))).astype(np.float32) - 1.0
     rows = SamplingRows.build([SamplingParams(temperature=1e-39, seed=s) for s in (1, 2)], [0, 0], 2)
     assert np.asarray(sample_rows(jnp.asarray(logits), rows)).tolist() == logits.argmax(-1).tolist()
+
+
+def test_grammar_masks_forbid_ids_on_one_device_and_split_over_tp():
+    """``SamplingRows.mask`` (bit ``i % 32`` of word ``i // 32``): the ids whose bit is clear are −inf for every row
+    that has a grammar, greedy picks the best allowed id, a row with every bit set is untouched; the same bits on
+    logits split over attention TP 8 (each device its 32-id slice of 256, one word) give the same values."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from v41cp.serving.runner.grammar import mask_words
+    from v41cp.serving.runner.sampling import ReplicateOn, adjusted_logits
+    from v41cp.sharding.topology import ParallelConfig
+
+    rng = np.random.default_rng(6)
+    v, b = 256, 3
+    logits = rng.normal(size=(b, v)).astype(np.float32)
+    allowed = rng.random((b, v)) < 0.1
+    allowed[2] = True                                                   # row 2: no grammar
+    allowed[1, :200] = False                                            # row 1: only ids in the last words
+    bits = np.zeros((b, mask_words(v) * 32), np.uint32)
+    bits[:, :v] = allowed
+    mask = (bits.reshape(b, -1, 32) << np.arange(32, dtype=np.uint32)).sum(-1).astype(np.uint32).view(np.int32)
+    rows = SamplingRows.build([SamplingParams()] * b, [0] * b, b, masks=mask)
+    want = np.where(allowed, logits, -np.inf)
+    got = np.asarray(adjusted_logits(jnp.asarray(logits), rows))
+    assert np.array_equal(got, want) and np.array_equal(got[2], logits[2])
+    assert np.asarray(sample_rows(jnp.asarray(logits), rows)).tolist() == want.argmax(-1).tolist()
+    mesh = ParallelConfig(tp_size=8).make_mesh(jax.devices()[:8])
+    split = jax.device_put(logits, NamedSharding(mesh, PartitionSpec(None, "tp")))
+    on_mesh = jax.jit(adjusted_logits, static_argnames="whole")(split, rows, whole=ReplicateOn(mesh))
+    assert np.array_equal(np.asarray(on_mesh), want)
