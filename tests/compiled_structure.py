@@ -56,6 +56,8 @@ def _verify_program(cfg, batch, context, parallel, rows=3, block_tokens=16):
     from v41cp.serving.attention.dcp import DCPPlan
     from v41cp.serving.cache.device_cache import cache_layout
     from v41cp.serving.capacity import Capacity
+    from v41cp.serving.runner.grammar import mask_words
+    from v41cp.serving.runner.penalties import TokenCounts
     from v41cp.serving.runner.sampling import SamplingRows
     from v41cp.serving.runner.steps import verify_and_accept
     from v41cp.serving.step_batch import StepBatch
@@ -76,7 +78,8 @@ def _verify_program(cfg, batch, context, parallel, rows=3, block_tokens=16):
     meta = StepBatch(arg((batch, rows)), arg((batch,)), arg((batch,)), arg((batch,)), arg((batch, max_blocks)),
                     arg((batch, rows, n_eng, cfg.engram_hash_heads if n_eng else 0)), batch, max_blocks, rows)
     with jax.default_matmul_precision("highest" if cfg.dtype == "float32" else "default"):
-        return verify_and_accept.lower(params, cache, meta, SamplingRows.abstract(batch, rep), cfg, plan,
+        return verify_and_accept.lower(params, cache, meta, SamplingRows.abstract(batch, rep, mask_words(cfg.vocab_size)),
+                                       TokenCounts.abstract(batch, cfg.vocab_size, mesh, rep), cfg, plan,
                                        logprobs=Capacity().max_logprobs).compile()
 
 
