@@ -15,7 +15,8 @@ def test_commands_round_trip_as_bytes():
     c = Commands()
     sampling = SamplingParams(max_new_tokens=3, temperature=0.5, top_p=0.9, top_k=4, min_p=0.1, seed=7,
                               stop_token_ids=(9, 11), logprobs=2, prompt_logprobs=1, logit_bias=((5, -2.5),),
-                              min_tokens=2)
+                              min_tokens=2, presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.25,
+                              grammar='{"grammars": [{"lark_grammar": "start: \\"a\\""}]}')
     c.submit("a", [5, 17, 42], sampling)
     c.submit(3, [1], SamplingParams())
     c.cancel("a")
@@ -24,11 +25,14 @@ def test_commands_round_trip_as_bytes():
                                                      "top_k": 4, "min_p": 0.1, "seed": 7, "stop_on_eos": True,
                                                      "stop_token_ids": [9, 11], "logprobs": 2,
                                                      "prompt_logprobs": 1, "logit_bias": [[5, -2.5]],
-                                                     "min_tokens": 2}),
+                                                     "min_tokens": 2, "presence_penalty": 0.5,
+                                                     "frequency_penalty": -1.0, "repetition_penalty": 1.25,
+                                                     "grammar": '{"grammars": [{"lark_grammar": "start: \\"a\\""}]}'}),
                        ("submit", 3, [1], {"max_new_tokens": 16, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
                                            "min_p": 0.0, "seed": 0, "stop_on_eos": True, "stop_token_ids": [],
                                            "logprobs": None, "prompt_logprobs": None, "logit_bias": [],
-                                           "min_tokens": 0}),
+                                           "min_tokens": 0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                                           "repetition_penalty": 1.0, "grammar": None}),
                        ("cancel", "a")] and not got.close
     assert SamplingParams(**got.ops[0][3]) == sampling           # a follower rebuilds the leader's parameters
     with pytest.raises(TypeError, match="str or int"):

@@ -36,10 +36,11 @@ def test_the_default_engine_prefills_by_span_and_warms_every_bucket(tiny):
     names = [name for name, _ in eng.runner.warm_up_programs()]
     assert cap.prefix_caching and eng.prefix is not None                   # on by default, on the span prefill
     assert eng.span and names == [f"prefill {r} rows" for r in cap.prefill_buckets] + ["prefix-cache slot state",
-                                                                                         "decode"]
+                                                                                         "decode", "penalty counts"]
     # the token-serial prefill (the reference) when asked for
     e = Engine(params, cfg, Capacity(span_prefill=False, prefix_caching=False))
-    assert not e.span and [n for n, _ in e.runner.warm_up_programs()] == ["token-serial prefill", "decode"]
+    assert not e.span and [n for n, _ in e.runner.warm_up_programs()] == ["token-serial prefill", "decode",
+                                                                           "penalty counts"]
     with pytest.raises(ValueError, match="prefill_tokens"):
         Capacity(prefill_tokens=0)
     with pytest.raises(ValueError, match="exceeds the round's budget"):

@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import llguidance
+
 from v41cp.serving.api.protocol import ApiError
 
 __all__ = ["grammar_of", "JSON_OPTIONS"]
@@ -25,8 +27,6 @@ JSON_OPTIONS = {"whitespace_flexible": False}
 
 
 def _json(schema: Any, field: str) -> str:
-    import llguidance
-
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -65,8 +65,6 @@ def _response_format(rf: Any) -> str | None:
 
 
 def _structured_outputs(so: Any) -> str:
-    import llguidance
-
     field = "structured_outputs"
     if not isinstance(so, dict):
         raise ApiError(400, f"{field}: an object with one of json, regex, choice", field)

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import llguidance
+import llguidance.numpy as lln
 import numpy as np
 
 __all__ = ["Grammars", "GrammarError", "mask_words", "no_masks"]
@@ -51,8 +53,6 @@ class Grammars:
     @property
     def tokenizer(self):
         if self._tok is None:
-            import llguidance
-
             try:
                 self._tok = llguidance.LLTokenizer(self.path.read_text(), n_vocab=self.vocab, eos_token=self.eos)
             except (ValueError, OSError) as e:
@@ -62,8 +62,6 @@ class Grammars:
 
     def check(self, grammar: str) -> None:
         """Raise `GrammarError` with llguidance's message unless ``grammar`` is valid for this tokenizer."""
-        import llguidance
-
         if not isinstance(grammar, str):
             raise GrammarError(f"a grammar is llguidance's JSON text, got {type(grammar).__name__}")
         error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
@@ -74,8 +72,6 @@ class Grammars:
     def matcher(self, req):
         """``req``'s matcher, advanced over all its outputs (built when missing)."""
         if getattr(req, "matcher", None) is None:
-            import llguidance
-
             req.matcher, req.matched = llguidance.LLMatcher(self.tokenizer, req.sampling.grammar, log_level=0), 0
         self._consume(req)
         return req.matcher
@@ -91,8 +87,6 @@ class Grammars:
     def masks(self, reqs, batch: int, rows=None) -> np.ndarray:
         """``[batch, words]`` int32: request ``reqs[i]``'s allowed next ids in row ``rows[i]`` (default ``i``); every
         bit set elsewhere."""
-        import llguidance.numpy as lln
-
         out = np.full((batch, self.words), -1, np.int32)
         for i, req in enumerate(reqs):
             if req.sampling.grammar is not None:
