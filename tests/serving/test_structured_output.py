@@ -118,6 +118,8 @@ def test_grammars_compose_with_speculative_decoding_and_free_requests(api, v4voc
     path, cfg, params, codec = v4vocab
     tok = str(path / "tokenizer.json")
     engine = Engine(params, cfg, CAP, tokenizer=tok)               # the server's programs (compiled once)
+    engine.runner.warm_up()
+    compiled = engine.runner.compile_counts()
     prompt = codec.chat_ids([{"role": "user", "content": "Answer in JSON."}])
     schema = grammar_of({"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}}, None)
     regex = grammar_of(None, {"regex": REGEX})
@@ -131,6 +133,7 @@ def test_grammars_compose_with_speculative_decoding_and_free_requests(api, v4voc
     assert _valid(codec.decode(want["json"][0])) and _valid(codec.decode(want["json-sampled"][0]))
     assert re.fullmatch(REGEX, codec.decode(want["regex"][0]))
     assert _run(engine, {"alone": requests["free"]})["alone"] == want["free"]       # unaffected by the others
+    assert engine.runner.compile_counts() == compiled         # grammar rows' masks: no program beyond the warm-up's
 
     def propose(rid, history, n):           # the expected tokens: kept where the row verifies drafts at all
         out = want[rid][0]
@@ -147,6 +150,14 @@ def test_grammars_compose_with_speculative_decoding_and_free_requests(api, v4voc
     with pytest.raises(RequestError) as e:
         engine.submit("bad", prompt, dataclasses.replace(sp, grammar=grammar_of(None, {"regex": "(("})))
     assert e.value.field == "response_format"
+    with pytest.raises(RequestError) as e:                                             # the grammar decides the end
+        engine.submit("held", prompt, dataclasses.replace(sp, grammar=regex, min_tokens=2))
+    assert e.value.field == "min_tokens"
+    # a matcher that fails at run time ends its request with the reason recorded, and nothing raises
+    from v41cp.serving.scheduler.request import Request
+
+    broken = Request("broken", prompt, dataclasses.replace(sp, grammar=regex), output=[codec.encode("x")[0]])
+    assert engine.grammars.advance(broken) and "does not match the grammar" in broken.grammar_error
     plain = Engine(params, cfg, CAP)                                                   # no tokenizer given
     with pytest.raises(RequestError, match="needs the checkpoint's tokenizer"):
         plain.submit("g", prompt, dataclasses.replace(sp, grammar=schema))

@@ -43,11 +43,21 @@ def with_vocabulary(src: str | os.PathLike, dst: str | os.PathLike, tokenizer_di
     vocabulary must not be smaller than ``src``'s. ``noise_token_id``: the DSpark noise id (default: kept when
     inside the new vocabulary). Returns `write_released`'s summary with ``vocab_size`` and
     ``engram_compressed_vocab_size``."""
-    tokenizer_dir = Path(tokenizer_dir)
+    tokenizer_dir, dst = Path(tokenizer_dir), Path(dst)
+    if dst.exists() and any(dst.iterdir()):
+        raise ValueError(f"{str(dst)!r} is not empty: choose a new directory")
     tok_file = tokenizer_dir / "tokenizer.json"
-    vocab = Tokenizer.from_file(str(tok_file)).get_vocab_size(with_added_tokens=True)
+    tok = Tokenizer.from_file(str(tok_file))
+    vocab = tok.get_vocab_size(with_added_tokens=True)
     ckpt = ReleasedCheckpoint(src)
     cfg = ckpt.cfg
+    config = tokenizer_dir / "tokenizer_config.json"
+    specials = json.loads(config.read_text()) if config.exists() else {}
+    for name, want in (("bos_token", cfg.bos_token_id), ("eos_token", cfg.eos_token_id)):
+        text = specials.get(name)
+        text = text.get("content") if isinstance(text, dict) else text
+        if isinstance(text, str) and tok.token_to_id(text) != want:
+            raise ValueError(f"the tokenizer's {name} {text!r} is id {tok.token_to_id(text)}, the model's is {want}")
     if vocab < cfg.vocab_size:
         raise ValueError(f"{str(tok_file)!r} has {vocab} ids, fewer than the model's vocab_size={cfg.vocab_size}")
     _, compressed = compressed_token_map(tok_file)
@@ -66,8 +76,6 @@ def with_vocabulary(src: str | os.PathLike, dst: str | os.PathLike, tokenizer_di
 
     new = cfg.replace(vocab_size=vocab, engram_compressed_vocab_size=compressed, dspark_noise_token_id=noise,
                       engram_token_map=None)
-    dst = Path(dst)
-    shutil.rmtree(dst, ignore_errors=True)
     info = write_released(dst, new, tensors(), tokenizer=tok_file, max_shard_bytes=max_shard_bytes)
     if (tokenizer_dir / "tokenizer_config.json").exists():
         shutil.copy2(tokenizer_dir / "tokenizer_config.json", dst / "tokenizer_config.json")
@@ -77,7 +85,7 @@ def with_vocabulary(src: str | os.PathLike, dst: str | os.PathLike, tokenizer_di
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m v41cp.checkpoint.with_vocabulary", description=__doc__.split("\n")[0])
     p.add_argument("src", help="a released-layout checkpoint directory")
-    p.add_argument("dst", help="the directory to write (replaced)")
+    p.add_argument("dst", help="the directory to write (new or empty)")
     p.add_argument("tokenizer_dir", help="a directory with tokenizer.json (and tokenizer_config.json)")
     p.add_argument("--noise-token-id", type=int, default=None, help="the DSpark noise id in the new vocabulary")
     a = p.parse_args(argv)

@@ -212,6 +212,8 @@ class Engine:
                "finish_reason": r.finish_reason, "cached_tokens": r.cached}
         if r.logprobs is not None:
             out["logprobs"] = r.logprobs
+        if r.grammar_error is not None:
+            out["grammar_error"] = r.grammar_error
         if r.prompt_logprobs is not None:
             out["prompt_logprobs"] = r.prompt_logprobs
         if self.speculative is not None:

@@ -166,7 +166,7 @@ _HISTORY = (f"{_B}You are a helpful assistant.{_U}Hello{_A}</think>Hi there! How
      f"Paris.{_E}"),
     (_TWO_TURNS + [_ANSWER], False, None, _HISTORY + f"</think>The capital of France is Paris.{_E}"),
     (_TWO_TURNS, True, None, _HISTORY + "<think>"),
-    (_TWO_TURNS, False, "max", _HISTORY + "</think>"),                  # effort only in thinking mode
+    (_TWO_TURNS, False, "high", _HISTORY + "</think>"),                 # "high": the default effort
     (_TWO_TURNS[:1] + [{"role": "user", "content": "What is 2+2?"}], True, "high",
      f"{_B}You are a helpful assistant.{_U}What is 2+2?{_A}<think>"),
     ([{"role": "user", "content": "Hello"}], False, None, f"{_B}{_U}Hello{_A}</think>"),
@@ -195,14 +195,22 @@ def test_the_deepseek_v4_chat_options_are_checked():
         == f"{_B}{_U}Hi{_A}</think>Hel"                                         # a final turn continued: no EOS
     for kwargs, param in (({"options": {"thinking": "yes"}}, "chat_template_kwargs"),
                           ({"options": {"thinking": True, "tools": []}}, "chat_template_kwargs"),
-                          ({"reasoning_effort": "low"}, "reasoning_effort")):
+                          ({"options": {"thinking": True, "enable_thinking": False}}, "chat_template_kwargs"),
+                          ({"reasoning_effort": "low"}, "reasoning_effort"),
+                          ({"reasoning_effort": "max"}, "reasoning_effort")):             # max: thinking mode only
         with pytest.raises(ChatFormatError) as e:
             c.chat_prompt(msgs, **kwargs)
         assert e.value.param == param, kwargs
     with pytest.raises(ChatFormatError, match="role 'tool'"):
         c.chat_prompt(msgs + [{"role": "tool", "content": "42"}])
+    with pytest.raises(ChatFormatError, match="tool_calls"):                  # not encoded here: refused, not dropped
+        c.chat_prompt(msgs + [{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}])
     tiny = TextCodec.from_checkpoint(default_checkpoint())                    # a template: the kwargs are its variables
     assert not tiny.deepseek_v4 and tiny.chat_prompt(msgs, options={"thinking": True}) == tiny.chat_prompt(msgs)
     with pytest.raises(ChatFormatError) as e:
         tiny.chat_prompt(msgs, reasoning_effort="max")
     assert e.value.param == "reasoning_effort"
+    for bad in ({"raise_exception": 1}, {"strftime_now": "x"}):              # the template's own helpers
+        with pytest.raises(ChatFormatError) as e:
+            tiny.chat_prompt(msgs, options=bad)
+        assert e.value.param == "chat_template_kwargs"

@@ -152,7 +152,8 @@ class TextCodec:
         if reasoning_effort is not None:
             raise ChatFormatError(f"reasoning_effort: not supported by the chat template of {self.path!r} (it takes "
                                   f"no reasoning effort), got {reasoning_effort!r}", "reasoning_effort")
-        reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token"} & set(options)
+        reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token", "raise_exception",
+                    "strftime_now"} & set(options)
         if reserved:
             raise ChatFormatError(f"chat_template_kwargs may not set {sorted(reserved)}", "chat_template_kwargs")
         if self.chat_template is None:
@@ -180,12 +181,15 @@ class TextCodec:
         try:
             return self._compiled.render(**options, messages=messages, add_generation_prompt=add_generation_prompt,
                                          bos_token=self.bos_token or "", eos_token=self.eos_token or "")
-        except TemplateError as e:
-            raise ChatFormatError(f"chat template failed on these messages: {e}") from e
+        except (TemplateError, TypeError, ValueError, AttributeError, KeyError, IndexError) as e:
+            raise ChatFormatError(f"chat template failed on these messages: {type(e).__name__}: {e}") from e
 
     @staticmethod
     def _v4_prompt(messages, add_generation_prompt: bool, options: dict, reasoning_effort) -> str:
+        if "thinking" in options and "enable_thinking" in options and options["thinking"] != options["enable_thinking"]:
+            raise ChatFormatError("chat_template_kwargs: thinking and enable_thinking disagree", "chat_template_kwargs")
         thinking = options.pop("thinking", options.pop("enable_thinking", False))
+        options.pop("enable_thinking", None)
         if options:
             raise ChatFormatError(f"chat_template_kwargs: the DeepSeek-V4 chat format takes only 'thinking', got "
                                   f"{sorted(options)}", "chat_template_kwargs")
@@ -195,6 +199,14 @@ class TextCodec:
         if reasoning_effort not in chat_v4.REASONING_EFFORTS:
             raise ChatFormatError(f"reasoning_effort: the DeepSeek-V4 chat format takes 'high' or 'max', got "
                                   f"{reasoning_effort!r}", "reasoning_effort")
+        if reasoning_effort == "max" and not thinking:
+            raise ChatFormatError("reasoning_effort: 'max' applies to thinking mode only (chat_template_kwargs "
+                                  "{\"thinking\": true})", "reasoning_effort")
+        for i, m in enumerate(messages):
+            extra = set(m) - {"role", "content", "reasoning_content"}
+            if extra:
+                raise ChatFormatError(f"messages[{i}]: the DeepSeek-V4 chat format here encodes role, content and "
+                                      f"reasoning_content only, got {sorted(extra)}")
         try:
             return chat_v4.encode_messages(messages, thinking, reasoning_effort, add_generation_prompt)
         except ValueError as e:

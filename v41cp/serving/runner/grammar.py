@@ -70,19 +70,17 @@ class Grammars:
             raise GrammarError(" ".join(ln for ln in lines if not ln[:1].isdigit())[:500] or error)
 
     def matcher(self, req):
-        """``req``'s matcher, advanced over all its outputs (built when missing)."""
+        """``req``'s matcher, advanced over all its outputs (built when missing). A matcher that fails at run time
+        (a token it refuses, a parser limit) is left in its error state, where it allows only the EOS; the request
+        records the error (`Request.grammar_error`) and `advance` ends it — it never stops the engine."""
         if getattr(req, "matcher", None) is None:
             req.matcher, req.matched = llguidance.LLMatcher(self.tokenizer, req.sampling.grammar, log_level=0), 0
-        self._consume(req)
-        return req.matcher
-
-    @staticmethod
-    def _consume(req) -> None:
-        while req.matched < len(req.output):
+        while req.matched < len(req.output) and not req.matcher.is_error():
             if not req.matcher.consume_token(req.output[req.matched]):
-                raise GrammarError(f"request {req.rid!r}: output token {req.output[req.matched]} breaks its grammar: "
-                                   f"{req.matcher.get_error()}")
+                req.grammar_error = (f"output token {req.output[req.matched]} does not match the grammar: "
+                                     f"{req.matcher.get_error().splitlines()[0] if req.matcher.get_error() else ''}")
             req.matched += 1
+        return req.matcher
 
     def masks(self, reqs, batch: int, rows=None) -> np.ndarray:
         """``[batch, words]`` int32: request ``reqs[i]``'s allowed next ids in row ``rows[i]`` (default ``i``); every
@@ -94,10 +92,14 @@ class Grammars:
         return out
 
     def advance(self, req) -> bool:
-        """Consume ``req``'s new outputs; True when its grammar is complete (nothing but the end may follow)."""
+        """Consume ``req``'s new outputs; True when its grammar is complete (nothing but the end may follow) or
+        failed (`Request.grammar_error`)."""
         if req.sampling.grammar is None:
             return False
-        return self.matcher(req).is_stopped()
+        m = self.matcher(req)
+        if m.is_error() and req.grammar_error is None:
+            req.grammar_error = m.get_error().splitlines()[0] if m.get_error() else "the grammar failed"
+        return m.is_stopped() or m.is_error()
 
 
 def no_masks(batch: int, vocab: int) -> np.ndarray:

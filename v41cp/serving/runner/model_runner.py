@@ -38,7 +38,7 @@ from v41cp.serving.cache.request_state import request_state
 from v41cp.serving.cache.slot_state import put_slot_state, take_slot_state
 from v41cp.serving.capacity import Capacity
 from v41cp.serving.multihost.fetch import fetch
-from v41cp.serving.runner.grammar import Grammars, no_masks
+from v41cp.serving.runner.grammar import GrammarError, Grammars, no_masks
 from v41cp.serving.runner.logprobs import TokenLogprobs, entries
 from v41cp.serving.runner.penalties import TokenCounts, reset_slot
 from v41cp.serving.runner.sampling import ReplicateOn, SamplingRows, sample_tokens
@@ -88,6 +88,7 @@ class ModelRunner:
         self.cfg, self.capacity, self.parallel, self.speculative = cfg, capacity, parallel, speculative
         self.record_logits = record_logits
         self.grammars = grammars                 # structured output (`v41cp.serving.runner.grammar`), if any
+        self._all_allowed: dict[int, jax.Array] = {}   # per batch width: the masks of steps without grammar rows
         self.eos = cfg.eos_token_id              # held back from a request's first min_tokens outputs
         self.plan = None
         self.step_plan = None
@@ -125,6 +126,7 @@ class ModelRunner:
         self.num_blocks = capacity.block_count(n)
         self.cache = init_cache(cfg, self.num_blocks, capacity.block_tokens, capacity.max_batch,
                                 None if self.plan else cache_sharding, plan=self.plan)
+        self._replicated = cache_sharding          # step metadata kept on the devices (replicated)
         # the penalties' per-slot token counts; ``_counted[slot] = (request, outputs)``: whose they are, and how many
         # of its outputs they hold (`_sync_counts`)
         self.counts = TokenCounts.zeros(capacity.max_batch, cfg.vocab_size, mesh, cache_sharding)
@@ -337,6 +339,11 @@ class ModelRunner:
         time}``. The statistics are left as they were."""
         t0 = time.perf_counter()
         programs = self.warm_up_programs(prefill, decode)
+        if self.grammars is not None:           # the grammar library's view of the vocabulary (~1 s at 129K ids)
+            try:
+                self.grammars.tokenizer
+            except GrammarError:                # a tokenizer it cannot read: grammar requests are refused
+                pass
         counters = {k: v for k, v in self.stats.items() if not isinstance(v, deque)}
         for i, (name, run) in enumerate(programs):
             run()
@@ -487,8 +494,13 @@ class ModelRunner:
     def _rows(self, reqs, batch: int, rows=None, slots=None) -> SamplingRows:
         """The `SamplingRows` of ``reqs`` (at their next output index) in ``rows`` of a ``batch``-row step, in batch
         ``slots``, with their grammars' masks (every step carries masks, all bits set without grammar rows)."""
-        masks = (self.grammars.masks(reqs, batch, rows) if self.grammars is not None and reqs
-                 else no_masks(batch, self.cfg.vocab_size))
+        if self.grammars is not None and any(r.sampling.grammar is not None for r in reqs):
+            # placed as the all-allowed masks are (the same input type: no second compilation of a step)
+            masks = jax.device_put(self.grammars.masks(reqs, batch, rows), self._replicated)
+        else:                                   # no grammar row: the all-allowed masks, kept on the device
+            if batch not in self._all_allowed:
+                self._all_allowed[batch] = jax.device_put(no_masks(batch, self.cfg.vocab_size), self._replicated)
+            masks = self._all_allowed[batch]
         return SamplingRows.build([r.sampling for r in reqs], [len(r.output) for r in reqs], batch, rows=rows,
                                   eos=self.eos, slots=slots, masks=masks)
 

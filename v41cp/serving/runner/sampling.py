@@ -112,7 +112,8 @@ class SamplingRows:
                    frequency=col([sp.frequency_penalty for sp in params], np.float32, 0.0),
                    repetition=col([sp.repetition_penalty for sp in params], np.float32, 1.0),
                    slot=col([-1] * len(params) if slots is None else list(slots), np.int32, -1),
-                   mask=np.zeros((batch, 0), np.int32) if masks is None else np.asarray(masks, np.int32))
+                   mask=np.zeros((batch, 0), np.int32) if masks is None else
+                   masks if isinstance(masks, jax.Array) else np.asarray(masks, np.int32))
 
     @classmethod
     def abstract(cls, batch: int, sharding=None, words: int = 0) -> "SamplingRows":

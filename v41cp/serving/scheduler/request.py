@@ -99,6 +99,7 @@ class Request:
     matcher: object = field(default=None, repr=False)   # with sampling.grammar: its llguidance matcher (host)
     matched: int = 0                       # outputs the matcher has consumed
     grammar_done: bool = False             # its grammar is complete: it ends (finish reason "stop")
+    grammar_error: str | None = None       # its grammar failed at run time (it ends; the result says why)
     prefix_nodes: list = field(default_factory=list)   # prefix-cache nodes this request holds
     cuts: tuple = ()                       # prompt positions where its prefill stores a slot state
     preemptions: int = 0                   # times its pages were taken back (it was recomputed after each)
@@ -151,6 +152,9 @@ def check_request(rid, prompt: list[int], sampling: SamplingParams, cfg: ModelCo
     if sampling.grammar is not None and not isinstance(sampling.grammar, str):
         raise RequestError.of(rid, f"grammar must be llguidance's grammar text, got {type(sampling.grammar).__name__}",
                               "response_format")
+    if sampling.grammar is not None and sampling.min_tokens:
+        raise RequestError.of(rid, "min_tokens cannot hold the end back from a grammar (the grammar decides where "
+                                   "the output ends)", "min_tokens")
     if any(type(t) is not int for t in sampling.stop_token_ids):
         raise RequestError.of(rid, f"stop_token_ids must be integers, got {list(sampling.stop_token_ids)!r}",
                               "stop_token_ids")
