@@ -29,6 +29,8 @@ def tiny_tp8():
     return cfg, perturbed(model.init_params(cfg, jax.random.key(0)))
 
 
+# penalized requests: the decode role rebuilds their token counts from the adopted history (prompt + first token)
+PENALIZED = {"a": dict(frequency_penalty=0.8, repetition_penalty=1.3), "c": dict(presence_penalty=1.5)}
 DECODE = ParallelConfig(tp_size=4, kv_parallel_size=2, decode_context_parallel_size=2)   # 2 TP replicas per owner
 
 
@@ -38,7 +40,8 @@ def _drive(eng, prompts, check):
     while step == 0 or eng.pending:
         for rid, (_, new, at) in PROMPTS.items():
             if at == step:
-                eng.submit(rid, prompts[rid], SamplingParams(max_new_tokens=new, stop_on_eos=False))
+                eng.submit(rid, prompts[rid], SamplingParams(max_new_tokens=new, stop_on_eos=False,
+                                                             **PENALIZED.get(rid, {})))
         eng.step()
         step += 1
         check(step, eng)
