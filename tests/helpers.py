@@ -178,3 +178,24 @@ def top_gap(row) -> float:
     """The gap between a row's two largest values, relative to its largest magnitude (a greedy choice's margin)."""
     row = np.sort(np.asarray(row, np.float64))
     return float((row[-1] - row[-2]) / max(np.abs(row).max(), 1e-30))
+
+
+def run_recording_logits(eng, requests) -> dict:
+    """Run ``requests`` ({rid: (prompt, SamplingParams)}) through engine ``eng`` round by round (prefill, then
+    decode), keeping the FP32 logits behind every output token (``eng`` built with ``record_logits=True``):
+    ``{rid: [logits, …]}``."""
+    for rid, (prompt, sp) in requests.items():
+        eng.submit(rid, prompt, sp)
+    logits = {rid: [] for rid in requests}
+
+    def grab():
+        for rid in requests:
+            r = eng.requests[rid]
+            while r.last_logits is not None and len(logits[rid]) < len(r.output):
+                logits[rid].append(r.last_logits)
+    while eng.pending:
+        eng.prefill_round()
+        grab()
+        eng.decode_round()
+        grab()
+    return logits

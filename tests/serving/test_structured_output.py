@@ -89,7 +89,8 @@ def test_structured_output_through_the_openai_client(api, v4vocab):
     m = llguidance.LLMatcher(grammars.tokenizer, grammar_of({"type": "json_object"}, None))
     assert obj.message.content.startswith("{") and m.consume_tokens(obj.model_extra["token_ids"]), m.get_error()
     assert obj.finish_reason == "length" or isinstance(json.loads(obj.message.content), dict)
-    for so, check in (({"regex": REGEX}, lambda s: re.fullmatch(REGEX, s)), ({"choice": CHOICES}, CHOICES.__contains__)):
+    for so, check in (({"regex": REGEX}, lambda s: re.fullmatch(REGEX, s)),
+                      ({"choice": CHOICES}, CHOICES.__contains__)):
         for seed in (1, 2, 3):
             c = client.completions.create(model=MODEL, prompt="Pick:", max_tokens=30, temperature=1.0, seed=seed,
                                           extra_body={"structured_outputs": so})

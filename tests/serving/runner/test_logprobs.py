@@ -7,6 +7,7 @@ naming the field."""
 import jax
 import numpy as np
 import pytest
+from helpers import run_recording_logits
 from jax.sharding import NamedSharding, PartitionSpec
 
 from v41cp.checkpoint import default_checkpoint, load
@@ -32,25 +33,6 @@ def _log_softmax(x):
     return x - m - np.log(np.exp(x - m).sum())
 
 
-def _run_recording(eng, requests) -> dict:
-    """Run ``requests`` ({rid: (prompt, SamplingParams)}) round by round, keeping the logits behind every token."""
-    for rid, (prompt, sp) in requests.items():
-        eng.submit(rid, prompt, sp)
-    logits = {rid: [] for rid in requests}
-
-    def grab():
-        for rid in requests:
-            r = eng.requests[rid]
-            while r.last_logits is not None and len(logits[rid]) < len(r.output):
-                logits[rid].append(r.last_logits)
-    while eng.pending:
-        eng.prefill_round()
-        grab()
-        eng.decode_round()
-        grab()
-    return logits
-
-
 def _check_entries(req, logits, count):
     assert len(req.logprobs) == len(req.output) == len(logits)
     for token, (lp, alternatives), row in zip(req.output, req.logprobs, logits):
@@ -69,7 +51,7 @@ def test_logprobs_are_the_log_softmax_of_each_tokens_logits(setup):
                 "sampled": (prompts[1], SamplingParams(max_new_tokens=7, temperature=0.7, top_k=8, seed=4,
                                                        stop_on_eos=False, logprobs=5)),
                 "none": (prompts[2], SamplingParams(max_new_tokens=7, stop_on_eos=False))}
-    logits = _run_recording(eng, requests)
+    logits = run_recording_logits(eng, requests)
     _check_entries(eng.requests["greedy"], logits["greedy"], 3)
     _check_entries(eng.requests["sampled"], logits["sampled"], 5)     # the model's distribution, not the tempered one
     assert eng.requests["none"].logprobs is None and "logprobs" not in eng.result("none")

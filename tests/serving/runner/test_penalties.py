@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import penalized_reference, top_gap
+from helpers import penalized_reference, run_recording_logits, top_gap
 from jax.sharding import NamedSharding, PartitionSpec
 
 from v41cp.checkpoint import default_checkpoint, load
@@ -133,21 +133,8 @@ def tiny():
 
 
 def _penalized_run(eng, requests):
-    """Run ``requests`` ({rid: (prompt, SamplingParams)}) keeping the logits behind every token."""
-    for rid, (prompt, sp) in requests.items():
-        eng.submit(rid, prompt, sp)
-    logits = {rid: [] for rid in requests}
-
-    def grab():
-        for rid in requests:
-            r = eng.requests[rid]
-            if r.last_logits is not None and len(logits[rid]) < len(r.output):
-                logits[rid].append(np.array(r.last_logits))
-    while eng.pending:
-        eng.prefill_round()
-        grab()
-        eng.decode_round()
-        grab()
+    """``(outputs, logits)`` of ``requests`` run round by round (`run_recording_logits`)."""
+    logits = run_recording_logits(eng, requests)
     return {rid: eng.result(rid)["output_ids"] for rid in requests}, logits
 
 

@@ -61,6 +61,10 @@ def _arrivals(cfg, count: int, seed: int, greedy_only: bool, pace: int = 3):
                 sp = dataclasses.replace(sp, temperature=float(rng.uniform(0.5, 1.5)), top_k=int(rng.integers(0, 30)),
                                          top_p=float(rng.uniform(0.5, 1.0)), min_p=float(rng.uniform(0, 0.1)),
                                          seed=int(rng.integers(0, 2**40)))
+                if rng.random() < 0.5:                      # penalized: its slot's token counts rebuilt, counted
+                    sp = dataclasses.replace(sp, presence_penalty=float(rng.uniform(-1, 1)),
+                                             frequency_penalty=float(rng.uniform(-1, 1)),
+                                             repetition_penalty=float(rng.uniform(0.8, 1.5)))
             out.append((len(out), rng.integers(3, cfg.vocab_size, n).tolist(), sp, step))
         step += int(rng.integers(1, pace))
     return out[:count]
@@ -111,13 +115,14 @@ def test_budgeted_rounds_equal_the_token_serial_reference(tiny):
 
 def test_after_warm_up_random_arrivals_compile_nothing(tiny):
     """`Engine.warm_up` runs every program of the rounds on idle batches; then 300 random arrivals — counts per step,
-    prompt lengths below and over the budget, greedy and sampled settings, cancellations, tight pages forcing
-    preemptions — trigger no XLA compilation at all (jax's compile events, every function counted; under model-wide
+    prompt lengths below and over the budget, greedy, sampled and penalized settings, cancellations, tight pages
+    forcing preemptions — trigger no XLA compilation at all (jax's compile events, every function counted; under model-wide
     QCP, whose passes are fresh or continued programs: test_qcp_engine)."""
     cfg, params = tiny
     eng = Engine(params, cfg, dataclasses.replace(CAP, num_blocks=14, max_waiting=300))
     warm = eng.warm_up()
-    assert warm["programs"] == len(CAP.prefill_buckets) + 2                    # + the prefix cache's slot state
+    # + the prefix cache's slot state, decode, the penalties' count reset
+    assert warm["programs"] == len(CAP.prefill_buckets) + 3
     with compile_events() as compiled:
         work = _arrivals(cfg, 300, seed=9, greedy_only=False, pace=6)
         outputs, _ = _drive(eng, work, cancel={rid for rid, *_ in work if rid % 17 == 0})
