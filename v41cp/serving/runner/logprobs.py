@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from v41cp.serving.runner.vocab_slices import vocab_axes
+
 __all__ = ["TokenLogprobs", "token_logprobs", "row_logprobs", "top_n", "entries", "ROW_TILE"]
 
 
@@ -65,7 +67,7 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, wanted: jax.Array, n: i
     per device slice first (`top_n`), so the step moves candidates, not rows."""
     lead = tokens.shape
     mesh = whole.mesh if whole is not None else None
-    axes = tuple(a for a in ("tp", "cp") if mesh is not None and mesh.shape.get(a, 1) > 1)   # the vocabulary's split
+    axes = vocab_axes(mesh)                                                                 # the vocabulary's split
 
     def compute(logits, tokens):
         lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)

@@ -516,8 +516,7 @@ class ModelRunner:
         rebuilt from its prompt and outputs unless the slot already holds them (the same request, as many
         outputs)."""
         for req, slot in zip(reqs, slots):
-            sp = req.sampling
-            if sp.presence_penalty == 0 and sp.frequency_penalty == 0 and sp.repetition_penalty == 1:
+            if not req.sampling.penalized:
                 continue
             held = self._counted.get(slot)
             if held is not None and held[0] is req and held[1] == len(req.output):

@@ -65,6 +65,11 @@ class SamplingParams:
     # structured output: an llguidance grammar (JSON text; `v41cp.serving.runner.grammar`) the output must match
     grammar: str | None = None
 
+    @property
+    def penalized(self) -> bool:
+        """A penalty that changes something (the host's view of `v41cp.serving.runner.penalties.penalized`)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
     def __post_init__(self):           # (lists from JSON, e.g. the control plane's broadcast, become tuples)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", tuple((t, v) for t, v in self.logit_bias))
