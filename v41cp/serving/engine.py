@@ -170,10 +170,6 @@ class Engine:
     # ------------------------------------------------------------------ requests
     def submit(self, rid, prompt_ids, sampling: SamplingParams = SamplingParams()) -> None:
         """Queue a request; raises ValueError (naming the value) without touching any other request."""
-        if sampling.prompt_logprobs is not None and not self.runner.scores_prompts:
-            raise RequestError.of(rid, "prompt log-probabilities are computed by the span prefill's packed passes "
-                                       "(not the token-serial prefill, model-wide QCP or CED narrowing, as this engine "
-                                       "runs)", "prompt_logprobs")
         if sampling.grammar is not None:
             if self.grammars is None:
                 raise RequestError.of(rid, "structured output needs the checkpoint's tokenizer, which this engine was "

@@ -114,8 +114,8 @@ def test_top_n_over_a_split_vocabulary_equals_top_k(topology):
 def test_prompt_logprobs_equal_the_full_forward(setup):
     """Prompt log-probabilities from the span prefill's passes (a prompt over two passes of 16 rows, one of one
     token): None for the first token, then each prompt token's log-softmax under the full forward, the alternatives
-    in order. A cached prompt that asks for them is prefilled whole (no prefix hit) and gets the same entries; the
-    engines that do not compute them (token-serial prefill, CED narrowing) refuse the request naming the field."""
+    in order. A cached prompt that asks for them is prefilled whole (no prefix hit) and gets the same entries (the
+    other prefill paths: `test_prompt_logprobs.py`)."""
     from v41cp import model
 
     cfg, params, eng = setup
@@ -143,7 +143,3 @@ def test_prompt_logprobs_equal_the_full_forward(setup):
     again = {r["id"]: r for r in eng.run()}
     assert again["again"]["cached_tokens"] == 0 and again["hit"]["cached_tokens"] > 0
     assert again["again"]["prompt_logprobs"] == res[0]["prompt_logprobs"]
-    for cap in (Capacity(max_batch=1, max_tokens=32, span_prefill=False), Capacity(max_batch=1, max_tokens=32, ced=True)):
-        with pytest.raises(RequestError) as e:
-            Engine(params, cfg, cap).submit("x", [5, 6, 7], sp)
-        assert e.value.field == "prompt_logprobs"

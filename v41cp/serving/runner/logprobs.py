@@ -6,6 +6,7 @@
   (``wanted``: otherwise the step skips the work and returns zeros);
 * `row_logprobs(hidden, head, targets, n)` — the same for every row of a prefill pass (prompt log-probabilities:
   each row's next prompt token), from the rows' head inputs in tiles of `ROW_TILE` rows;
+* `chunk_logprobs(logits, targets, n)` — the token-serial prefill's: a chunk's logits, each position's next token;
 * `entries(lp, index, count)` — one token's entry on the host: ``(logprob, ((id, logprob), …))`` with the
   request's ``count ≤ n`` alternatives.
 
@@ -17,6 +18,7 @@ alternatives are in `jax.lax.top_k` order (log-probability descending, then lowe
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +27,7 @@ from jax.sharding import PartitionSpec
 
 from v41cp.serving.runner.vocab_slices import vocab_axes
 
-__all__ = ["TokenLogprobs", "token_logprobs", "row_logprobs", "top_n", "entries", "ROW_TILE"]
+__all__ = ["TokenLogprobs", "token_logprobs", "row_logprobs", "chunk_logprobs", "top_n", "entries", "ROW_TILE"]
 
 
 @jax.tree_util.register_dataclass
@@ -117,6 +119,14 @@ def row_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, n: int,
 
     out = jax.lax.cond(jnp.any(t >= 0), compute, skip, h, t)
     return jax.tree.map(lambda a: a.reshape(*shape, *a.shape[1:]), out)
+
+
+@partial(jax.jit, static_argnames=("n", "whole"))
+def chunk_logprobs(logits: jax.Array, targets: jax.Array, n: int, whole=None) -> TokenLogprobs:
+    """The token-serial prefill's prompt log-probabilities: ``logits [C, V]`` of a chunk's positions and ``targets
+    [C]`` (each position's next prompt token; −1: none) → `token_logprobs` ``[C]`` (computed when a target is
+    set)."""
+    return token_logprobs(logits, targets, jnp.any(targets >= 0), n, whole)
 
 
 def entries(lp: TokenLogprobs, index, count: int) -> tuple[float, tuple[tuple[int, float], ...]]:

@@ -39,7 +39,7 @@ from v41cp.serving.cache.slot_state import put_slot_state, take_slot_state
 from v41cp.serving.capacity import Capacity
 from v41cp.serving.multihost.fetch import fetch
 from v41cp.serving.runner.grammar import GrammarError, Grammars, no_masks
-from v41cp.serving.runner.logprobs import TokenLogprobs, entries
+from v41cp.serving.runner.logprobs import TokenLogprobs, chunk_logprobs, entries
 from v41cp.serving.runner.penalties import TokenCounts, reset_slot
 from v41cp.serving.runner.sampling import ReplicateOn, SamplingRows, sample_tokens
 from v41cp.serving.runner.span_batch import build_span_batch
@@ -120,9 +120,10 @@ class ModelRunner:
             raise ValueError("the token-serial prefill (capacity span_prefill=False) does not split query rows: query "
                              "context parallelism (model-wide or operator-local) prefills by span")
         self.span = capacity.by_span or lay.query_parallel or lay.operator is not None
-        # prompt log-probabilities: the packed span prefill's passes score their rows (`prefill_span(score=...)`)
-        self.scores_prompts = (capacity.max_logprobs if self.span and not lay.query_parallel
-                               and not (capacity.ced and ced_boundary(cfg) is not None) else 0)
+        # prompt log-probabilities: the span prefill's passes score their rows (`prefill_span(score=...)`; a pass
+        # with a scored row is not CED-narrowed), the token-serial prefill its chunks' logits (`chunk_logprobs`)
+        self.scores_prompts = capacity.max_logprobs
+        self.narrows = bool(capacity.ced and ced_boundary(cfg) is not None)       # CED narrowing of prefill
         self.num_blocks = capacity.block_count(n)
         self.cache = init_cache(cfg, self.num_blocks, capacity.block_tokens, capacity.max_batch,
                                 None if self.plan else cache_sharding, plan=self.plan)
@@ -168,7 +169,8 @@ class ModelRunner:
         # CED narrowing: rows before the decoder's dependency halo (of the history's end, and of each prefix-cache
         # boundary, so the state stored there is complete) run the encoder (+ boundary prepass) only
         full = np.ones(n, bool)
-        if self.capacity.ced and ced_boundary(cfg) is not None:
+        scoring = self.scores_prompts and req.scoring_prompt         # then every row runs the decoder
+        if self.narrows and not scoring:
             full[:] = False
             for e in (*req.cuts, n):
                 full[max(0, e - ced_rows(cfg)):e] = True
@@ -197,6 +199,8 @@ class ModelRunner:
             if not encoder_only:
                 # [1, vocab], on the device (the row index as data: one program for every chunk length)
                 last = jax.lax.dynamic_index_in_dim(logits[:, 0], np.int32(m - 1), keepdims=True)
+            if scoring:
+                self._score_chunk(req, logits[:, 0], a, end)
             if end in req.cuts:
                 at_cut(req, end)
         if self.record_logits:
@@ -212,6 +216,16 @@ class ModelRunner:
         self.stats["ced_encoder_only_rows"] += encoder_rows
         self.stats["prefill_s"] += time.perf_counter() - t0
         done(req)
+
+    def _score_chunk(self, req: Request, logits, a: int, end: int) -> None:
+        """The prompt log-probabilities of token-serial chunk positions ``a … end − 1`` (``logits [chunk, vocab]``)
+        that ``req`` has not had yet, appended to ``req.prompt_logprobs``."""
+        targets = np.full(logits.shape[0], -1, np.int32)
+        todo = range(max(a, len(req.prompt_logprobs) - 1), min(end, len(req.prompt) - 1))
+        for p in todo:
+            targets[p - a] = req.prompt[p + 1]
+        lp = jax.tree.map(fetch, chunk_logprobs(logits, jnp.asarray(targets), self.scores_prompts, self.whole))
+        req.prompt_logprobs.extend(entries(lp, p - a, req.sampling.prompt_logprobs) for p in todo)
 
     def span_buckets(self, rows: int) -> dict:
         """The static buckets of a span prefill pass of ``rows`` prompt rows in all: the smallest
@@ -246,10 +260,12 @@ class ModelRunner:
         slots = list(slots) + [0] * (b - k)
         full = np.full((b, self.capacity.max_blocks), -1, np.int32)
         full[:k] = tables
+        # a pass that scores prompt rows runs every row through the decoder (no CED narrowing)
+        narrows = self.narrows and not any(r.scoring_prompt for r in reqs)
         batch = build_span_batch(cfg, histories, self.span_layout.n, query_parallel=self.span_layout.query_parallel,
-                                 starts=starts, ends=ends, slots=slots, block_tables=full, ced=self.capacity.ced,
+                                 starts=starts, ends=ends, slots=slots, block_tables=full, ced=narrows,
                                  decoder_ends=decoder_ends, **self.span_buckets(int((ends - starts).sum())))
-        targets, scoring = self._targets(reqs, starts, ends, batch.rows)
+        targets, scoring = self._targets(reqs, starts, ends, batch)
         logits, scored = self._span_pass(batch, slots, targets)
         if scoring:                                      # each scored row's entry, in prompt order
             scored = jax.tree.map(fetch, scored)
@@ -266,7 +282,7 @@ class ModelRunner:
         for i, req in enumerate(reqs):
             req.filled = int(ends[i])
             self.stats["prefill_tokens"] += int(ends[i] - starts[i])
-            if self.capacity.ced and ced_boundary(cfg) is not None:      # rows that ran the encoder layers only
+            if narrows:                                                  # rows that ran the encoder layers only
                 self.stats["ced_encoder_only_rows"] += max(0, min(int(ends[i]), int(decoder_ends[i]) - ced_rows(cfg))
                                                           - int(starts[i]))
         for i in last:
@@ -291,20 +307,27 @@ class ModelRunner:
             self._write_context(np.asarray(slots), feats, pos, ok)
         return logits, out[-1] if score else None
 
-    def _targets(self, reqs, starts, ends, rows: int):
-        """``(targets [1, rows] int32, scoring)``: each packed row's next prompt token when its request asks for
-        prompt log-probabilities and has not had that position's yet (−1 elsewhere), and the ``(request, row)``
-        pairs so scored, in prompt order; ``(None, [])`` when the engine scores none."""
-        if not self.scores_prompts:
+    def _targets(self, reqs, starts, ends, batch: StepBatch):
+        """``(targets [1, rows] int32, scoring)``: each row of the pass its next prompt token when its request asks
+        for prompt log-probabilities and has not had that position's yet (−1 elsewhere), and the ``(request, row)``
+        pairs so scored, in prompt order; ``(None, [])`` when the engine scores none or the pass is CED-narrowed. The
+        rows are the packed rows
+        (``batch.rows``), or under model-wide QCP every rank's local rows in rank order (``N · batch.rows``, a
+        request's chunk-relative row ``j`` at ``batch.qcp.span_index[i, j]``)."""
+        if not self.scores_prompts or batch.ced is not None:           # (a narrowed pass scores nothing)
             return None, []
+        qcp = batch.qcp
+        rows = batch.rows * (qcp.n if qcp is not None else 1)
+        index = np.asarray(qcp.span_index) if qcp is not None else None
         out, scoring, at = np.full((1, rows), -1, np.int32), [], 0
         for i, req in enumerate(reqs):
             a, e = int(starts[i]), int(ends[i])
             if req.sampling.prompt_logprobs is not None:
                 done = len(req.prompt_logprobs)                     # positions 0 … done − 1 have their entry
                 for p in range(max(a, done - 1), min(e, len(req.prompt) - 1)):
-                    out[0, at + p - a] = req.prompt[p + 1]
-                    scoring.append((req, at + p - a))
+                    row = int(index[i, p - a]) if index is not None else at + p - a
+                    out[0, row] = req.prompt[p + 1]
+                    scoring.append((req, row))
             at += e - a
         return out, scoring
 
@@ -318,10 +341,14 @@ class ModelRunner:
         programs."""
         out = []
         if prefill and self.span:
+            # with CED narrowing, a pass that scores prompt rows is unnarrowed: both programs
+            narrowed = (True, False) if self.narrows and self.scores_prompts else (self.narrows,)
             for r in self.capacity.prefill_buckets:
                 for continued in ((False, True) if self.span_layout.query_parallel else (False,)):
-                    out.append((f"prefill {r} rows" + (" (continued)" if continued else ""),
-                                partial(self._idle_pass, r, continued)))
+                    for ced in narrowed:
+                        out.append((f"prefill {r} rows" + (" (continued)" if continued else "")
+                                    + (" (scoring, unnarrowed)" if self.narrows and not ced else ""),
+                                    partial(self._idle_pass, r, continued, ced)))
         elif prefill:
             out.append(("token-serial prefill", self._idle_chunk))
         if prefill and self.capacity.prefix_caching:
@@ -352,21 +379,20 @@ class ModelRunner:
         self.stats.update(counters)                       # idle programs served nothing
         return {"programs": len(programs), "seconds": time.perf_counter() - t0}
 
-    def _idle_pass(self, rows: int, continued: bool) -> None:
+    def _idle_pass(self, rows: int, continued: bool, narrowed: bool) -> None:
         b = self.capacity.max_batch
         batch = build_span_batch(self.cfg, [[]] * b, self.span_layout.n, query_parallel=self.span_layout.query_parallel,
                                  block_tables=np.full((b, self.capacity.max_blocks), -1, np.int32),
-                                 ced=self.capacity.ced, **self.span_buckets(rows))
+                                 ced=narrowed, **self.span_buckets(rows))
         if continued:
             batch = dataclasses.replace(batch, qcp=dataclasses.replace(batch.qcp, continued=True))
-        logits, _ = self._span_pass(batch, [0] * b, np.full((1, batch.rows), -1, np.int32)
-                                    if self.scores_prompts else None)
+        logits, _ = self._span_pass(batch, [0] * b, self._targets([], [], [], batch)[0])
         tokens, _, self.counts = sample_tokens(logits, self._rows([], b), self.counts, whole=self.whole,
                                                logprobs=self.capacity.max_logprobs)
         fetch(tokens)
 
     def _idle_chunk(self) -> None:
-        cfg, b, c = self.cfg, self.capacity.max_batch, self.capacity.prefill_chunk
+        cfg, b, c = self.cfg, 1, self.capacity.prefill_chunk        # (`prefill_serial` feeds one request)
         n_eng = len(cfg.engram_layer_ids)
         z = np.zeros((c, b), np.int32)
         metas = StepBatch.decode(z, z, z, np.full((c, b, self.capacity.max_blocks), -1, np.int32), z.astype(bool),
@@ -377,6 +403,8 @@ class ModelRunner:
         else:
             logits, self.cache = prefill_chunk(self.params, self.cache, metas, cfg, False, self.step_plan)
         last = jax.lax.dynamic_index_in_dim(logits[:, 0], np.int32(0), keepdims=True)      # as `prefill_serial`
+        if self.scores_prompts:                                                            # (its prompt scores)
+            fetch(chunk_logprobs(logits[:, 0], jnp.full(c, -1, jnp.int32), self.scores_prompts, self.whole).chosen)
         tokens, _, self.counts = sample_tokens(last, self._rows([], 1), self.counts, whole=self.whole,
                                                logprobs=self.capacity.max_logprobs)
         fetch(tokens)

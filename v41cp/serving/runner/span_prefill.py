@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -102,21 +103,27 @@ class SpanLayout:
         return int(np.prod([self.mesh.shape[a] for a in self.axes])) if self.query_parallel else 1
 
 
-def _qcp_body(params, cache, batch: StepBatch, cfg: ModelConfig, layout: SpanLayout, features: int = 0):
-    """The one model over this rank's rows (inside the map): ``(logits [B, vocab/N], cache)``, and with
-    ``features`` the DSpark target features of each request's last ``features`` rows in span order
-    (`QCPRows.last_rows`)."""
+def _qcp_body(params, cache, batch: StepBatch, scored, cfg: ModelConfig, layout: SpanLayout, features: int = 0,
+              score: bool = False):
+    """The one model over this rank's rows (inside the map): ``(logits [B, vocab/N], cache)``, with ``features``
+    the DSpark target features of each request's last ``features`` rows in span order (`QCPRows.last_rows`), and
+    with ``score`` (an unnarrowed pass) every rank's head inputs ``[N·C, H]`` all-gathered in rank order — when the
+    replicated ``scored`` says some row is scored (else zeros: the gather is skipped)."""
     grp = RowGroup(layout.mesh, layout.axes, chunk_bytes=16 * layout.tile_bytes)
     rows = QCPRows(cfg, grp, batch, cache, layout.kv_parallel, layout.tile_bytes)
-    call = lambda **kw: Transformer(cfg, grp).apply({"params": params}, batch.tokens, batch.engram_ids, rows=rows,
-                                                    cache=cache, logits_at=batch.qcp.sampled, **kw)
-    if not features:
-        logits, _, cache = call()
-        return logits[:, 0], cache
-
-    (logits, _, cache), taps = call(mutable=["taps"])
-    narrow = rows.ced_split()[2] if rows.narrows else None
-    return logits[:, 0], cache, rows.last_rows(target_features(cfg, taps["taps"], narrow), features)
+    mutable = (["taps"] if features else []) + (["final"] if score else [])
+    out = Transformer(cfg, grp).apply({"params": params}, batch.tokens, batch.engram_ids, rows=rows, cache=cache,
+                                      logits_at=batch.qcp.sampled, mutable=mutable or False)
+    (logits, _, cache), sown = out if mutable else (out, {})
+    result = (logits[:, 0], cache)
+    if features:
+        narrow = rows.ced_split()[2] if rows.narrows else None
+        result += (rows.last_rows(target_features(cfg, sown["taps"], narrow), features),)
+    if score:
+        h = sown["final"]["hidden"][0][0]                                                     # [C, H]
+        zeros = jnp.zeros((grp.n * h.shape[0], h.shape[1]), h.dtype)
+        result += (jax.lax.cond(scored, grp.gather, lambda h: zeros, h),)
+    return result
 
 
 def qcp_batch_spec(batch: StepBatch, rank: P) -> StepBatch:
@@ -136,21 +143,28 @@ def _specs(cfg: ModelConfig, layout: SpanLayout, params, cache, batch):
     return pspec, cspec, qcp_batch_spec(batch, P(layout.axes)), vocab
 
 
-def _run(params, cache, batch: StepBatch, cfg: ModelConfig, layout: SpanLayout, features: int = 0):
+def _run(params, cache, batch: StepBatch, cfg: ModelConfig, layout: SpanLayout, features: int = 0,
+         scored=None):
     with jax.default_matmul_precision("highest" if cfg.dtype == "float32" else "default"):
         pspec, cspec, bspec, hspec = _specs(cfg, layout, params, cache, batch)
-        body = partial(_qcp_body, cfg=cfg, layout=layout, features=features)
+        score = scored is not None
+        body = partial(_qcp_body, cfg=cfg, layout=layout, features=features, score=score)
         # as in the DCP islands: JAX's Pallas interpreter trips its own varying-axes check (CPU only)
         check = not (cfg.indexer_backend == "pallas" and interpret_mode())
-        out_specs = (P(None, *hspec[1:]), cspec) + (((P(), P(), P()),) if features else ())
-        return jax.shard_map(body, mesh=layout.mesh, in_specs=(pspec, cspec, bspec), out_specs=out_specs,
-                             check_vma=check)(params, cache, batch)
+        out_specs = ((P(None, *hspec[1:]), cspec) + (((P(), P(), P()),) if features else ())
+                     + ((P(),) if score else ()))
+        return jax.shard_map(body, mesh=layout.mesh, in_specs=(pspec, cspec, bspec, P()), out_specs=out_specs,
+                             check_vma=check)(params, cache, batch, jnp.bool_(False) if scored is None else scored)
 
 
-@partial(jax.jit, static_argnames=("cfg", "layout", "features"), donate_argnames=("cache",))
+@partial(jax.jit, static_argnames=("cfg", "layout", "features", "score", "whole"), donate_argnames=("cache",))
 def _prefill_qcp(params, cache: PagedCache, batch: StepBatch, cfg: ModelConfig, layout: SpanLayout,
-                 features: int = 0):
-    return _run(params, cache, batch, cfg, layout, features)
+                 features: int = 0, targets=None, score: int = 0, whole=None):
+    if not score:
+        return _run(params, cache, batch, cfg, layout, features)
+    out = _run(params, cache, batch, cfg, layout, features, scored=jnp.any(targets >= 0))
+    # the gathered rows' prompt log-probabilities against the vocab-split head (`targets [1, N·C]`, rank order)
+    return out[:-1] + (row_logprobs(out[-1][None], embedding_and_head(params)[1], targets, score, whole),)
 
 
 @partial(jax.jit, static_argnames=("cfg", "plan", "operator", "features", "score", "whole"),
@@ -181,10 +195,13 @@ def prefill_span(params, cache: PagedCache, batch: StepBatch, cfg: ModelConfig, 
     pass (``([B, F, n·H], positions [B, F], valid [B, F])``, replicated; under model-wide QCP gathered back to
     span order from the ranks that own the rows). ``score = n > 0`` (packed rows, no CED narrowing): also each
     row's prompt log-probability of ``targets [1, rows]`` (its next prompt token; −1: none) with the top ``n``
-    (`v41cp.serving.runner.logprobs.row_logprobs`, computed only when a target is set), last in the tuple."""
-    if score and (layout.query_parallel or batch.ced is not None):
-        raise ValueError("span prefill: prompt log-probabilities need every row of the pass through the decoder, "
-                         "packed on one rank (not model-wide QCP, not CED narrowing)")
+    (`v41cp.serving.runner.logprobs.row_logprobs`, computed only when a target is set), last in the tuple. The rows
+    are those of the pass: packed (``rows`` = the batch's row capacity), or under model-wide QCP the ranks' local
+    rows in rank order (``rows`` = N · the per-rank capacity; `StepBatch.qcp.span_index` says which row is which).
+    A scored pass is not CED-narrowed (its scored rows need the decoder)."""
+    if score and batch.ced is not None:
+        raise ValueError("span prefill: prompt log-probabilities need every row of the pass through the decoder "
+                         "(build the pass without CED narrowing: build_span_batch(..., ced=False))")
     return _dispatch(params, cache, batch, cfg, layout, lower=False, features=features,
                      score=(targets, score) if score else None)
 
