@@ -5,7 +5,8 @@ output parses and validates, a regex's matches whole, a choice is one of the cho
 request ending when its grammar is complete —; in the engine the same grammars with a speculative proposer
 (greedy) give the plain tokens, and an unconstrained request batched with them keeps its own tokens (the mask on
 vocabulary slices under attention TP: `tests/serving/runner/test_sampling.py`); bad grammars answer 400 naming the
-field. (One file: its engines share the compiled programs of the 129,280-id model.)"""
+field; ``min_tokens`` holds a grammar row's end back until the grammar is complete. (One file: its engines share
+the compiled programs of the 129,280-id model.)"""
 
 import dataclasses
 import importlib.resources
@@ -151,9 +152,18 @@ def test_grammars_compose_with_speculative_decoding_and_free_requests(api, v4voc
     with pytest.raises(RequestError) as e:
         engine.submit("bad", prompt, dataclasses.replace(sp, grammar=grammar_of(None, {"regex": "(("})))
     assert e.value.field == "response_format"
-    with pytest.raises(RequestError) as e:                                             # the grammar decides the end
-        engine.submit("held", prompt, dataclasses.replace(sp, grammar=regex, min_tokens=2))
-    assert e.value.field == "min_tokens"
+    # min_tokens holds the end back while the grammar lets the output go on; a complete grammar still ends it
+    letters, choice = grammar_of(None, {"regex": "[a-z]+"}), grammar_of(None, {"choice": CHOICES})
+    free = {"free": (prompt, dataclasses.replace(sp, grammar=letters, max_new_tokens=12,      # (EOS preferred)
+                                                 logit_bias=((cfg.eos_token_id, 100.0),))),
+            "choice": (prompt, dataclasses.replace(sp, grammar=choice, max_new_tokens=12))}
+    held = _run(engine, {rid: (p, dataclasses.replace(q, min_tokens=10)) for rid, (p, q) in free.items()})
+    unheld = _run(engine, free)
+    assert len(held["free"][0]) >= 10 and re.fullmatch("[a-z]+", codec.decode(held["free"][0]))
+    # without it: one letter token, then EOS (the first place the grammar allows it)
+    assert len(unheld["free"][0]) == 2 and unheld["free"][0][-1] == cfg.eos_token_id
+    assert held["choice"] == unheld["choice"] and held["choice"][1] == "stop"
+    assert codec.decode(held["choice"][0]) in CHOICES and len(held["choice"][0]) < 10
     # a matcher that fails at run time ends its request with the reason recorded, and nothing raises
     from v41cp.serving.scheduler.request import Request
 

@@ -197,3 +197,34 @@ def test_grammar_masks_forbid_ids_on_one_device_and_split_over_tp():
     split = jax.device_put(logits, NamedSharding(mesh, PartitionSpec(None, "tp")))
     on_mesh = jax.jit(adjusted_logits, static_argnames="whole")(split, rows, whole=ReplicateOn(mesh))
     assert np.array_equal(np.asarray(on_mesh), want)
+
+
+def test_min_tokens_holds_the_end_back_only_where_the_grammar_lets_the_output_go_on():
+    """A grammar row below ``min_tokens``: its EOS is held back while the grammar allows other ids (greedy takes the
+    best of those), but where the grammar allows nothing but EOS (complete) the EOS stays — the grammar ends the
+    output; the same on logits split over attention TP 8."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from v41cp.serving.runner.grammar import mask_words
+    from v41cp.serving.runner.sampling import ReplicateOn
+    from v41cp.sharding.topology import ParallelConfig
+
+    rng = np.random.default_rng(8)
+    v, eos = 256, 1
+    logits = rng.normal(size=(2, v)).astype(np.float32)
+    logits[:, eos] = 10.0                                               # EOS the argmax of both rows
+    allowed = np.zeros((2, v), bool)
+    allowed[:, eos] = True
+    allowed[0, [40, 200]] = True                                        # row 0 may go on; row 1 only end
+    bits = np.zeros((2, mask_words(v) * 32), np.uint32)
+    bits[:, :v] = allowed
+    mask = (bits.reshape(2, -1, 32) << np.arange(32, dtype=np.uint32)).sum(-1).astype(np.uint32).view(np.int32)
+    rows = SamplingRows.build([SamplingParams(min_tokens=3)] * 2, [0, 0], 2, eos=eos, masks=mask)
+    want = [40 if logits[0, 40] > logits[0, 200] else 200, eos]
+    assert np.asarray(sample_rows(jnp.asarray(logits), rows)).tolist() == want
+    past = SamplingRows.build([SamplingParams(min_tokens=3)] * 2, [3, 3], 2, eos=eos, masks=mask)
+    assert np.asarray(sample_rows(jnp.asarray(logits), past)).tolist() == [eos, eos]       # min_tokens reached
+    mesh = ParallelConfig(tp_size=8).make_mesh(jax.devices()[:8])
+    split = jax.device_put(logits, NamedSharding(mesh, PartitionSpec(None, ("tp", "cp"))))
+    on_mesh = jax.jit(sample_rows, static_argnames="whole")(split, rows, whole=ReplicateOn(mesh))
+    assert np.asarray(on_mesh).tolist() == want

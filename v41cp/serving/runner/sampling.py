@@ -144,7 +144,8 @@ def _keys(rows: SamplingRows, offset, stream: int):
 def adjusted_logits(logits: jax.Array, rows: SamplingRows, whole=None, counts: TokenCounts | None = None,
                     prior: jax.Array | None = None) -> jax.Array:
     """``logits [B, V]`` with the ids a row's grammar forbids at −inf (``rows.mask``), each row's logit bias added
-    and its held-back ids (EOS and stop ids before ``min_tokens`` outputs) at −inf, then with ``counts`` its
+    and its held-back ids (EOS and stop ids before ``min_tokens`` outputs) at −inf — unless its grammar allows no
+    other id (the grammar is complete: it ends the output) —, then with ``counts`` its
     penalties applied (`apply_penalties`; ``prior [B, K]``:
     ids counted on top of the slot's) — what every row samples from (greedy included). A batch with none of them
     skips each (``lax.cond``); vocab-sharded logits (``whole``: its mesh) are changed where they lie, each device
@@ -154,11 +155,17 @@ def adjusted_logits(logits: jax.Array, rows: SamplingRows, whole=None, counts: T
     if rows.mask.shape[-1]:                                               # grammar rows: disallowed ids at −inf
         logits = jax.lax.cond((rows.mask != -1).any(), lambda x, m: on_vocab_slices(_allowed, x, m, mesh=mesh),
                               lambda x, m: x, logits, rows.mask)
+    add = partial(on_vocab_slices, add_at_ids, mesh=mesh)
+    logits = jax.lax.cond((rows.bias_ids >= 0).any(), lambda x, i, a: add(x, i, a), lambda x, i, a: x, logits,
+                          rows.bias_ids, jnp.where(rows.bias_ids >= 0, rows.bias, 0.0))
     ban = (rows.index < rows.min_tokens)[:, None] & (rows.ban_ids >= 0)
-    ids = jnp.concatenate([rows.bias_ids, jnp.where(ban, rows.ban_ids, -1)], axis=1)
-    add = jnp.concatenate([jnp.where(rows.bias_ids >= 0, rows.bias, 0.0), jnp.where(ban, -jnp.inf, 0.0)], axis=1)
-    logits = jax.lax.cond((ids >= 0).any(), lambda x, i, a: on_vocab_slices(add_at_ids, x, i, a, mesh=mesh),
-                          lambda x, i, a: x, logits, ids, add)
+
+    def hold_back(x, ids):
+        # a row whose grammar allows nothing but its held-back ids keeps them: the grammar ends it
+        held = add(x, ids, jnp.where(ids >= 0, -jnp.inf, 0.0))
+        return jnp.where(jnp.isfinite(held).any(-1, keepdims=True), held, x)
+
+    logits = jax.lax.cond(ban.any(), hold_back, lambda x, ids: x, logits, jnp.where(ban, rows.ban_ids, -1))
     return logits if counts is None else apply_penalties(logits, rows, counts, prior, mesh)
 
 

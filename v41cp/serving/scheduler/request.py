@@ -157,9 +157,6 @@ def check_request(rid, prompt: list[int], sampling: SamplingParams, cfg: ModelCo
     if sampling.grammar is not None and not isinstance(sampling.grammar, str):
         raise RequestError.of(rid, f"grammar must be llguidance's grammar text, got {type(sampling.grammar).__name__}",
                               "response_format")
-    if sampling.grammar is not None and sampling.min_tokens:
-        raise RequestError.of(rid, "min_tokens cannot hold the end back from a grammar (the grammar decides where "
-                                   "the output ends)", "min_tokens")
     if any(type(t) is not int for t in sampling.stop_token_ids):
         raise RequestError.of(rid, f"stop_token_ids must be integers, got {list(sampling.stop_token_ids)!r}",
                               "stop_token_ids")
