@@ -3,7 +3,7 @@ embedded tiny model, its embedding and heads widened to the release tokenizer's 
 chat encoding: through the OpenAI client (in process, the FastAPI app over a real engine loop) a JSON schema's
 output parses and validates, a regex's matches whole, a choice is one of the choices — greedy and sampled, the
 request ending when its grammar is complete —; in the engine the same grammars with a speculative proposer
-(greedy) give the plain tokens, and an unconstrained request batched with them keeps its own tokens (the mask on
+(greedy; its drafts verified under each row's mask, drafts the grammar refuses not verified) give the plain tokens, and an unconstrained request batched with them keeps its own tokens (the mask on
 vocabulary slices under attention TP: `tests/serving/runner/test_sampling.py`); bad grammars answer 400 naming the
 field; ``min_tokens`` holds a grammar row's end back until the grammar is complete. (One file: its engines share
 the compiled programs of the 129,280-id model.)"""
@@ -137,18 +137,29 @@ def test_grammars_compose_with_speculative_decoding_and_free_requests(api, v4voc
     assert _run(engine, {"alone": requests["free"]})["alone"] == want["free"]       # unaffected by the others
     assert engine.runner.compile_counts() == compiled         # grammar rows' masks: no program beyond the warm-up's
 
-    def propose(rid, history, n):           # the expected tokens: kept where the row verifies drafts at all
+    def propose(rid, history, n):           # the expected tokens (for the sampled row: plain decoding's sample)
         out = want[rid][0]
         done = len(history) - len(requests[rid][0])
         return [out[done + j] if done + j < len(out) else 0 for j in range(n)]
-    spec = Engine(params, cfg, CAP, speculative=Speculative(None, 2, proposer=propose), tokenizer=tok)
-    got = _run(spec, requests)
-    # greedy rows equal plain decoding; a sampled row draws a speculative round's token from another random stream
-    # (`accept_rows`), so it is a different valid sample
-    assert {k: v for k, v in got.items() if k != "json-sampled"} == {k: v for k, v in want.items()
-                                                                     if k != "json-sampled"}
-    assert got["json-sampled"][1] == "stop" and _valid(codec.decode(got["json-sampled"][0]))
-    assert spec.speculative_stats()["drafts_accepted"] > 0                             # the free request's
+
+    at = codec.encode("@")[0]                # a token none of the grammars allows here
+
+    def refused(rid, history, n):           # the expected first draft, then drafts the grammars refuse
+        return propose(rid, history, 1) + [at] * (n - 1)
+
+    for proposer in (propose, refused):
+        spec = Engine(params, cfg, CAP, speculative=Speculative(None, 2, proposer=proposer), tokenizer=tok)
+        got = _run(spec, requests)
+        # greedy rows equal plain decoding; a sampled row draws a speculative round's token from another random
+        # stream (`accept_rows`), so it is a different valid sample
+        assert {k: v for k, v in got.items() if k != "json-sampled"} == {k: v for k, v in want.items()
+                                                                         if k != "json-sampled"}
+        assert got["json-sampled"][1] == "stop" and _valid(codec.decode(got["json-sampled"][0]))
+        # grammar rows verify drafts too (each verification row masked after the drafts before it)
+        assert all(spec.requests[rid].spec["accepted"] > 0 for rid in ("json", "regex", "free"))
+        if proposer is refused:             # the refused drafts are not even verified
+            assert all(spec.requests[rid].spec["proposed"] == spec.requests[rid].spec["steps"]
+                       for rid in ("json", "regex"))
     with pytest.raises(RequestError) as e:
         engine.submit("bad", prompt, dataclasses.replace(sp, grammar=grammar_of(None, {"regex": "(("})))
     assert e.value.field == "response_format"

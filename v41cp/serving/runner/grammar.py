@@ -16,8 +16,10 @@ alternatives were xgrammar (needs torch at install) and outlines-core (regex and
   bias, penalties and filters, greedy included, each device on its vocabulary slice; a batch without grammar rows
   skips it (`lax.cond`).
 
-Speculative decoding: a grammar row verifies no drafts (its round is one plain decode step), since the masks of
-draft positions would depend on drafts the host has not seen.
+Speculative decoding: the drafts come to the host before verification, so `draft_masks` gives each verification
+row the mask that follows the drafts before it (the matcher advanced over them and rolled back); a grammar row
+verifies only the drafts its grammar accepts, and rejection against the masked target keeps the output the
+grammar's and the target's.
 """
 
 from __future__ import annotations
@@ -90,6 +92,29 @@ class Grammars:
             if req.sampling.grammar is not None:
                 lln.fill_next_token_bitmask(self.matcher(req), out, i if rows is None else rows[i])
         return out
+
+    def draft_masks(self, reqs, drafts: np.ndarray, batch: int) -> tuple[np.ndarray, np.ndarray]:
+        """The masks of a speculative round: ``(masks [batch, n + 1, words], valid [len(reqs)])`` for ``drafts
+        [len(reqs), n]`` — row ``j`` of request ``i`` what its grammar allows after its drafts ``0 … j−1`` (every
+        bit set for rows without a grammar and past ``valid[i]``), ``valid[i]`` how many of its leading drafts the
+        grammar accepts (``n`` without a grammar). The matchers are advanced over the drafts and rolled back: their
+        state is still that of the outputs."""
+        n = drafts.shape[1]
+        out = np.full((batch, n + 1, self.words), -1, np.int32)
+        flat = out.reshape(batch * (n + 1), self.words)
+        valid = np.full(len(reqs), n, np.int64)
+        for i, req in enumerate(reqs):
+            if req.sampling.grammar is None:
+                continue
+            m = self.matcher(req)
+            valid[i] = 0 if m.is_error() else m.validate_tokens([int(t) for t in drafts[i]])
+            for j in range(valid[i] + 1):
+                lln.fill_next_token_bitmask(m, flat, i * (n + 1) + j)
+                if j < valid[i] and not m.consume_token(int(drafts[i, j])):      # (validated: cannot fail)
+                    raise AssertionError(f"llguidance refused draft {int(drafts[i, j])} it had validated")
+            if valid[i]:
+                m.rollback(int(valid[i]))
+        return out, valid
 
     def advance(self, req) -> bool:
         """Consume ``req``'s new outputs; True when its grammar is complete (nothing but the end may follow) or

@@ -88,7 +88,7 @@ class ModelRunner:
         self.cfg, self.capacity, self.parallel, self.speculative = cfg, capacity, parallel, speculative
         self.record_logits = record_logits
         self.grammars = grammars                 # structured output (`v41cp.serving.runner.grammar`), if any
-        self._all_allowed: dict[int, jax.Array] = {}   # per batch width: the masks of steps without grammar rows
+        self._all_allowed: dict = {}   # per batch width (and verification rows): the masks without grammar rows
         self.eos = cfg.eos_token_id              # held back from a request's first min_tokens outputs
         self.plan = None
         self.step_plan = None
@@ -479,12 +479,12 @@ class ModelRunner:
             drafts = np.zeros((b, n), np.int32)
             for i, req in enumerate(rows):
                 drafts[i] = checked_proposals(spec.proposer(req.rid, list(req.history), n), n, cfg.vocab_size)
-        # rows within the reserved pages; a grammar row verifies no drafts (its masks would need them)
-        lengths = np.array([1 if req.sampling.grammar is not None else min(r, req.sampling.max_new_tokens
-                                                                           - len(req.output)) for req in rows],
-                           np.int32)
+        # rows within the reserved pages; a grammar row verifies the drafts its grammar accepts, each row masked
+        lengths = np.array([min(r, req.sampling.max_new_tokens - len(req.output)) for req in rows], np.int32)
+        masks, valid = self._draft_masks(rows, drafts, b, r)
+        lengths = np.minimum(lengths, valid + 1).astype(np.int32)
         meta = StepBatch.verify(cfg, [req.history for req in rows], drafts, lengths, slots, tables, b, mb, r)
-        sampling = self._rows(rows, b, slots=slots)
+        sampling = self._rows(rows, b, slots=slots, masks=masks)
         self._sync_counts(rows, slots)
         emitted, accepted, lp, logits, self.cache, self.counts, undo, (feats, fpos, fok) = verify_and_accept(
             self.params, self.cache, meta, sampling, self.counts, cfg, self.step_plan, features=True,
@@ -519,13 +519,26 @@ class ModelRunner:
         self.stats["decode_s"] += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ sampling rows, grammars
-    def _rows(self, reqs, batch: int, rows=None, slots=None) -> SamplingRows:
+    def _draft_masks(self, reqs, drafts: np.ndarray, batch: int, r: int):
+        """A speculative round's grammar masks on the devices, ``[batch, r, words]`` (`Grammars.draft_masks`), and
+        how many of each request's drafts its grammar accepts (``r − 1`` without a grammar)."""
+        if self.grammars is not None and any(q.sampling.grammar is not None for q in reqs):
+            masks, valid = self.grammars.draft_masks(reqs, drafts[:len(reqs)], batch)
+            return jax.device_put(masks, self._replicated), valid
+        key = (batch, r)
+        if key not in self._all_allowed:
+            words = no_masks(batch, self.cfg.vocab_size)
+            self._all_allowed[key] = jax.device_put(np.repeat(words[:, None], r, axis=1), self._replicated)
+        return self._all_allowed[key], np.full(len(reqs), r - 1)
+
+    def _rows(self, reqs, batch: int, rows=None, slots=None, masks=None) -> SamplingRows:
         """The `SamplingRows` of ``reqs`` (at their next output index) in ``rows`` of a ``batch``-row step, in batch
-        ``slots``, with their grammars' masks (every step carries masks, all bits set without grammar rows)."""
-        if self.grammars is not None and any(r.sampling.grammar is not None for r in reqs):
+        ``slots``, with their grammars' masks (every step carries masks, all bits set without grammar rows; given:
+        ``masks``, on the devices)."""
+        if masks is None and self.grammars is not None and any(r.sampling.grammar is not None for r in reqs):
             # placed as the all-allowed masks are (the same input type: no second compilation of a step)
             masks = jax.device_put(self.grammars.masks(reqs, batch, rows), self._replicated)
-        else:                                   # no grammar row: the all-allowed masks, kept on the device
+        elif masks is None:                     # no grammar row: the all-allowed masks, kept on the device
             if batch not in self._all_allowed:
                 self._all_allowed[batch] = jax.device_put(no_masks(batch, self.cfg.vocab_size), self._replicated)
             masks = self._all_allowed[batch]

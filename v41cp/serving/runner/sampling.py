@@ -265,10 +265,14 @@ def accept_rows(logits: jax.Array, drafts: jax.Array, lengths: jax.Array, rows: 
     draw (stream 1 of output index ``index + j``) is below ``p_j(d)``, and the first rejected row draws from its
     distribution without ``d`` (stream 2) — exactly the target's distribution (lossless). After every real draft is
     kept, the last real row draws from its full distribution (stream 2). With ``counts``, row ``j`` is penalized
-    with drafts ``0 … j−1`` counted as outputs (what plain decoding would have counted)."""
+    with drafts ``0 … j−1`` counted as outputs (what plain decoding would have counted). ``rows.mask``: a grammar
+    mask per request ``[B, words]`` or per verification row ``[B, R, words]`` (row ``j``: what the grammar allows
+    after drafts ``0 … j−1``)."""
     b, r, v = logits.shape
-    flat = jax.tree.map(lambda a: jnp.repeat(a, r, axis=0), rows)
-    flat = SamplingRows(**{**vars(flat), "index": flat.index + jnp.tile(jnp.arange(r, dtype=jnp.int32), b)})
+    flat = {k: jnp.repeat(a, r, axis=0) for k, a in vars(rows).items() if k != "mask"}
+    flat["index"] = flat["index"] + jnp.tile(jnp.arange(r, dtype=jnp.int32), b)
+    m = rows.mask                                   # grammar masks: one per request, or per verification row
+    flat = SamplingRows(**flat, mask=m.reshape(b * r, m.shape[-1]) if m.ndim == 3 else jnp.repeat(m, r, axis=0))
     earlier = jnp.where(jnp.arange(r - 1)[None] < jnp.arange(r)[:, None], drafts[:, None, :], -1)   # [B, R, R−1]
     logits = adjusted_logits(logits.reshape(b * r, v), flat, whole, counts, earlier.reshape(b * r, r - 1))
     z, greedy = _support_logits(logits, flat, whole)
