@@ -118,6 +118,12 @@ def test_stop_strings_cut_and_hold_back(codec):
     assert "".join(s.push(t) for t in ids + [1]) + s.finish() == codec.decode(ids) and s.ids == ids
     with pytest.raises(ValueError, match="non-empty strings"):
         TextStream(codec, ("",))
+    # min_tokens: no stop string is looked for before that many tokens (their text released as it comes)
+    s = TextStream(codec, ("w2", " w4"), min_tokens=3)
+    out = [s.push(t) for t in ids]
+    assert "".join(out[:2]) == "w1 w2" and "".join(out) + s.finish() == "w1 w2 W3" and s.stopped
+    s = TextStream(codec, ("w1",), min_tokens=2)
+    assert "".join(s.push(t) for t in ids) + s.finish() == "w1 w2 W3 w4 w5" and not s.stopped
 
 
 def test_chat_format_of_the_checkpoint_and_its_absence(codec, tmp_path):

@@ -92,7 +92,7 @@ class TextRun:
                  timer: RequestTimer | None = None):
         self.handle, self.req, self.timer = handle, req, timer
         hidden = (() if req.ignore_eos else (eos,)) + tuple(req.stop_token_ids or ())
-        self.stream = codec.stream(stops_of(req), hidden=hidden) if codec else None
+        self.stream = codec.stream(stops_of(req), hidden=hidden, min_tokens=req.min_tokens) if codec else None
         self.ids: list[int] = []
         self.entries: list = []             # log-probability entries of ``ids`` (when the request asks)
         self.prompt_entries: tuple | None = None    # the prompt's (``prompt_logprobs``), from the first event

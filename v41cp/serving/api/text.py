@@ -131,8 +131,8 @@ class TextCodec:
         """Text of output ids; special tokens (EOS, chat markers) are left out, as the OpenAI API does."""
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
 
-    def stream(self, stop: Sequence[str] = (), hidden: Sequence[int] = ()) -> "TextStream":
-        return TextStream(self, tuple(stop), tuple(hidden))
+    def stream(self, stop: Sequence[str] = (), hidden: Sequence[int] = (), min_tokens: int = 0) -> "TextStream":
+        return TextStream(self, tuple(stop), tuple(hidden), min_tokens)
 
     # ------------------------------------------------------------------ chat
     @property
@@ -224,12 +224,16 @@ class TextStream:
     `push(token_id)` returns the newly final text (possibly ""), `finish()` the rest; their concatenation is
     ``decode(ids)`` cut before the first stop string. After a stop string appears, ``stopped`` is True and
     later pushes return "". ``hidden`` ids (the EOS that ended the request) are never part of the text.
-    ``text`` is everything returned so far; ``ids`` every token that makes up the text."""
+    ``min_tokens``: stop strings are looked for only once that many tokens are in (as vLLM: the text of the earlier
+    tokens is released as it comes and never stops the request). ``text`` is everything returned so far; ``ids``
+    every token that makes up the text."""
 
-    def __init__(self, codec: TextCodec, stop: tuple[str, ...] = (), hidden: tuple[int, ...] = ()):
+    def __init__(self, codec: TextCodec, stop: tuple[str, ...] = (), hidden: tuple[int, ...] = (),
+                 min_tokens: int = 0):
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop strings must be non-empty strings, got {list(stop)!r}")
         self.codec, self.stop, self.hidden = codec, stop, frozenset(int(t) for t in hidden)
+        self.min_tokens = min_tokens
         self.ids: list[int] = []
         self._prefix = self._read = 0            # decode window: ids[prefix:read] was already turned into text
         self._raw = ""                           # every detokenized character so far
@@ -269,15 +273,16 @@ class TextStream:
     def _release(self, final: bool) -> str:
         if self.stopped:
             return ""
-        if self.stop:
-            # released characters were already known not to begin a stop string
+        looking = bool(self.stop) and len(self.ids) >= self.min_tokens
+        if looking:
+            # released characters were already known not to begin a stop string (or came before min_tokens)
             hits = [i for i in (self._raw.find(s, self._sent) for s in self.stop) if i >= 0]
             if hits:
                 end = min(hits)
                 out = self._raw[self._sent:end]
                 self._raw, self._sent, self.stopped = self._raw[:end], end, True
                 return out
-        end = len(self._raw) if final else max(self._sent, len(self._raw) - self._hold)
+        end = len(self._raw) if final or not looking else max(self._sent, len(self._raw) - self._hold)
         out = self._raw[self._sent:end]
         self._sent = end
         return out
