@@ -78,7 +78,7 @@ def _verify_program(cfg, batch, context, parallel, rows=3, block_tokens=16):
     meta = StepBatch(arg((batch, rows)), arg((batch,)), arg((batch,)), arg((batch,)), arg((batch, max_blocks)),
                     arg((batch, rows, n_eng, cfg.engram_hash_heads if n_eng else 0)), batch, max_blocks, rows)
     with jax.default_matmul_precision("highest" if cfg.dtype == "float32" else "default"):
-        sampling = SamplingRows.abstract(batch, rep, mask_words(cfg.vocab_size))
+        sampling = SamplingRows.abstract(batch, rep, mask_words(cfg.vocab_size), verify_rows=rows)
         counts = TokenCounts.abstract(batch, cfg.vocab_size, mesh, rep)
         return verify_and_accept.lower(params, cache, meta, sampling, counts, cfg, plan,
                                        logprobs=Capacity().max_logprobs).compile()

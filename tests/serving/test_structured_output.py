@@ -173,6 +173,14 @@ def test_grammars_compose_with_speculative_decoding_and_free_requests(api, v4voc
     assert len(held["free"][0]) >= 10 and re.fullmatch("[a-z]+", codec.decode(held["free"][0]))
     # without it: one letter token, then EOS (the first place the grammar allows it)
     assert len(unheld["free"][0]) == 2 and unheld["free"][0][-1] == cfg.eos_token_id
+    # speculative, drafting EOS wherever the grammar allows it: held back (rejected) below min_tokens — the
+    # matchers are walked on copies, so a rejected EOS draft leaves them as they were — the same tokens
+    eos = cfg.eos_token_id
+    ends = Engine(params, cfg, CAP, speculative=Speculative(None, 2, proposer=lambda rid, h, n: [eos] * n),
+                  tokenizer=tok)
+    assert _run(ends, {rid: (p, dataclasses.replace(q, min_tokens=10)) for rid, (p, q) in free.items()}) == held
+    assert _run(ends, free) == unheld
+    assert ends.speculative_stats()["drafts_accepted"] > 0                # the EOS that ends "free" unheld
     assert held["choice"] == unheld["choice"] and held["choice"][1] == "stop"
     assert codec.decode(held["choice"][0]) in CHOICES and len(held["choice"][0]) < 10
     # a matcher that fails at run time ends its request with the reason recorded, and nothing raises

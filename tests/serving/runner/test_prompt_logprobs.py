@@ -1,5 +1,5 @@
-"""Prompt log-probabilities (``echo``'s log-likelihoods) on every prefill path: the token-serial reference, the
-packed span prefill with CED narrowing on, and model-wide QCP 8 with KVP 8 pages and CED — each equal to the
+"""Prompt log-probabilities (``echo``'s log-likelihoods) on the token-serial reference and the packed span prefill,
+with CED narrowing on (model-wide QCP with CED: `test_qcp_engine.py`) — each equal to the
 log-softmax of the full forward's logits (the first prompt token has none), the alternatives in `jax.lax.top_k`
 order. A pass (or token-serial prefill) that scores a prompt runs all its rows through the decoder (the prompt is
 longer than CED's retained rows); a plain request beside it generates the tokens it does alone, where it is
@@ -13,15 +13,11 @@ from v41cp import model
 from v41cp.checkpoint import default_checkpoint, load
 from v41cp.serving.engine import Capacity, Engine, SamplingParams
 from v41cp.serving.runner.steps import ced_boundary, ced_rows
-from v41cp.sharding.topology import ParallelConfig
 
 BASE = dict(max_batch=2, max_tokens=64, block_tokens=4, max_logprobs=4, ced=True)
 PATHS = {
     "token-serial": (Capacity(**BASE, span_prefill=False, prefill_chunk=8), None),
     "span": (Capacity(**BASE, prefill_tokens=16), None),
-    "qcp8-kvp8": (Capacity(**BASE, prefill_tokens=16),
-                  ParallelConfig(tp_size=8, query_context_parallel_size=8, kv_parallel_size=8,
-                                 decode_context_parallel_size=8)),
 }
 
 

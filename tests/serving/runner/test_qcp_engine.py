@@ -3,7 +3,8 @@ equal to the token-serial single-device engine (tokens, logits, cache records).
 
 * one device: span prefill = token-serial prefill (last logits, every cache byte but adjacent codes at rounding
   boundaries) = the full-sequence forward, and decode continues alike;
-* model-wide QCP 4 with KVP 4 pages, CED, passes of 8 rows (prompts over several rounds), DCP decode; operator-local indexer + attention QCP.
+* model-wide QCP 4 with KVP 4 pages, CED, passes of 8 rows (prompts over several rounds), DCP decode — and prompt
+  log-probabilities there equal to the full forward's; operator-local indexer + attention QCP.
 """
 
 import jax
@@ -115,6 +116,25 @@ def test_engine_with_qcp_and_dcp_decode_equals_single_device(serial_run):
     _same_generation(q_gen, gen)
     assert max(rel_err(a, b) for a, b in zip(q_last, last)) <= 1e-5
     assert eng.span and eng.plan is not None
+    # prompt log-probabilities (echo): the prompt (longer than CED's retained rows, over 4 passes) runs unnarrowed
+    # passes, its ranks' rows gathered and scored against the vocab-split head — the full forward's log-softmax;
+    # warmed up, nothing compiles
+    prompt = np.random.default_rng(9).integers(3, cfg.vocab_size, 2 * ced_rows(cfg)).tolist()
+    encoder_only = eng.stats["ced_encoder_only_rows"]
+    with compile_events() as compiled:
+        eng.submit("scored", prompt, SamplingParams(max_new_tokens=1, stop_on_eos=False, prompt_logprobs=2))
+        got = {r["id"]: r for r in eng.run()}["scored"]["prompt_logprobs"]
+    assert compiled == [], sorted(set(compiled))
+    assert eng.stats["ced_encoder_only_rows"] == encoder_only
+    logits = np.asarray(model.forward(params, cfg, np.asarray([prompt])), np.float64)[0, :-1]
+    want = logits - logits.max(-1, keepdims=True)
+    want -= np.log(np.exp(want).sum(-1, keepdims=True))
+    assert got[0] is None and len(got) == len(prompt)
+    assert np.abs(np.array([e[0] for e in got[1:]]) - want[np.arange(len(prompt) - 1), prompt[1:]]).max() <= 1e-5
+    for j, (_, alternatives) in enumerate(got[1:]):
+        order = np.argsort(-want[j], kind="stable")
+        assert -np.diff(want[j][order[:3]]).min() > 1e-4, f"near-tie in row {j}'s alternatives"
+        assert [a for a, _ in alternatives] == order[:2].tolist()
     # round 2's hits skip the rows before the decoder's halo (none left to run the encoder only)
     assert eng.stats["ced_encoder_only_rows"] == sum(max(0, n - ced_rows(cfg)) + max(0, n - ced_rows(cfg) - _cached(n))
                                                      for n in ENGINE_PROMPTS)

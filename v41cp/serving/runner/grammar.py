@@ -17,7 +17,7 @@ alternatives were xgrammar (needs torch at install) and outlines-core (regex and
   skips it (`lax.cond`).
 
 Speculative decoding: the drafts come to the host before verification, so `draft_masks` gives each verification
-row the mask that follows the drafts before it (the matcher advanced over them and rolled back); a grammar row
+row the mask that follows the drafts before it (walked on a copy of the matcher); a grammar row
 verifies only the drafts its grammar accepts, and rejection against the masked target keeps the output the
 grammar's and the target's.
 """
@@ -97,8 +97,9 @@ class Grammars:
         """The masks of a speculative round: ``(masks [batch, n + 1, words], valid [len(reqs)])`` for ``drafts
         [len(reqs), n]`` — row ``j`` of request ``i`` what its grammar allows after its drafts ``0 … j−1`` (every
         bit set for rows without a grammar and past ``valid[i]``), ``valid[i]`` how many of its leading drafts the
-        grammar accepts (``n`` without a grammar). The matchers are advanced over the drafts and rolled back: their
-        state is still that of the outputs."""
+        grammar accepts (``n`` without a grammar). The drafts are walked on a copy of the matcher
+        (`LLMatcher.deep_copy`), so the request's own matcher stays that of its outputs whatever the drafts are —
+        an EOS, a draft after the grammar's end, one the copy refuses."""
         n = drafts.shape[1]
         out = np.full((batch, n + 1, self.words), -1, np.int32)
         flat = out.reshape(batch * (n + 1), self.words)
@@ -107,13 +108,17 @@ class Grammars:
             if req.sampling.grammar is None:
                 continue
             m = self.matcher(req)
-            valid[i] = 0 if m.is_error() else m.validate_tokens([int(t) for t in drafts[i]])
-            for j in range(valid[i] + 1):
-                lln.fill_next_token_bitmask(m, flat, i * (n + 1) + j)
-                if j < valid[i] and not m.consume_token(int(drafts[i, j])):      # (validated: cannot fail)
-                    raise AssertionError(f"llguidance refused draft {int(drafts[i, j])} it had validated")
-            if valid[i]:
-                m.rollback(int(valid[i]))
+            if m.is_error():                     # (it allows only the EOS; `advance` ends the request)
+                valid[i] = 0
+                lln.fill_next_token_bitmask(m, flat, i * (n + 1))
+                continue
+            walk = m.deep_copy()
+            valid[i] = 0
+            for j in range(n + 1):
+                lln.fill_next_token_bitmask(walk, flat, i * (n + 1) + j)
+                if j == n or not walk.consume_token(int(drafts[i, j])) or walk.is_error():
+                    break
+                valid[i] = j + 1
         return out, valid
 
     def advance(self, req) -> bool:

@@ -116,9 +116,9 @@ class SamplingRows:
                    masks if isinstance(masks, jax.Array) else np.asarray(masks, np.int32))
 
     @classmethod
-    def abstract(cls, batch: int, sharding=None, words: int = 0) -> "SamplingRows":
-        """``jax.ShapeDtypeStruct`` leaves of ``batch`` rows with grammar masks of ``words`` words (lowering a step
-        ahead of traffic)."""
+    def abstract(cls, batch: int, sharding=None, words: int = 0, verify_rows: int = 0) -> "SamplingRows":
+        """``jax.ShapeDtypeStruct`` leaves of ``batch`` rows with grammar masks of ``words`` words — one per
+        verification row with ``verify_rows`` (a speculative round's) — (lowering a step ahead of traffic)."""
         s = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
         return cls(temperature=s((batch,), jnp.float32), top_p=s((batch,), jnp.float32), top_k=s((batch,), jnp.int32),
                    min_p=s((batch,), jnp.float32), seed=s((batch, 2), jnp.uint32), index=s((batch,), jnp.int32),
@@ -126,7 +126,7 @@ class SamplingRows:
                    bias=s((batch, MAX_LOGIT_BIAS), jnp.float32), ban_ids=s((batch, MAX_STOP_IDS + 1), jnp.int32),
                    min_tokens=s((batch,), jnp.int32), presence=s((batch,), jnp.float32),
                    frequency=s((batch,), jnp.float32), repetition=s((batch,), jnp.float32), slot=s((batch,), jnp.int32),
-                   mask=s((batch, words), jnp.int32))
+                   mask=s((batch, verify_rows, words) if verify_rows else (batch, words), jnp.int32))
 
     def take(self, rows: jax.Array) -> "SamplingRows":
         """The parameters of batch rows ``rows``."""
