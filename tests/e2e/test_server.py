@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from helpers import penalized_reference
+from helpers import penalized_reference, top_gap
 from server_harness import ServerProcess
 
 from v41cp.checkpoint import default_checkpoint
@@ -538,6 +538,60 @@ def test_logprobs_through_the_openai_client(server, client, codec):
                                "top_logprobs")):
         r = httpx.post(server.url + path, json={"model": MODEL, **body}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    server.wait_idle()
+
+
+def test_evaluation_harness_and_benchmark_client_requests(server, codec):
+    """The requests two standard clients send, as they send them (reproduced with httpx: neither is installed here).
+    An evaluation harness's log-likelihood task (lm-evaluation-harness's ``local-completions``): several token-id
+    prompts (context + continuation) in one request, ``max_tokens`` 1, ``logprobs`` 1, ``echo``, ``temperature``
+    0, ``seed`` 1234 — each continuation's summed log-probability equals the full forward's and its greedy flag
+    (the top alternative is the token at every continuation position) is the forward's argmax. A serving
+    benchmark's streamed completion (vLLM's ``bench serve``, openai-completions backend: ``repetition_penalty``
+    1.0, ``logprobs`` null, ``best_of`` 1, ``stream_options.include_usage``, ``ignore_eos``): every requested token
+    arrives as text, then a usage chunk, then ``[DONE]``."""
+    from v41cp import model
+    from v41cp.checkpoint import load
+
+    cfg, params = load(default_checkpoint())
+    pairs = [(PROMPTS[1], " w2 w3"), (PROMPTS[4], " w7"), ("w1", " x200 W4 w9")]
+    contexts = [codec.encode(c) for c, _ in pairs]
+    whole = [codec.encode(c + x) for c, x in pairs]
+    assert all(w[:len(c)] == c for c, w in zip(contexts, whole))
+    body = {"model": MODEL, "prompt": whole, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
+            "echo": True}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    for ctx, ids, choice in zip(contexts, whole, choices, strict=True):
+        lp = choice["logprobs"]
+        n = len(ctx)
+        summed = sum(lp["token_logprobs"][n:-1])                          # the harness's parse: [ctxlen:-1]
+        greedy = all(max(top, key=top.get) == tok for tok, top in zip(lp["tokens"][n:-1], lp["top_logprobs"][n:-1]))
+        logits = np.asarray(model.forward(params, cfg, np.asarray([ids])), np.float64)[0]
+        want = logits - logits.max(-1, keepdims=True)
+        want -= np.log(np.exp(want).sum(-1, keepdims=True))
+        cont = np.arange(n - 1, len(ids) - 1)                              # the rows predicting the continuation
+        tol = 1e-4 * np.abs(logits).max() * len(cont)   # the cache quantization's rounding, as the logprobs test
+        assert abs(summed - want[cont, np.asarray(ids)[cont + 1]].sum()) <= tol
+        assert min(top_gap(logits[i]) for i in cont) > 1e-3             # (no near-tie for the greedy flag)
+        assert greedy == bool((want[cont].argmax(-1) == np.asarray(ids)[cont + 1]).all())
+
+    bench = {"model": MODEL, "prompt": PROMPTS[3], "temperature": 0.0, "repetition_penalty": 1.0, "max_tokens": 9,
+             "logprobs": None, "best_of": 1, "stream": True, "stream_options": {"include_usage": True},
+             "ignore_eos": True}
+    events = []
+    with httpx.stream("POST", server.url + "/v1/completions", json=bench, timeout=120) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[len("data: "):])
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 9
+    assert chunks[-1]["usage"]["prompt_tokens"] == len(codec.encode(PROMPTS[3]))
+    assert len(codec.encode(text)) <= 9 and text.strip()
     server.wait_idle()
 
 
