@@ -210,10 +210,10 @@ def bench_experts(shape: dict, tokens: int, reps: int, with_xla: bool, seed: int
     rng = np.random.default_rng(seed)
     idx = jnp.asarray(np.stack([rng.choice(e, k, replace=False) for _ in range(tokens)]), jnp.int32)
     dshape = DispatchShape.build(tokens, k, e, 1, min_tile=16)
-    tile_expert, slot_token, _ = dispatch(idx, jnp.ones(idx.shape, jnp.float32), dshape)
-    live = jnp.any(slot_token >= 0, axis=1).astype(jnp.int32)
+    tile_expert, slot_pair = dispatch(idx, dshape)
+    live = jnp.any(slot_pair >= 0, axis=1).astype(jnp.int32)
     x = jax.random.normal(kx, (tokens + 1, h), jnp.float32).astype(dt).at[tokens].set(0)
-    xs = x[jnp.where(slot_token < 0, tokens, slot_token)]                                      # [tiles, G, H]
+    xs = x[jnp.where(slot_pair < 0, tokens, slot_pair // k)]                                   # [tiles, G, H]
     used = int(np.unique(np.asarray(idx)).size)
     weight_bytes = used * i * (h // 2 + h // 32)
     nbytes = weight_bytes + tokens * h * dt.itemsize + tokens * k * i * dt.itemsize

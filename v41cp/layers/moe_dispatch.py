@@ -7,14 +7,22 @@ routing, so a step compiles once per bucket (CUDA-graph-like decode).
 Layout (`DispatchShape`): the ``T·k`` pairs are sorted by expert (stable: token order inside an expert) and
 laid out in **tiles** of ``G`` slots, every tile belonging to one expert; an expert with ``c`` pairs takes
 ``⌈c / G⌉`` tiles. The slot capacity ``T·k + min(E, T·k)·(G − 1)`` (rounded up to whole tiles) holds any
-routing, so nothing is dropped; unused slots hold token −1 (a zero row, weight 0: exactly zero output). ``G``
+routing, so nothing is dropped; unused slots hold pair −1 (a zero row whose output is dropped). ``G``
 is the largest power of two whose worst-case padding stays within `TILE_PADDING` of the pairs (decode: ``G =
 1``, exactly ``T·k`` slots; long prefills: up to 128). Tiles are processed in chunks (a ``fori_loop`` when
 there is more than one) so the gathered expert weights of a chunk stay under ``chunk_bytes``.
 
 Work per tile: the tile's expert weights are gathered — as stored: FP4 experts stay packed in device memory
 and are decoded per tile, only for the tiles computed (`stored_matmul`) — then ``[G, H] → [G, I'] → [G,
-H]`` clamped SwiGLU, scaled by each slot's routing weight and added to its token's FP32 output.
+H]`` clamped SwiGLU. Each pair's output is written to its own row (token-major, ``t·k + j``); `_combine` then
+sums a token's ``k`` rows times their routing weights in FP32, always in the order ``j = 0 … k−1``.
+
+Batch invariance: a token's output depends on its own pairs only, never on the tile size or on which other
+tokens share the pass — the dispatch adds nothing across tiles (no scatter-add: no atomics, and no order that
+follows other tokens' routing). What remains is the expert GEMM's own rounding at different tile heights: the
+grouped kernel's fixed ``block_k`` loop gives the same row at every height; XLA's GEMMs (CPU, cuBLAS) may not at
+every width, and `stored_matmul` folds FP4 scales into the weights from 16-row tiles on. (A prefix-cache hit's
+shorter pass computes the cold pass's rows bit for bit: `tests/serving/cache/test_prefix_cache.py`.)
 
 Expert GEMM backend (``cfg.expert_backend``): ``"xla"`` gathers each tile's expert weights and decodes them per
 tile (`stored_matmul`); ``"pallas"`` runs the grouped FP4 kernel (`v41cp.kernels.grouped_matmul`), which reads
@@ -83,28 +91,27 @@ class DispatchShape:
         return cls(pairs, experts, tile, -(-need // chunks), chunks)
 
 
-def dispatch(idx: jax.Array, weights: jax.Array, shape: DispatchShape):
-    """Router output (``idx`` / ``weights [T, k]``) → ``(tile_expert [tiles] int32, slot_token [tiles, G]
-    int32 (−1 = empty), slot_weight [tiles, G] FP32)``: pairs sorted by expert, each expert's pairs in whole
-    tiles of its own (tiles past the last used one: the last used expert, every slot empty)."""
+def dispatch(idx: jax.Array, shape: DispatchShape):
+    """Router ids ``idx [T, k]`` → ``(tile_expert [tiles] int32, slot_pair [tiles, G] int32)``: the ``T·k``
+    (token, expert) pairs — pair ``p = t·k + j`` is token ``t``'s ``j``-th choice — sorted by expert (stable:
+    token order inside an expert), each expert's pairs in whole tiles of its own; empty slots hold −1 (tiles past
+    the last used one: the last used expert, every slot empty)."""
     t, k = idx.shape
     e, g = shape.experts, shape.tile
     flat = idx.reshape(-1).astype(jnp.int32)
-    order = jnp.argsort(flat, stable=True)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
     sorted_e = flat[order]
-    sorted_tok = (order // k).astype(jnp.int32)
     counts = jnp.zeros((e,), jnp.int32).at[flat].add(1)
     first = jnp.cumsum(counts) - counts                               # first sorted pair of each expert
     tiles_e = (counts + g - 1) // g
     tile_end = jnp.cumsum(tiles_e)
     slot = (tile_end - tiles_e)[sorted_e] * g + jnp.arange(t * k, dtype=jnp.int32) - first[sorted_e]
-    slot_token = jnp.full((shape.slots,), -1, jnp.int32).at[slot].set(sorted_tok)
-    slot_weight = jnp.zeros((shape.slots,), jnp.float32).at[slot].set(weights.reshape(-1)[order].astype(jnp.float32))
+    slot_pair = jnp.full((shape.slots,), -1, jnp.int32).at[slot].set(order)
     # each non-empty expert marks its first tile; a running maximum fills its other tiles (and the unused tail)
     starts = jnp.where(tiles_e > 0, tile_end - tiles_e, shape.tiles)
     marks = jnp.zeros((shape.tiles,), jnp.int32).at[starts].max(jnp.arange(e, dtype=jnp.int32), mode="drop")
     tile_expert = jax.lax.cummax(marks)
-    return tile_expert, slot_token.reshape(shape.tiles, g), slot_weight.reshape(shape.tiles, g)
+    return tile_expert, slot_pair.reshape(shape.tiles, g)
 
 
 def _tile_matmul(x: jax.Array, weight, tiles: jax.Array, backend: str = "xla", live=None) -> jax.Array:
@@ -126,11 +133,25 @@ def expert_width(experts: dict) -> tuple[int, int]:
 
 
 def _expert_ffn(xs: jax.Array, tiles: jax.Array, experts: dict, swiglu, backend: str = "xla", live=None) -> jax.Array:
-    """Tile rows ``xs [c, G, H]`` through expert ``tiles [c]``: SwiGLU of ``w1`` / ``w3``, then ``w2`` → FP32
-    ``[c, G, H]``."""
+    """Tile rows ``xs [c, G, H]`` through expert ``tiles [c]``: SwiGLU of ``w1`` / ``w3``, then ``w2`` →
+    ``[c, G, H]`` in ``xs.dtype``."""
     mm = lambda x, name: _tile_matmul(x, experts[name], tiles, backend, live)
     act = swiglu(mm(xs, "w1"), mm(xs, "w3"))
-    return mm(act, "w2").astype(jnp.float32)
+    return mm(act, "w2").astype(xs.dtype)
+
+
+def _combine(pair_out: jax.Array, weights: jax.Array) -> jax.Array:
+    """``Σ_j weights[t, j] · pair_out[t·k + j]`` in FP32, in the order ``j = 0 … k−1``, for every token:
+    ``pair_out [≥ T·k, H]`` (each pair's expert output, token-major), ``weights [T, k]`` → ``[T, H]``. Written
+    as a chain of adds so the order is the program's, not the backend's: a token's output depends on its own
+    pairs only — not on the tile size or the other tokens of the pass (batch invariance)."""
+    t, k = weights.shape
+    y = pair_out[:t * k].reshape(t, k, -1).astype(jnp.float32)
+    w = weights.astype(jnp.float32)
+    out = y[:, 0] * w[:, :1]
+    for j in range(1, k):
+        out = out + y[:, j] * w[:, j:j + 1]
+    return out
 
 
 def _loop_carry(init: jax.Array, *operands) -> jax.Array:
@@ -168,30 +189,32 @@ def sparse_routed_output(x: jax.Array, idx: jax.Array, weights: jax.Array, exper
     per_tile = MAX_TILE * (2 * h + 3 * width) * 4 if kernel else 3 * h * width * x.dtype.itemsize
     shape = DispatchShape.build(t, idx.shape[1], n_experts, per_tile, chunk_bytes, min_tile=16 if kernel else 1)
     like = (x, idx, weights, experts)
+    k = idx.shape[1]
+    pairs = t * k
+    # every pair's expert output lands in its own row of ``pair_out`` (token-major: row t·k + j), then
+    # `_combine` sums each token's k rows in a fixed order: a plain scatter, no accumulation across tiles, so
+    # the result is the same whatever the tile size and deterministic on backends whose scatter-add is atomic
+    out0 = full_after((shape.slots if shape.tile == 1 else pairs, h), 0, x.dtype, x)    # allocated with this layer
     if shape.tile == 1:
-        # tiles of one slot (decode): every (token, expert) pair is its own tile, in token-major order — no sort
-        # and no scatter; each token's k outputs are summed in FP32
-        k, pad = idx.shape[1], shape.slots - t * idx.shape[1]
+        # tiles of one slot (decode): every (token, expert) pair is its own tile, already in token-major order —
+        # no sort and no scatter
+        pad = shape.slots - pairs
         tiles = jnp.pad(idx.reshape(-1).astype(jnp.int32), (0, pad))
-        wts = jnp.pad(weights.reshape(-1).astype(jnp.float32), (0, pad))
         xs = jnp.pad(jnp.repeat(x, k, axis=0), ((0, pad), (0, 0)))[:, None, :]          # [P, 1, H]
 
-        def pairs(out, tiles, xs, wts, offset=0):
-            y = _expert_ffn(xs, tiles, experts, swiglu)[:, 0] * wts[:, None]
+        def one_slot(out, tiles, xs, offset=0):
+            y = _expert_ffn(xs, tiles, experts, swiglu)[:, 0]
             return jax.lax.dynamic_update_slice_in_dim(out, y, offset, axis=0)
 
-        out = _chunked(shape, pairs, full_after((shape.slots, h), 0, jnp.float32, x), (tiles, xs, wts),
-                       like)
-        return out[:t * k].reshape(t, k, h).sum(axis=1)
-    tile_expert, slot_token, slot_weight = dispatch(idx, weights, shape)
+        return _combine(_chunked(shape, one_slot, out0, (tiles, xs), like), weights)
+    tile_expert, slot_pair = dispatch(idx, shape)
     rows = jnp.concatenate([x, jnp.zeros((1, h), x.dtype)])                 # row T: the empty slot's zero row
 
-    def tiles_run(acc, tiles, tokens, wts, offset=0):
-        tok = jnp.where(tokens < 0, t, tokens)
-        live = jnp.any(tokens >= 0, axis=1).astype(jnp.int32) if kernel else None
-        out = _expert_ffn(rows[tok], tiles, experts, swiglu, backend if kernel else "xla", live) * wts[..., None]
-        return acc.at[tok.reshape(-1)].add(out.reshape(-1, h))
+    def tiles_run(out, tiles, slot_pairs, offset=0):
+        tok = jnp.where(slot_pairs < 0, t, slot_pairs // k)
+        live = jnp.any(slot_pairs >= 0, axis=1).astype(jnp.int32) if kernel else None
+        y = _expert_ffn(rows[tok], tiles, experts, swiglu, backend if kernel else "xla", live)
+        dest = jnp.where(slot_pairs < 0, pairs, slot_pairs).reshape(-1)     # empty slots: out of range, dropped
+        return out.at[dest].set(y.reshape(-1, h), mode="drop")
 
-    acc0 = full_after((t + 1, h), 0, jnp.float32, x)                            # allocated with this layer
-    acc = _chunked(shape, tiles_run, acc0, (tile_expert, slot_token, slot_weight), like)
-    return acc[:t]
+    return _combine(_chunked(shape, tiles_run, out0, (tile_expert, slot_pair), like), weights)
