@@ -39,6 +39,8 @@ import pytest  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 HARNESS = REPO / "tests" / "oracle" / "nemo_oracle.py"
+# the DeepSeek-V4 oracle (transformers' DeepseekV4ForCausalLM), in the same virtual environment
+V4_HARNESS = REPO / "tests" / "oracle" / "transformers_v4_oracle.py"
 
 
 def oracle_python() -> str | None:
@@ -50,14 +52,15 @@ def oracle_python() -> str | None:
 
 
 class Oracle:
-    """Runs the NeMo harness once per (sub-command, arguments) and caches the output directory."""
+    """Runs an oracle harness (the NeMo V4.1 one by default; ``harness=V4_HARNESS`` for transformers' V4) once per
+    (harness, sub-command, arguments) and caches the output directory."""
 
     def __init__(self, root: Path):
         self.root = root
         self.cache: dict[tuple, Path] = {}
 
-    def run(self, cmd: str, *args: str) -> Path:
-        key = (cmd, *args)
+    def run(self, cmd: str, *args: str, harness: Path = HARNESS) -> Path:
+        key = (harness.name, cmd, *args)
         if key not in self.cache:
             py = oracle_python()
             if py is None:
@@ -67,7 +70,7 @@ class Oracle:
                 pytest.skip(msg)
             out = self.root / f"o{len(self.cache)}"
             env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-            res = subprocess.run([py, str(HARNESS), cmd, "--out", str(out), *args], capture_output=True,
+            res = subprocess.run([py, str(harness), cmd, "--out", str(out), *args], capture_output=True,
                                  text=True, env=env, timeout=900)
             if res.returncode:
                 raise RuntimeError(f"oracle harness failed ({cmd} {args}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")

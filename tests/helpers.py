@@ -90,7 +90,8 @@ def selection_margin(cfg, params, tokens, first: int) -> tuple[float, str]:
     worst = (np.inf, "none")
     for role in cfg.layer_roles:
         layer = inter[f"layers_{role.index}"]
-        gaps = {"moe": boundary_gap(np.asarray(layer["ffn"]["route_scores"][0]), cfg.num_experts_per_tok)}
+        gaps = {} if cfg.hash_routed(role.index) else {     # a hash-routed layer's experts come from its table
+            "moe": boundary_gap(np.asarray(layer["ffn"]["route_scores"][0]), cfg.num_experts_per_tok)}
         if role.is_index_source and "index_scores" in layer["attn"]:
             scores = np.asarray(layer["attn"]["index_scores"][0])
             gaps["index"] = boundary_gap(scores[0], min(cfg.index_topk, scores.shape[-1]))

@@ -87,3 +87,56 @@ def test_hf_engram_pad_alias_and_padded_tables():
     # layer 14's table (384016682 rows) is padded so it splits over any TP size up to 64
     assert [flash.engram_table_rows(i) % 64 for i in (0, 1)] == [0, 0]
     assert flash.engram_table_rows(1) - 384016682 < 64
+
+
+# ------------------------------------------------------------------------------------------ DeepSeek-V4
+def _released_v4(**changes) -> dict:
+    """V4-Flash's config.json as released: flat, ``model_type`` deepseek_v4, ``compress_ratios`` with the MTP layer's
+    trailing 0, ``num_hash_layers``; no sharing or CED fields."""
+    d = {k: list(v) if isinstance(v, tuple) else v for k, v in PRESETS["v4-flash"].items()
+         if k not in ("kv_source_layer_ids", "index_source_layer_ids", "candidate_source_layer_id",
+                      "candidate_topk_blocks", "candidate_block_size", "fake_quant")}
+    d.update(changes)
+    return d
+
+
+def test_v4_flash_and_pro_schedules():
+    flash = ModelConfig.from_dict(_released_v4())
+    assert flash == preset("v4-flash") and flash.is_v4 and not flash.fake_quant
+    kinds = [r.kind for r in flash.layer_roles]
+    assert kinds[:2] == ["swa", "swa"] and kinds.count("csa") == 21 and kinds.count("hca") == 20
+    assert all(r.kv_source == r.index for r in flash.layer_roles if r.ratio)            # every layer owns its caches
+    assert [r.index for r in flash.layer_roles if r.is_index_source] == [i for i, k in enumerate(kinds) if k == "csa"]
+    assert [flash.hash_routed(i) for i in range(4)] == [True, True, True, False]
+    pro = preset("v4-pro")
+    kinds = [r.kind for r in pro.layer_roles]
+    assert len(kinds) == 61 and kinds[:2] == ["hca", "hca"] and kinds.count("csa") == 30 and kinds.count("hca") == 31
+    assert ModelConfig.from_dict(flash.to_dict()) == flash                               # a written config reads back
+
+
+@pytest.mark.parametrize("changes,needle", [
+    (dict(compress_ratios=[0, 0, 2] + [4] * 41), r"compress_ratios\[2\]"),              # V4.1's ratio 2
+    (dict(kv_source_layer_ids=[2]), "kv_source_layer_ids"),
+    (dict(engram_layer_ids=[1], engram_num_embeddings=[100]), "engram_layer_ids"),
+    (dict(num_hash_layers=44), "num_hash_layers"),
+    (dict(model_type="deepseek_v3"), "model_type"),
+])
+def test_bad_v4_config_names_the_field(changes, needle):
+    with pytest.raises(ConfigError, match=needle):
+        ModelConfig.from_dict(_released_v4(**changes))
+
+
+def test_v4_refuses_cache_fake_quant_and_v41_refuses_hash_layers():
+    with pytest.raises(ConfigError, match="fake_quant"):
+        preset("tiny-v4", fake_quant=True)
+    with pytest.raises(ConfigError, match="num_hash_layers"):
+        preset("tiny", num_hash_layers=1)
+
+
+def test_v4_serving_is_refused_by_name():
+    """The paged decode state of V4 is not built: the serving paths refuse a V4 model with a message naming it,
+    before anything is allocated."""
+    from v41cp.serving.cache.spec import CacheSpec
+
+    with pytest.raises(ValueError, match="deepseek_v4"):
+        CacheSpec(preset("tiny-v4"), 8)

@@ -11,6 +11,14 @@ Per-layer roles:
 * ``full``    KV source: owns a compressor, publishes compressed KV + index keys + top-k;
 * ``reindex`` index source that is not a KV source: recomputes the top-k only;
 * ``reuse``   consumes the latest compressed KV and top-k unchanged.
+
+DeepSeek-V4 (``model_type="deepseek_v4"``: V4-Flash, V4-Pro) has no sharing: every compressed layer owns its
+compressor and caches.
+
+* ``csa``     compress ratio 4: an overlapping compressor (windows of 2·4 rows, stride 4) and its own indexer
+              (with its own overlapping compressor at the index head dim) selecting the top-k entries;
+* ``hca``     any other ratio (the release: 128): a non-overlapping compressor; attention dense over every
+              visible entry.
 """
 
 from __future__ import annotations
@@ -29,6 +37,10 @@ __all__ = ["ConfigError", "ModelConfig", "LayerRole", "PRESETS", "preset", "ENGR
 ENGRAM_ROW_ALIGN = 64
 # fields that describe how to run the model, not the model: never written to a checkpoint's config
 RUNTIME_FIELDS = ("engram_token_map", "attention_backend", "indexer_backend", "moe_backend", "expert_backend")
+# config.json's model_type → the family (V4.1's composite config and its text config; V4's flat config)
+MODEL_TYPES = {"deepseek_v41": "deepseek_v41", "deepseek_v41_text": "deepseek_v41", "deepseek_v4": "deepseek_v4"}
+V4_SCHEDULE_DEFAULTS = dict(kv_source_layer_ids=(), index_source_layer_ids=(), candidate_source_layer_id=-1,
+                            candidate_topk_blocks=0, candidate_block_size=0, weight_block_size=128)
 
 
 class ConfigError(ValueError):
@@ -41,8 +53,8 @@ class LayerRole:
 
     Attributes:
       index: layer id.
-      ratio: compress ratio (0 = SWA only, 1 = unpooled decoder source, 2 = pooled).
-      kind: ``"swa" | "full" | "reindex" | "reuse"``.
+      ratio: compress ratio (0 = SWA only, 1 = unpooled decoder source, 2 = pooled; V4: 4 = CSA, else HCA).
+      kind: ``"swa" | "full" | "reindex" | "reuse"`` (V4.1), ``"swa" | "csa" | "hca"`` (V4).
       kv_source: id of the KV source whose compressed cache this layer reads (-1 for SWA).
       index_source: id of the index source whose selection this layer uses (-1 for SWA).
       candidate_source: this layer produces the two-level candidate mask.
@@ -61,11 +73,23 @@ class LayerRole:
 
     @property
     def is_kv_source(self) -> bool:
-        return self.kind == "full"
+        """The layer compresses its own rows into entries (V4.1 Full; every V4 compressed layer)."""
+        return self.kind in ("full", "csa", "hca")
 
     @property
     def is_index_source(self) -> bool:
-        return self.kind in ("full", "reindex")
+        """The layer selects with its own indexer (V4.1 Full / Reindex; V4 CSA)."""
+        return self.kind in ("full", "reindex", "csa")
+
+    @property
+    def overlapping(self) -> bool:
+        """V4 CSA: an entry pools the previous window's low halves with its own window's high halves."""
+        return self.kind == "csa"
+
+    @property
+    def dense_history(self) -> bool:
+        """V4 HCA: attention reads every visible entry (no indexer)."""
+        return self.kind == "hca"
 
 
 def _default_rope_scaling() -> dict:
@@ -111,8 +135,50 @@ _TINY: dict[str, Any] = dict(
     eos_token_id=1, pad_token_id=2, dtype="float32",
 )
 
+# DeepSeek-V4-Flash and V4-Pro (docs/architecture.md, "DeepSeek-V4"; ../shared/reference/v41-architecture.md §1.3):
+# compress_ratios per layer plus the MTP layer's 0. Every compressed layer owns its compressor (and CSA its
+# indexer); the first 3 layers route by a token-id table.
+_V4_FLASH: dict[str, Any] = dict(
+    model_type="deepseek_v4", vocab_size=129280, hidden_size=4096, num_hidden_layers=43, num_attention_heads=64,
+    num_key_value_heads=1, head_dim=512, qk_rope_head_dim=64, q_lora_rank=1024, o_groups=8, o_lora_rank=1024,
+    sliding_window=128, compress_ratios=(0, 0) + (4, 128) * 20 + (4, 0), kv_source_layer_ids=(),
+    index_source_layer_ids=(), candidate_source_layer_id=-1, candidate_topk_blocks=0, candidate_block_size=0,
+    index_n_heads=64, index_head_dim=128, index_topk=512, rope_theta=10000.0, compress_rope_theta=160000.0,
+    max_position_embeddings=1048576, n_routed_experts=256, num_experts_per_tok=6, n_shared_experts=1,
+    moe_intermediate_size=2048, scoring_func="sqrtsoftplus", topk_method="noaux_tc", norm_topk_prob=True,
+    routed_scaling_factor=1.5, swiglu_limit=10.0, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-6,
+    num_hash_layers=3, num_nextn_predict_layers=1, bos_token_id=0, eos_token_id=1, dtype="bfloat16",
+    fake_quant=False, weight_block_size=128,
+)
+# V4-Pro: routed_scaling_factor 2.5 is from a secondary source (v41-architecture.md §1.3 marks it unverified); the
+# plans do not depend on it
+_V4_PRO: dict[str, Any] = {
+    **_V4_FLASH, "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 128, "q_lora_rank": 1536,
+    "o_groups": 16, "compress_ratios": (128, 128) + (4, 128) * 29 + (4, 0), "index_topk": 1024,
+    "n_routed_experts": 384, "moe_intermediate_size": 3072, "routed_scaling_factor": 2.5,
+}
+# The V4 oracle's tiny model (tests/oracle/transformers_v4_oracle.py): every V4 layer kind —
+# SWA | HCA (ratio 8) | CSA | CSA, MLPs hash | hash | routed | routed; 8 index heads make exact ReLU-zero score
+# ties at the top-k boundary rare (the oracle test asserts there are none).
+_TINY_V4: dict[str, Any] = dict(
+    model_type="deepseek_v4", vocab_size=256, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=1, head_dim=64, qk_rope_head_dim=16, q_lora_rank=32, o_lora_rank=32,
+    o_groups=2, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, sliding_window=8,
+    compress_ratios=(0, 8, 4, 4), kv_source_layer_ids=(), index_source_layer_ids=(), candidate_source_layer_id=-1,
+    candidate_topk_blocks=0, candidate_block_size=0, index_n_heads=8, index_head_dim=32, index_topk=4,
+    num_hash_layers=2, num_nextn_predict_layers=0, rope_theta=10000.0, compress_rope_theta=160000.0,
+    max_position_embeddings=1048576, scoring_func="sqrtsoftplus", topk_method="noaux_tc", norm_topk_prob=True,
+    routed_scaling_factor=1.5, swiglu_limit=10.0, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-6,
+    bos_token_id=0, eos_token_id=1, pad_token_id=2, dtype="float32", fake_quant=False, weight_block_size=128,
+)
+
 PRESETS: dict[str, dict[str, Any]] = {
     "v41-flash": _FLASH,
+    "v4-flash": _V4_FLASH,
+    "v4-pro": _V4_PRO,
+    "tiny-v4": _TINY_V4,
+    # the other order of kinds: CSA first (its indexer before any HCA), an HCA between, SWA last; one hash layer
+    "tiny-v4-csa-first": {**_TINY_V4, "compress_ratios": (4, 8, 4, 0), "num_hash_layers": 1},
     # the oracle's tiny model, sparse selection (top-4 of the compressed entries, 2 candidate blocks)
     "tiny": _TINY,
     # same shape, selection complete (every visible entry selected): no top-k tie effects
@@ -164,6 +230,10 @@ class ModelConfig:
     n_routed_experts: int
     num_experts_per_tok: int
     moe_intermediate_size: int
+    # "deepseek_v41" (Full / Reindex / Reuse sharing, CED, Engram, DSpark) or "deepseek_v4" (CSA / HCA layers each
+    # owning their compressor, hash-routed MoE in the first ``num_hash_layers`` layers, one MTP layer)
+    model_type: str = "deepseek_v41"
+    num_hash_layers: int = 0
     num_key_value_heads: int = 1
     n_shared_experts: int = 1
     rope_theta: float = 10000.0
@@ -209,6 +279,9 @@ class ModelConfig:
     # the jitted forward. At the released size only the latter fits one 8xH200 node. Loaders keep what a
     # checkpoint stores unless asked otherwise (`v41cp.checkpoint.open_checkpoint`).
     keep_quantized: bool = False
+    # The release's dense FP8 weights: e4m3 with one e8m0 scale per ``weight_block_size``² block (config.json's
+    # ``quantization_config.weight_block_size``: V4.1 [32, 32], V4 [128, 128])
+    weight_block_size: int = 32
     # Kernel backends (runtime options, not checkpoint fields: `to_dict` leaves them out): "xla" (the jnp
     # reference paths) or "pallas" (`v41cp.kernels`; Pallas Triton on a GPU, interpret mode elsewhere) for
     # the sparse attention and for the indexer scan + top-k, honoured by the decode step, chunked prefill
@@ -243,14 +316,28 @@ class ModelConfig:
             text = d
         names = {f.name: f for f in dataclasses.fields(cls)}
         kwargs: dict[str, Any] = {}
+        kind = text.get("model_type", d.get("model_type"))
+        if kind is not None:
+            if kind not in MODEL_TYPES:
+                raise ConfigError(f"model_type {kind!r} is not supported; expected one of {sorted(MODEL_TYPES)}")
+            kwargs["model_type"] = MODEL_TYPES[kind]
+            if kwargs["model_type"] == "deepseek_v4":
+                kwargs["fake_quant"] = False          # V4's cache formats are not built (the validation says so)
+                kwargs.update(V4_SCHEDULE_DEFAULTS)   # no sharing fields in a V4 config.json
         for key, value in text.items():
             if key == "torch_dtype" and "dtype" not in text:
                 key = "dtype"
             if key == "engram_pad_id" and "engram_pad_token_id" not in text:   # the HF port's name
                 key = "engram_pad_token_id"
-            if key not in names:
+            if key not in names or key == "model_type":
                 continue
             kwargs[key] = value
+        quant = text.get("quantization_config", d.get("quantization_config"))
+        if isinstance(quant, Mapping) and "weight_block_size" in quant:
+            block = quant["weight_block_size"]
+            if not (isinstance(block, (list, tuple)) and len(block) == 2 and block[0] == block[1]):
+                raise ConfigError(f"quantization_config.weight_block_size must be a square block [b, b], got {block!r}")
+            kwargs["weight_block_size"] = block[0]
         if "rope_scaling" in kwargs and kwargs["rope_scaling"] is None:
             kwargs.pop("rope_scaling")
         kwargs.update(overrides)
@@ -300,6 +387,16 @@ class ModelConfig:
                 v = list(v)
             out[f.name] = v
         return out
+
+    def config_json(self) -> dict[str, Any]:
+        """The ``config.json`` a release-format checkpoint of this model carries: V4.1's composite (``model_type``
+        and a ``text_config``), V4's flat text config with its ``quantization_config`` (the FP8 block)."""
+        text = self.to_dict()
+        if not self.is_v4:
+            return {"model_type": "deepseek_v41", "text_config": text}
+        b = self.weight_block_size
+        return {**text, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                                "weight_block_size": [b, b]}}
 
     def out_of_vocabulary(self, ids) -> str | None:
         """The one vocabulary check of token ids (any iterable or array of integers): the error text naming the
@@ -362,6 +459,8 @@ class ModelConfig:
                 raise ConfigError(f"{name} must be 'xla' or 'pallas', got {getattr(self, name)!r}")
         if self.moe_backend not in ("sparse", "dense"):
             raise ConfigError(f"moe_backend must be 'sparse' or 'dense', got {self.moe_backend!r}")
+        if type(self.weight_block_size) is not int or self.weight_block_size <= 0:
+            raise ConfigError(f"weight_block_size must be a positive integer, got {self.weight_block_size!r}")
         for name in ("fake_quant", "keep_quantized"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a boolean, got {getattr(self, name)!r}")
@@ -384,6 +483,16 @@ class ModelConfig:
         ratios = self.compress_ratios
         if len(ratios) < n:
             raise ConfigError(f"compress_ratios has {len(ratios)} entries but num_hidden_layers is {n}")
+        if self.model_type not in ("deepseek_v41", "deepseek_v4"):
+            raise ConfigError(f"model_type must be 'deepseek_v41' or 'deepseek_v4', got {self.model_type!r}")
+        if type(self.num_hash_layers) is not int or not 0 <= self.num_hash_layers <= n:
+            raise ConfigError(f"num_hash_layers must be an integer in [0, num_hidden_layers={n}], got "
+                              f"{self.num_hash_layers!r}")
+        if self.is_v4:
+            self._validate_v4_schedule()
+            return
+        if self.num_hash_layers:
+            raise ConfigError(f"num_hash_layers={self.num_hash_layers}: V4.1 has no hash-routed MoE layers")
         for i, r in enumerate(ratios):
             if type(r) is not int or r not in (0, 1, 2):
                 raise ConfigError(f"compress_ratios[{i}] must be 0, 1 or 2 for V4.1, got {r!r}")
@@ -433,6 +542,22 @@ class ModelConfig:
                                   f"(or set fake_quant=false)")
         if self.fake_quant and self.head_dim % 16:
             raise ConfigError(f"head_dim={self.head_dim} must be a multiple of 16 for NVFP4 compressed KV")
+
+    def _validate_v4_schedule(self) -> None:
+        """V4: ratios 0 (SWA), 4 (CSA) or more (HCA); no sharing, CED, Engram or DSpark fields; no cache
+        fake-quant yet (the release's V4 cache records are not built)."""
+        for i, r in enumerate(self.compress_ratios[:self.num_hidden_layers]):
+            if type(r) is not int or not (r == 0 or r >= 4):
+                raise ConfigError(f"compress_ratios[{i}] must be 0 (SWA), 4 (CSA) or above 4 (HCA) for V4, got {r!r}")
+        for name in ("kv_source_layer_ids", "index_source_layer_ids", "engram_layer_ids", "dspark_target_layer_ids"):
+            if getattr(self, name):
+                raise ConfigError(f"{name} must be empty for V4 (every compressed layer owns its compressor and "
+                                  f"indexer; no Engram, no DSpark), got {list(getattr(self, name))}")
+        if self.candidate_source_layer_id != -1:
+            raise ConfigError(f"candidate_source_layer_id must be -1 for V4, got {self.candidate_source_layer_id!r}")
+        if self.fake_quant:
+            raise ConfigError("fake_quant: the DeepSeek-V4 cache formats (FP8 main entries, FP4 index keys) are not "
+                              "built yet; set fake_quant=false")
 
     def _validate_engram(self) -> None:
         if len(self.engram_layer_ids) != len(self.engram_num_embeddings):
@@ -493,6 +618,15 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ derived
     @property
+    def is_v4(self) -> bool:
+        """DeepSeek-V4 (V4-Flash, V4-Pro): CSA / HCA layers, hash-routed MoE, the per-site mHC with ``hc_head``."""
+        return self.model_type == "deepseek_v4"
+
+    def hash_routed(self, layer: int) -> bool:
+        """Layer ``layer``'s MoE picks its experts from the token id (``tid2eid``), not the router's top-k."""
+        return layer < self.num_hash_layers
+
+    @property
     def storable_quantized(self) -> bool:
         """The shapes hold whole FP4 / FP8 scale blocks (``hidden_size``, ``moe_intermediate_size`` and
         ``engram_head_dim`` multiples of 32), so ``keep_quantized`` may keep the release's bytes."""
@@ -515,6 +649,12 @@ class ModelConfig:
         kv_src, idx_src = -1, -1
         for i in range(self.num_hidden_layers):
             r = self.compress_ratios[i]
+            if self.is_v4:
+                kind = "swa" if r == 0 else "csa" if r == 4 else "hca"
+                roles.append(LayerRole(index=i, ratio=r, kind=kind, kv_source=i if r else -1,
+                                       index_source=i if kind == "csa" else -1, candidate_source=False,
+                                       uses_candidates=False, engram_slot=-1))
+                continue
             if r == 0:
                 kind = "swa"
             elif i in self.kv_source_layer_ids:

@@ -1,4 +1,5 @@
-"""The DeepSeek-V4.1 text backbone as a Flax module, and its jitted full-sequence forward.
+"""The DeepSeek-V4.1 text backbone (and DeepSeek-V4's, ``cfg.is_v4``) as a Flax module, and its jitted
+full-sequence forward.
 
 Reference order (docs/architecture.md): embed → 4 mHC streams → for each layer
 [Engram] → attention site (collapse with the previous FFN site's ``pre``) → FFN site
@@ -34,7 +35,7 @@ from v41cp.layers.attention import Attention, CSAState
 from v41cp.layers.common import RMSNorm, declare, dtype_of
 from v41cp.layers.engram import Engram
 from v41cp.layers.full_sequence import FullSequence
-from v41cp.layers.mhc import HyperConnection, collapse, mhc_layer
+from v41cp.layers.mhc import HyperConnection, HyperHead, collapse, mhc_layer, mhc_layer_v4
 from v41cp.layers.moe import MoE
 from v41cp.sharding.rules import TP_RULES, AxisRules, ShardingContext, constrain, param_shardings
 
@@ -52,9 +53,10 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, streams, pre_prev, state: CSAState, engram_ids, rows=None, cache=None,
-                 cache_only: bool = False):
+                 cache_only: bool = False, tokens=None):
         """``streams [B,S,hc,H]`` → ``(streams, pre, state, cache)``; ``cache_only`` (the CED boundary's prepass):
-        only this layer's cache writes, returning ``(None, None, state, cache)``."""
+        only this layer's cache writes, returning ``(None, None, state, cache)``. ``tokens [B,S]``: the rows' token
+        ids (V4's hash-routed MoE layers pick their experts from them)."""
         cfg = self.cfg
         role = cfg.layer_roles[self.layer]
         dt = dtype_of(cfg.dtype)
@@ -74,6 +76,13 @@ class Block(nn.Module):
             y, out["state"], out["cache"] = attention(x, state, rows, cache)
             return y
 
+        if cfg.is_v4:                                       # each site collapses with its own pre
+            moe = MoE(cfg, self.shard, hash_routed=cfg.hash_routed(self.layer), name="ffn")
+            streams = mhc_layer_v4(streams, HyperConnection(cfg, name="hc_attn"), attn_norm, attend,
+                                   HyperConnection(cfg, name="hc_ffn"),
+                                   RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="ffn_norm"),
+                                   lambda h: moe(h, tokens=tokens))
+            return streams, pre_prev, out["state"], out["cache"]
         streams, pre_f = mhc_layer(streams, pre_prev, HyperConnection(cfg, name="hc_attn"), attn_norm, attend,
                                    HyperConnection(cfg, name="hc_ffn"),
                                    RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="ffn_norm"),
@@ -136,12 +145,13 @@ class Transformer(nn.Module):
                 state = CSAState()              # the boundary is a KV source: it publishes the state afresh
                 b, s = streams.shape[:2]
             hidden.append(streams)
-            streams, pre, state, cache = block(streams, pre, state, engram_ids, rows, cache)
+            streams, pre, state, cache = block(streams, pre, state, engram_ids, rows, cache, tokens=tokens)
         if encoder_only:
             _, _, _, cache = Block(cfg, last, self.shard, name=f"layers_{last}")(
                 streams, pre, state, engram_ids, rows, cache, cache_only=True)
             return jnp.zeros((b, s, cfg.vocab_size), jnp.float32), hidden, cache
-        h = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="norm")(collapse(streams, pre))
+        final = HyperHead(cfg, name="hc_head")(streams) if cfg.is_v4 else collapse(streams, pre)
+        h = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="norm")(final)
         self.sow("final", "hidden", h)         # every row's head input (kept only when "final" is mutable)
         if logits_at is not None:              # only the sampled row of each request meets the head
             h = rows.sampled(h, logits_at)

@@ -13,5 +13,6 @@ fi
 "$venv/bin/pip" install -q "torch==2.13.0"
 "$venv/bin/pip" install -q "transformers==5.18.0" safetensors pyyaml sympy numpy pillow tokenizers
 "$venv/bin/pip" install -q --no-deps "nemo-automodel==0.7.0"
-"$venv/bin/python" -c "import nemo_automodel.components.models.deepseek_v41.model" 
+"$venv/bin/python" -c "import nemo_automodel.components.models.deepseek_v41.model"
+"$venv/bin/python" -c "from transformers import DeepseekV4ForCausalLM"      # the V4 oracle
 echo "oracle venv ready: $venv"

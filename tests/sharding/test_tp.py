@@ -11,9 +11,11 @@ from v41cp.config import preset
 from v41cp.sharding import TP_RULES, ShardingContext, make_mesh
 
 
-@pytest.mark.parametrize("name,dp,tp", [("tiny-tp8", 1, 8), ("tiny", 2, 4)])
+@pytest.mark.parametrize("name,dp,tp", [("tiny-tp8", 1, 8), ("tiny", 2, 4), ("tiny-v4", 2, 4)])
 def test_tp_forward_equals_single_device(name, dp, tp):
-    cfg = preset(name, engram_token_map=TOKEN_MAP)
+    """V4 (``tiny-v4``): CSA / HCA compressors and indexers, the hash-routed MoE layers' token-id experts carried
+    into the MoE's tensor-parallel island, the head mixer."""
+    cfg = preset(name, engram_token_map=TOKEN_MAP) if not name.endswith("v4") else preset(name)
     params = _perturbed(model.init_params(cfg, jax.random.key(0)))
     tokens = np.random.default_rng(1).integers(3, cfg.vocab_size, (2, 40))
     want_logits, want_hidden = model.forward_with_hidden(params, cfg, tokens)
@@ -21,7 +23,7 @@ def test_tp_forward_equals_single_device(name, dp, tp):
     mesh = make_mesh(tp=tp, dp=dp)
     sharded = model.shard_params(params, cfg, mesh)
     wq_b = sharded["layers_1"]["attn"]["wq_b"]
-    experts = sharded["layers_1"]["ffn"]["experts_w1"]
+    experts = sharded["layers_1"]["ffn"]["experts_w1"]                 # (tiny-v4: a hash-routed layer)
     assert wq_b.sharding.spec[1] == "tp" and experts.sharding.spec[2] == "tp"      # tensor-parallel MoE: I split
     assert len({s.device for s in wq_b.addressable_shards}) == dp * tp
     assert wq_b.addressable_shards[0].data.shape[1] == cfg.num_attention_heads // tp

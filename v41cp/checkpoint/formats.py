@@ -1,7 +1,7 @@
 """The release's weight storage formats, on the host in NumPy (docs/architecture.md).
 
-* dense FP8: e4m3 ``[out, in]`` with ``float8_e8m0fnu`` scales ``[ceil(out/32), ceil(in/32)]``
-  (32×32 blocks, ragged edge blocks allowed);
+* dense FP8: e4m3 ``[out, in]`` with ``float8_e8m0fnu`` scales ``[ceil(out/b), ceil(in/b)]`` over b×b blocks
+  (V4.1: b = 32; V4: b = 128; ``quantization_config.weight_block_size``), ragged edge blocks allowed;
 * routed experts FP4: e2m1 codes packed two per int8 ``[out, in/2]`` (even column in the low
   nibble), e8m0 scales ``[out, ceil(in/32)]``;
 * Engram tables FP8: e4m3 ``[rows, dim]`` with e8m0 scales ``[rows, dim/32]`` (per row).
@@ -27,9 +27,9 @@ E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
 _MIDPOINTS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)
 
 
-def block_scale_shape(shape: tuple[int, int]) -> tuple[int, int]:
-    """Scale shape of a dense FP8 ``[out, in]`` weight (32×32 blocks, ragged edges rounded up)."""
-    return (-(-shape[0] // 32), -(-shape[1] // 32))
+def block_scale_shape(shape: tuple[int, int], block: int = 32) -> tuple[int, int]:
+    """Scale shape of a dense FP8 ``[out, in]`` weight (``block``×``block`` blocks, ragged edges rounded up)."""
+    return (-(-shape[0] // block), -(-shape[1] // block))
 
 
 def row_scale_shape(shape: tuple[int, int]) -> tuple[int, int]:
@@ -37,17 +37,17 @@ def row_scale_shape(shape: tuple[int, int]) -> tuple[int, int]:
     return (shape[0], -(-shape[1] // 32))
 
 
-def _expand_cols(scale: np.ndarray, cols: int) -> np.ndarray:
-    return np.repeat(scale.astype(np.float32), 32, axis=1)[:, :cols]
+def _expand_cols(scale: np.ndarray, cols: int, block: int = 32) -> np.ndarray:
+    return np.repeat(scale.astype(np.float32), block, axis=1)[:, :cols]
 
 
-def dequant_fp8_blocks(weight: np.ndarray, scale: np.ndarray, dtype=np.float32) -> np.ndarray:
-    """Dense FP8 e4m3 ``[out, in]`` × 32×32-block e8m0 scales → ``dtype``."""
+def dequant_fp8_blocks(weight: np.ndarray, scale: np.ndarray, dtype=np.float32, block: int = 32) -> np.ndarray:
+    """Dense FP8 e4m3 ``[out, in]`` × ``block``×``block``-block e8m0 scales → ``dtype``."""
     rows, cols = weight.shape
-    if scale.shape != block_scale_shape(weight.shape):
-        raise ValueError(f"scale shape {scale.shape} does not match weight {weight.shape} "
-                         f"(expected {block_scale_shape(weight.shape)})")
-    s = np.repeat(_expand_cols(scale, cols), 32, axis=0)[:rows]
+    if scale.shape != block_scale_shape(weight.shape, block):
+        raise ValueError(f"FP8 block scale shape {scale.shape} does not match weight {weight.shape} "
+                         f"(expected {block_scale_shape(weight.shape, block)})")
+    s = np.repeat(_expand_cols(scale, cols, block), block, axis=0)[:rows]
     return (np.asarray(weight).astype(np.float32) * s).astype(dtype)
 
 
@@ -86,16 +86,16 @@ def _blocks(x: np.ndarray, rb: int, cb: int) -> np.ndarray:
     return pad.reshape(pad.shape[0] // rb, rb, pad.shape[1] // cb, cb).max(axis=(1, 3))
 
 
-def _scaled(x: np.ndarray, scale: np.ndarray, rb: int) -> np.ndarray:
-    s = np.repeat(_expand_cols(scale, x.shape[1]), rb, axis=0)[: x.shape[0]]
+def _scaled(x: np.ndarray, scale: np.ndarray, rb: int, cb: int = 32) -> np.ndarray:
+    s = np.repeat(_expand_cols(scale, x.shape[1], cb), rb, axis=0)[: x.shape[0]]
     return x / s
 
 
-def quant_fp8_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``[out, in]`` → (e4m3 weight, e8m0 scales over 32×32 blocks)."""
+def quant_fp8_blocks(x: np.ndarray, block: int = 32) -> tuple[np.ndarray, np.ndarray]:
+    """``[out, in]`` → (e4m3 weight, e8m0 scales over ``block``×``block`` blocks)."""
     x = np.asarray(x, np.float32)
-    scale = _pow2ceil(np.maximum(_blocks(x, 32, 32), np.float32(1e-4)) / np.float32(448))
-    q = np.clip(_scaled(x, scale, 32), -448, 448).astype(E4M3)
+    scale = _pow2ceil(np.maximum(_blocks(x, block, block), np.float32(1e-4)) / np.float32(448))
+    q = np.clip(_scaled(x, scale, block, block), -448, 448).astype(E4M3)
     return q, scale.astype(E8M0)
 
 

@@ -1,4 +1,4 @@
-"""Released DeepSeek-V4.1 tensor names → the model's own parameter tree.
+"""Released DeepSeek-V4.1 (and DeepSeek-V4) tensor names → the model's own parameter tree.
 
 `params_from_released(cfg, tensors)` builds the (unboxed) parameter tree from a mapping of
 released checkpoint names (docs/architecture.md; no ``model.`` prefix) to unquantized arrays
@@ -60,6 +60,8 @@ def released_to_tree(cfg: ModelConfig) -> dict[tuple[str, ...], Source]:
         ("head",): Source(("head.weight",), Transposed()),
         ("norm", "weight"): Source(("norm.weight",), Same()),
     }
+    if cfg.is_v4:                                 # V4's final stream mixer
+        m.update({("hc_head", part): Source((f"hc_head_{part}",), Same()) for part in ("fn", "base", "scale")})
     for role in cfg.layer_roles:
         m.update(_layer_sources(cfg, role, f"layers_{role.index}", f"layers.{role.index}"))
     return m
@@ -109,19 +111,31 @@ def _layer_sources(cfg: ModelConfig, role: LayerRole, L: str, R: str) -> dict[tu
     add(("attn", "wo_a"), ("attn.wo_a.weight",), GroupsIn(g, cfg.o_lora_rank))
     add(("attn", "wo_b"), ("attn.wo_b.weight",), GroupsOut(g, cfg.o_lora_rank))
     add(("attn", "attn_sink"), ("attn.attn_sink",), Same())
-    if role.is_kv_source:
-        add(("attn", "compressor", "wkv"), ("attn.compressor.wkv.weight",), Transposed())
-        add(("attn", "compressor", "norm", "weight"), ("attn.compressor.norm.weight",), Same())
+    def compressor(path: tuple[str, ...], name: str) -> None:
+        add((*path, "wkv"), (f"{name}.wkv.weight",), Transposed())
+        add((*path, "norm", "weight"), (f"{name}.norm.weight",), Same())
         if role.ratio > 1:
-            add(("attn", "compressor", "wgate"), ("attn.compressor.wgate.weight",), Transposed())
-        add(("attn", "indexer", "wk"), ("attn.indexer.wk.weight",), Transposed())
-        add(("attn", "indexer", "k_norm", "weight"), ("attn.indexer.k_norm.weight",), Same())
+            add((*path, "wgate"), (f"{name}.wgate.weight",), Transposed())
+        if cfg.is_v4:                             # V4: the gate's position bias
+            add((*path, "ape"), (f"{name}.ape",), Same())
+
+    if role.is_kv_source:
+        compressor(("attn", "compressor"), "attn.compressor")
+        if not cfg.is_v4:                         # V4.1 KV sources derive their index keys from the latent
+            add(("attn", "indexer", "wk"), ("attn.indexer.wk.weight",), Transposed())
+            add(("attn", "indexer", "k_norm", "weight"), ("attn.indexer.k_norm.weight",), Same())
     if role.is_index_source:
         add(("attn", "indexer", "wq_b"), ("attn.indexer.wq_b.weight",), HeadsOut(ih, idim))
         add(("attn", "indexer", "weights_proj"), ("attn.indexer.weights_proj.weight",), Transposed())
+        if cfg.is_v4:                             # V4 CSA: the indexer's own compressor
+            compressor(("attn", "indexer", "compressor"), "attn.indexer.compressor")
     add(("ffn", "gate_weight"), ("ffn.gate.weight",), Transposed())
-    add(("ffn", "gate_bias"), ("ffn.gate.bias",), Same())
-    add(("ffn", "gate_bias_vl"), ("ffn.gate.bias_vl",), Same())
+    if cfg.hash_routed(role.index):               # V4's hash-routed layers: the token → experts table
+        add(("ffn", "gate_tid2eid"), ("ffn.gate.tid2eid",), Same())
+    else:
+        add(("ffn", "gate_bias"), ("ffn.gate.bias",), Same())
+    if not cfg.is_v4:
+        add(("ffn", "gate_bias_vl"), ("ffn.gate.bias_vl",), Same())
     for w in ("w1", "w2", "w3"):
         experts = tuple(f"ffn.experts.{e}.{w}.weight" for e in range(cfg.n_routed_experts))
         if cfg.keep_quantized:
@@ -190,7 +204,10 @@ def _tree_from(cfg: ModelConfig, mapping: dict, abstract, tensors: Mapping[str, 
             raw = tuple(np.shape(tensors[keys[0]]))
             raise CheckpointError(f"tensor {keys[0]!r} has shape {raw}, which does not fit the config "
                                   f"(expected parameter {'/'.join(path)} of shape {tuple(node.shape)})")
-        if not (np.issubdtype(arr.dtype, np.floating) or arr.dtype.name in ("bfloat16", "float8_e4m3fn")):
+        if np.issubdtype(node.dtype, np.integer):
+            if not np.issubdtype(arr.dtype, np.integer):
+                raise CheckpointError(f"tensor {keys[0]!r} has dtype {arr.dtype}, expected an integer table")
+        elif not (np.issubdtype(arr.dtype, np.floating) or arr.dtype.name in ("bfloat16", "float8_e4m3fn")):
             raise CheckpointError(f"tensor {keys[0]!r} has dtype {arr.dtype}, expected a floating dtype")
         used.update(keys)
         insert(out, path, np.asarray(arr).astype(node.dtype))

@@ -180,7 +180,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | None
         for marker in (tmp / "params").rglob("commit_success.txt"):
             marker.unlink()
         cfg_dict = ckpt.cfg.to_dict()
-        (tmp / "config.json").write_text(json.dumps({"model_type": "deepseek_v41", "text_config": cfg_dict}, indent=1))
+        (tmp / "config.json").write_text(json.dumps({"model_type": ckpt.cfg.model_type, "text_config": cfg_dict},
+                                                    indent=1))
         for extra in TEXT_FILES:              # the tokenizer and the chat format travel with the weights
             if (src / extra).exists():
                 shutil.copy2(src / extra, tmp / extra)
@@ -233,7 +234,8 @@ def load_drafter(path: str | os.PathLike, cfg: ModelConfig) -> dict:
 
     walk(_checkpointer().restore(where), ())
     scale = lambda k: flat.get(k[: -len(".weight")] + ".scale") if k.endswith(".weight") else None
-    tensors = {k: decode_stored(k, v, scale(k)) for k, v in flat.items() if not k.endswith(".scale")}
+    tensors = {k: decode_stored(k, v, scale(k), cfg.weight_block_size) for k, v in flat.items()
+               if not k.endswith(".scale")}
     return drafter_params_from_released(cfg.replace(keep_quantized=False), tensors)
 
 

@@ -4,14 +4,16 @@
 ``tokenizer.json`` (needed for Engram's compressed-token map) and safetensors shards, and checks the
 whole checkpoint against the config from the headers alone — presence per layer role, shapes,
 dtypes, scale companions — before any weight is read. Tensors are then decoded one at a time from
-memory maps (FP8 32×32-block weights, packed FP4 experts, FP8 Engram rows, BF16/FP16/FP32 tensors),
+memory maps (FP8 block weights, packed FP4 experts, FP8 Engram rows, BF16/FP16/FP32 tensors),
 one subtree (``top`` or ``layers_{i}``) at a time, so host memory stays bounded by one layer.
 
 Accepted per tensor (``W`` = ``<name>.weight``, ``S`` = ``<name>.scale``):
 
-* FP8 e4m3 ``W`` with an e8m0 ``S`` over 32×32 blocks (dense) or per row / 32 columns (Engram table);
+* FP8 e4m3 ``W`` with an e8m0 ``S`` over b×b blocks (dense; b = ``cfg.weight_block_size``: V4.1 32, V4 128) or
+  per row / 32 columns (Engram table);
 * int8-packed FP4 ``W`` ``[out, in/2]`` with an e8m0 ``S`` ``[out, in/32]`` (routed experts);
-* unquantized BF16 / FP16 / FP32 ``W`` with no ``S`` (other frameworks' exports).
+* unquantized BF16 / FP16 / FP32 ``W`` with no ``S`` (other frameworks' exports);
+* integer tables (V4's hash-routing ``ffn.gate.tid2eid``).
 
 Vision / aligner tensors are skipped with a log line; ``mtp.*`` (DSpark) tensors are listed in
 `dspark_tensors`.
@@ -55,6 +57,7 @@ __all__ = ["ReleasedCheckpoint", "load_config_dir", "stores_quantized"]
 log = logging.getLogger(__name__)
 
 _FLOAT = ("F32", "BF16", "F16")
+_INT = ("I32", "I64")
 
 
 def _take(array: np.ndarray, ids: np.ndarray, axis: int) -> np.ndarray:
@@ -84,16 +87,16 @@ def load_config_dir(path: str | os.PathLike, **overrides: Any) -> ModelConfig:
     return cfg
 
 
-def decode_stored(key: str, raw: np.ndarray, scale: np.ndarray | None) -> np.ndarray:
+def decode_stored(key: str, raw: np.ndarray, scale: np.ndarray | None, block: int = 32) -> np.ndarray:
     """A stored tensor decoded to FP32 by its format: FP4 rows (packed int8), FP8 rows (Engram tables) or FP8
-    32×32 blocks; as stored when it has no scale."""
+    ``block``×``block`` blocks; as stored when it has no scale."""
     if scale is None:
         return raw
     if raw.dtype == np.int8:
         return dequant_fp4_rows(raw, scale)
     if ".engram.embed." in key:
         return dequant_fp8_rows(raw, scale)
-    return dequant_fp8_blocks(raw, scale)
+    return dequant_fp8_blocks(raw, scale, block=block)
 
 
 def stores_quantized(files: ReleasedFiles, cfg: ModelConfig) -> bool:
@@ -153,6 +156,11 @@ class ReleasedCheckpoint:
         if scale is None:
             if info.dtype in ("F8_E4M3", "I8"):
                 raise CheckpointError(f"quantized tensor {key!r} ({info.dtype}) is missing its scale {scale_key!r}")
+            if key.endswith(".tid2eid"):
+                if info.dtype not in _INT:
+                    raise CheckpointError(f"tensor {key!r} has dtype {info.dtype}; expected an integer table "
+                                          f"(I32 / I64)")
+                return
             if info.dtype not in _FLOAT:
                 raise CheckpointError(f"tensor {key!r} has dtype {info.dtype}; expected BF16/F16/F32, or F8_E4M3 / "
                                       f"I8 (packed FP4) with a .scale")
@@ -166,7 +174,7 @@ class ReleasedCheckpoint:
             raise CheckpointError(f"tensor {key!r} is packed FP4 (I8), which the release uses only for routed experts")
         rowwise = info.dtype == "I8" or ".engram.embed." in key
         logical = self.logical_shape(key)
-        want = row_scale_shape(logical) if rowwise else block_scale_shape(logical)
+        want = row_scale_shape(logical) if rowwise else block_scale_shape(logical, self.cfg.weight_block_size)
         if tuple(scale.shape) != want:
             raise CheckpointError(f"scale {scale_key!r} has shape {list(scale.shape)}, expected {list(want)} for "
                                   f"weight {key!r} of logical shape {list(logical)}")
@@ -220,7 +228,8 @@ class ReleasedCheckpoint:
     def read(self, key: str) -> np.ndarray:
         """Tensor ``key`` decoded to FP32 (quantized) or as stored (unquantized), from the memory map."""
         scale_key = key[: -len(".weight")] + ".scale"
-        return decode_stored(key, self.files.read(key), self.files.read(scale_key) if scale_key in self.files else None)
+        return decode_stored(key, self.files.read(key), self.files.read(scale_key) if scale_key in self.files else None,
+                             self.cfg.weight_block_size)
 
     def drafter_params(self) -> dict:
         """The DSpark drafter's parameter tree (`v41cp.drafter`) from the ``mtp.*`` tensors, decoded (host)."""
@@ -265,7 +274,8 @@ class ReleasedCheckpoint:
                 values = FP4_TABLE[np.where(high, byte >> 4, byte & 15)]
             else:
                 values = np.asarray(_take(_take(data, r, 0), cols, 1), np.float32)
-            s = scale[np.ix_(r if rowwise else r // 32, cols // 32)]
+            block = 32 if rowwise else self.cfg.weight_block_size
+            s = scale[np.ix_(r if rowwise else r // block, cols // block)]
             out[a: a + len(r)] = values * s
         return out
 

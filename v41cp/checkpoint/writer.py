@@ -5,10 +5,13 @@ Used to build release-format checkpoints from unquantized weights: the embedded 
 Storage per tensor (`release_storage`):
 
 * ``fp8``  — dense projections (``wq_a wq_b wkv wo_a wo_b``, ``indexer.wq_b``, shared experts,
-  ``engram.wkv``, DSpark's ``main_proj``): e4m3 + e8m0 scales over 32×32 blocks;
+  ``engram.wkv``, DSpark's ``main_proj``): e4m3 + e8m0 scales over the config's ``weight_block_size``² blocks
+  (V4.1 32, V4 128);
 * ``fp4``  — routed experts: packed e2m1 + per-row / 32-column e8m0 scales;
 * ``fp8_rows`` — Engram tables: e4m3 + per-row / 32-column e8m0 scales;
-* ``fp32`` — ``hc_*``, ``attn_sink``, gate biases, compressor weights, ``head``, DSpark's confidence head;
+* ``fp32`` — ``hc_*``, ``attn_sink``, gate biases, compressor weights (V4: the indexer's compressor and the
+  position biases ``ape`` too), ``head``, DSpark's confidence head;
+* ``int``  — V4's hash-routing tables ``ffn.gate.tid2eid`` (int32);
 * ``bf16`` — everything else (embedding, norms, indexer ``wk`` / ``weights_proj``, router weight, …).
 
 Tensors stream through: each is quantized when it arrives and shards are flushed at
@@ -36,12 +39,14 @@ __all__ = ["release_storage", "released_shapes", "write_released"]
 _FP8 = re.compile(r".*\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]|engram\.wkv"
                   r"|main_proj)\.weight$")
 _FP4 = re.compile(r".*\.ffn\.experts\.\d+\.w[123]\.weight$")
-_FP32 = re.compile(r"(^head\.weight$)|(.*\.(hc_(attn|ffn)_(fn|base|scale)|attn\.attn_sink|ffn\.gate\.bias(_vl)?"
-                   r"|attn\.compressor\..*|confidence_head\.proj\.weight)$)")
+_FP32 = re.compile(r"(^head\.weight$)|(^hc_head_(fn|base|scale)$)|(.*\.(hc_(attn|ffn)_(fn|base|scale)|attn\.attn_sink"
+                   r"|ffn\.gate\.bias(_vl)?|attn\.(indexer\.)?compressor\..*|confidence_head\.proj\.weight)$)")
 
 
 def release_storage(name: str) -> str:
-    """``fp8 | fp4 | fp8_rows | fp32 | bf16``: how the release stores tensor ``name``."""
+    """``fp8 | fp4 | fp8_rows | fp32 | int | bf16``: how the release stores tensor ``name``."""
+    if name.endswith(".ffn.gate.tid2eid"):
+        return "int"
     if name.endswith(".engram.embed.weight"):
         return "fp8_rows"
     if _FP4.match(name):
@@ -60,6 +65,8 @@ def released_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     hc = cfg.hc_mult
     out: dict[str, tuple[int, ...]] = {"embed.weight": (cfg.vocab_size, h), "head.weight": (cfg.vocab_size, h),
                                        "norm.weight": (h,)}
+    if cfg.is_v4:
+        out.update({"hc_head_fn": (hc, hc * h), "hc_head_base": (hc,), "hc_head_scale": (1,)})
     for role in cfg.layer_roles:
         p = f"layers.{role.index}."
         out.update({p + "attn_norm.weight": (h,), p + "ffn_norm.weight": (h,)})
@@ -70,15 +77,30 @@ def released_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                     p + "attn.wq_b.weight": (nh * d, cfg.q_lora_rank), p + "attn.wkv.weight": (d, h),
                     p + "attn.kv_norm.weight": (d,), p + "attn.wo_a.weight": (g * cfg.o_lora_rank, nh * d // g),
                     p + "attn.wo_b.weight": (h, g * cfg.o_lora_rank), p + "attn.attn_sink": (nh,)})
-        if role.is_kv_source:
-            out.update({p + "attn.compressor.wkv.weight": (d, h), p + "attn.compressor.norm.weight": (d,),
-                        p + "attn.indexer.wk.weight": (idim, d), p + "attn.indexer.k_norm.weight": (idim,)})
+        def compressor(name: str, dim: int, overlap: bool) -> None:
+            width = dim * (2 if overlap else 1)
+            out.update({p + f"{name}.wkv.weight": (width, h), p + f"{name}.norm.weight": (dim,)})
             if role.ratio > 1:
-                out[p + "attn.compressor.wgate.weight"] = (d, h)
+                out[p + f"{name}.wgate.weight"] = (width, h)
+            if cfg.is_v4:
+                out[p + f"{name}.ape"] = (role.ratio, width)
+
+        if role.is_kv_source:
+            compressor("attn.compressor", d, role.overlapping)
+            if not cfg.is_v4:
+                out.update({p + "attn.indexer.wk.weight": (idim, d), p + "attn.indexer.k_norm.weight": (idim,)})
         if role.is_index_source:
             out.update({p + "attn.indexer.wq_b.weight": (ih * idim, cfg.q_lora_rank),
                         p + "attn.indexer.weights_proj.weight": (ih, h)})
-        out.update({p + "ffn.gate.weight": (e, h), p + "ffn.gate.bias": (e,), p + "ffn.gate.bias_vl": (e,)})
+            if cfg.is_v4:
+                compressor("attn.indexer.compressor", idim, True)
+        out[p + "ffn.gate.weight"] = (e, h)
+        if cfg.hash_routed(role.index):
+            out[p + "ffn.gate.tid2eid"] = (cfg.vocab_size, cfg.num_experts_per_tok)
+        else:
+            out[p + "ffn.gate.bias"] = (e,)
+        if not cfg.is_v4:
+            out[p + "ffn.gate.bias_vl"] = (e,)
         for w, shape in (("w1", (i_, h)), ("w3", (i_, h)), ("w2", (h, i_))):
             out[p + f"ffn.shared_experts.{w}.weight"] = shape
             out.update({p + f"ffn.experts.{x}.{w}.weight": shape for x in range(e)})
@@ -89,11 +111,14 @@ def released_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _encode(name: str, value: np.ndarray, quantize: bool) -> list[tuple[str, np.ndarray]]:
+def _encode(name: str, value: np.ndarray, quantize: bool, block: int = 32) -> list[tuple[str, np.ndarray]]:
+    if release_storage(name) == "int":
+        return [(name, np.asarray(value).astype(np.int32))]
     kind = release_storage(name) if quantize else "fp32"
     value = np.asarray(value, np.float32)
     if kind in ("fp8", "fp4", "fp8_rows"):
-        q, s = {"fp8": quant_fp8_blocks, "fp4": quant_fp4_rows, "fp8_rows": quant_fp8_rows}[kind](value)
+        fp8 = lambda v: quant_fp8_blocks(v, block)
+        q, s = {"fp8": fp8, "fp4": quant_fp4_rows, "fp8_rows": quant_fp8_rows}[kind](value)
         return [(name, q), (name[: -len(".weight")] + ".scale", s)]
     return [(name, value if kind == "fp32" else value.astype(ml_dtypes.bfloat16))]
 
@@ -109,8 +134,11 @@ def write_released(dst: str | os.PathLike, cfg: ModelConfig | Mapping, tensors: 
     """
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
-    text = cfg.to_dict() if isinstance(cfg, ModelConfig) else dict(cfg.get("text_config", cfg))
-    (dst / "config.json").write_text(json.dumps({"model_type": "deepseek_v41", "text_config": text}, indent=1))
+    if isinstance(cfg, ModelConfig):
+        config, block = cfg.config_json(), cfg.weight_block_size
+    else:                                         # a released config dict, as given (V4.1: 32×32 FP8 blocks)
+        config, block = {"model_type": "deepseek_v41", "text_config": dict(cfg.get("text_config", cfg))}, 32
+    (dst / "config.json").write_text(json.dumps(config, indent=1))
     if tokenizer is not None:
         shutil.copy2(tokenizer, dst / "tokenizer.json")
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
@@ -130,7 +158,7 @@ def write_released(dst: str | os.PathLike, cfg: ModelConfig | Mapping, tensors: 
 
     size = 0
     for name, value in items:
-        for k, v in _encode(name, value, quantize):
+        for k, v in _encode(name, value, quantize, block):
             if size and size + v.nbytes > max_shard_bytes:
                 flush()
                 size = 0

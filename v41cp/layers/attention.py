@@ -22,7 +22,7 @@ from v41cp.config import LayerRole, ModelConfig
 from v41cp.kernels.sparse_attention import sparse_attention
 from v41cp.kernels.sparse_attention.reference import sink_attention
 from v41cp.layers.common import RMSNorm, declare, dtype_of, weight_for, zeros_init
-from v41cp.layers.compressor import Compressor, pool_group
+from v41cp.layers.compressor import Compressor
 from v41cp.layers.indexer import Indexer
 from v41cp.layers.rope import apply_rope, rope_angles
 from v41cp.sharding.operator_qcp import rows_island
@@ -124,11 +124,17 @@ def attention_weights(module: nn.Module, cfg: ModelConfig) -> dict:
             "attn_sink": declare(module, "attn_sink", (nh,), ("heads",), jnp.float32, zeros_init)}
 
 
-def query_projection(w: dict, q_norm, x: jax.Array, angles: jax.Array) -> tuple[jax.Array, jax.Array]:
+def query_projection(w: dict, q_norm, x: jax.Array, angles: jax.Array,
+                     head_norm_eps: float | None = None) -> tuple[jax.Array, jax.Array]:
     """The queries of rows ``x [B,S,H]``: ``(qr = q_norm(x · wq_a) [B,S,q_lora], q = RoPE(qr · wq_b) [B,S,heads,D])``
-    (``qr`` also feeds the indexer's queries)."""
+    (``qr`` also feeds the indexer's queries). ``head_norm_eps`` (V4): each head of ``qr · wq_b`` is RMS-normalized
+    (no weight) before the rotation."""
     qr = q_norm(jnp.einsum("bsh,hr->bsr", x, weight_for(w["wq_a"], x)))
-    return qr, apply_rope(jnp.einsum("bsr,rnd->bsnd", qr, weight_for(w["wq_b"], qr)), angles)
+    q = jnp.einsum("bsr,rnd->bsnd", qr, weight_for(w["wq_b"], qr))
+    if head_norm_eps is not None:
+        qf = q.astype(jnp.float32)
+        q = q * jax.lax.rsqrt(jnp.mean(qf * qf, axis=-1, keepdims=True) + head_norm_eps).astype(q.dtype)
+    return qr, apply_rope(q, angles)
 
 
 def window_kv(wkv: jax.Array, kv_norm, x: jax.Array, angles: jax.Array,
@@ -177,10 +183,11 @@ class Attention(nn.Module):
 
         compressed = role.ratio > 0
         angles = rope_angles(cfg, rows.pos, compressed)
-        qr, q = query_projection(w, q_norm, x, angles)
+        qr, q = query_projection(w, q_norm, x, angles, cfg.rms_norm_eps if cfg.is_v4 else None)
         q = constrain(q, ("batch", None, "heads", None), self.shard)
         kv = window_kv(w["wkv"], kv_norm, x, angles, rows.columns)
-        compressor = Compressor(cfg, role.ratio, name="compressor") if role.is_kv_source else None
+        compressor = Compressor(cfg, role.ratio, v4=cfg.is_v4, overlap=role.overlapping,
+                                name="compressor") if role.is_kv_source else None
         indexer = Indexer(cfg, role, name="indexer") if role.is_index_source else None
 
         cache, keys, valid = rows.window(cache, role.index, kv)
@@ -202,14 +209,21 @@ class Attention(nn.Module):
                 latent, j, emits = compressor.unpooled(x), rows.pos // r, rows.valid
             else:
                 cache, c, z, j, emits = rows.groups(cache, role, *compressor.project(x))
-                latent = compressor.finish(pool_group(c, z), x.dtype)
+                latent = compressor.finish(compressor.pool(c, z), x.dtype)
             cang = rope_angles(cfg, j * r, True)
             ckv = apply_rope(latent, cang)
-            ik = indexer.index_keys(latent, cang, quantize=False)
+            if not cfg.is_v4:
+                ik = indexer.index_keys(latent, cang, quantize=False)
+            elif indexer is not None:                   # V4 CSA: the indexer's own compressor
+                ik = indexer.compressed_keys(rows, cache, x, cang)
+            else:                                       # V4 HCA: no index keys
+                ik = jnp.zeros(ckv.shape[:-1] + (0,), ckv.dtype)
             cache = rows.write_entries(cache, role, ckv, ik, j, emits)
             if cache_only:
                 return cache, state
             state = rows.history(cache, role)
+            if role.dense_history:                      # V4 HCA: every visible entry
+                state = state._replace(topk=rows.every_entry(cache, role, state))
         if role.is_index_source:
             topk, cand, scores = rows.select(cache, role, indexer.query(x, qr, angles), state)
             if scores is not None:                      # the kernel, QCP and cached paths never materialize them

@@ -7,8 +7,14 @@ Ratio 1: an unpooled projection ``norm(x·wkv)`` per row. The output is the pre-
 The full-sequence forward pools whole groups of its rows (`Compressor.__call__`; a trailing incomplete group
 contributes nothing); the cached modes pool each group's rows as they arrive — the group's earlier rows come
 from the cache's open group or from earlier rows of the same step (`v41cp.serving.attention.paged_rows`) — through the
-same `pool_group` and `Compressor.finish`. (V4's overlapping ratio 4 / ratio 128 groups fit the same routine:
-a group is a row window of ``pool_group``.)
+same `pool_group` and `Compressor.finish`.
+
+DeepSeek-V4 (``v4=True``): the gate scores get a learned position bias ``ape [r, ·]`` (one row per position in the
+window) before the softmax. HCA (any ratio but 4): projections to ``dim``, windows of ``r`` rows as above. CSA
+(``overlap``, ratio 4): projections to ``2·dim``; entry ``j`` pools ``2r`` slots — the previous window's rows' low
+halves ``[..., :dim]`` then its own rows' high halves ``[..., dim:]`` (`overlap_slots`); the first window's
+previous slots are empty (value 0, score −inf: weight 0). The indexer of a CSA layer owns one of these at the index
+head dim.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import jax.numpy as jnp
 from v41cp.config import ModelConfig
 from v41cp.layers.common import RMSNorm, declare, dtype_of, weight_for
 
-__all__ = ["Compressor", "pool_group"]
+__all__ = ["Compressor", "pool_group", "overlap_slots"]
 
 
 def pool_group(values: jax.Array, scores: jax.Array) -> jax.Array:
@@ -29,18 +35,52 @@ def pool_group(values: jax.Array, scores: jax.Array) -> jax.Array:
     return jnp.sum(values * jax.nn.softmax(scores, axis=-2), axis=-2)
 
 
+def overlap_slots(c: jax.Array, z: jax.Array, dim: int, prior: tuple[jax.Array, jax.Array] | None = None):
+    """V4 CSA windows ``c / z [B, G, r, 2·dim]`` (scores with the position bias added) → the ``2r`` slots of each
+    entry ``[B, G, 2r, dim]``: window ``j − 1``'s low halves, then window ``j``'s high halves. ``prior``: the low
+    halves ``[B, r, dim]`` of the window before the first (a continued sequence); None: empty slots."""
+    b, _, r, _ = c.shape
+    if prior is None:
+        prior = (jnp.zeros((b, r, dim), c.dtype), jnp.full((b, r, dim), -jnp.inf, z.dtype))
+    prev = lambda a, first: jnp.concatenate([first[:, None], a[:, :-1, :, :dim]], axis=1)
+    return (jnp.concatenate([prev(c, prior[0]), c[..., dim:]], axis=2),
+            jnp.concatenate([prev(z, prior[1]), z[..., dim:]], axis=2))
+
+
 class Compressor(nn.Module):
-    """Parameters (FP32): ``wkv [H, head_dim]``, ``wgate [H, head_dim]`` (ratio > 1 only), ``norm [head_dim]``."""
+    """Parameters (FP32): ``wkv [H, head_dim]``, ``wgate [H, head_dim]`` (ratio > 1 only), ``norm [head_dim]``.
+    V4 (``v4``): ``wkv`` / ``wgate [H, m·dim]`` and ``ape [r, m·dim]`` (``m`` = 2 with ``overlap``), ``norm [dim]``;
+    ``dim`` 0 = the head dim."""
 
     cfg: ModelConfig
     ratio: int
+    v4: bool = False
+    overlap: bool = False
+    dim: int = 0
+
+    @property
+    def width(self) -> int:
+        return self.dim or self.cfg.head_dim
 
     def setup(self):
         cfg = self.cfg
-        self.wkv = declare(self, "wkv", (cfg.hidden_size, cfg.head_dim), ("embed", None), jnp.float32)
+        out = self.width * (2 if self.overlap else 1)
+        self.wkv = declare(self, "wkv", (cfg.hidden_size, out), ("embed", None), jnp.float32)
         if self.ratio > 1:
-            self.wgate = declare(self, "wgate", (cfg.hidden_size, cfg.head_dim), ("embed", None), jnp.float32)
-        self.norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype_of(cfg.dtype))
+            self.wgate = declare(self, "wgate", (cfg.hidden_size, out), ("embed", None), jnp.float32)
+        if self.v4:
+            self.ape = declare(self, "ape", (self.ratio, out), (None, None), jnp.float32)
+        self.norm = RMSNorm(self.width, cfg.rms_norm_eps, dtype_of(cfg.dtype))
+
+    def pool(self, c: jax.Array, z: jax.Array, prior=None) -> jax.Array:
+        """Windows of rows ``c / z [..., r, ·]`` (FP32, `project`) → pooled ``[..., dim]`` FP32: `pool_group`; V4 adds
+        the position bias to the scores and (CSA) lays the overlapping slots out first (`overlap_slots`)."""
+        if not self.v4:
+            return pool_group(c, z)
+        z = z + self.ape
+        if self.overlap:
+            c, z = overlap_slots(c, z, self.width, prior)
+        return pool_group(c, z)
 
     def unpooled(self, x: jax.Array) -> jax.Array:
         """Ratio 1: the latent of every row ``x [..., H]`` → ``[..., head_dim]``."""
@@ -58,11 +98,11 @@ class Compressor(nn.Module):
         return self.norm(pooled.astype(dtype))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """Full sequence ``x [B,S,H]`` → latents of its complete groups ``[B, S // r, head_dim]``."""
+        """Full sequence ``x [B,S,H]`` → latents of its complete groups ``[B, S // r, dim]``."""
         if self.ratio == 1:
             return self.unpooled(x)
         r = self.ratio
         length = x.shape[1] // r * r
         c, z = self.project(x[:, :length])
         group = lambda a: a.reshape(x.shape[0], length // r, r, a.shape[-1])
-        return self.finish(pool_group(group(c), group(z)), x.dtype)
+        return self.finish(self.pool(group(c), group(z)), x.dtype)

@@ -90,6 +90,14 @@ class FullSequence(RowsBackend):
     def history(self, cache, role: LayerRole) -> CSAState:
         return cache[str(role.kv_source)]
 
+    def every_entry(self, cache, role: LayerRole, state: CSAState) -> jax.Array:
+        """V4 HCA's selection: every entry complete at each row's position, in entry order ``[B,S,G]`` (−1 =
+        not yet visible: entry ``j`` is visible to row ``t`` iff ``j < (t + 1) // r``)."""
+        g = state.ckv.shape[1]
+        j = jnp.arange(g)[None, :]
+        sel = jnp.where(j < (jnp.arange(self.length)[:, None] + 1) // role.ratio, j, -1)
+        return jnp.broadcast_to(sel, (self.batch, self.length, g)).astype(jnp.int32)
+
     @staticmethod
     def _published(role: LayerRole, state: CSAState) -> None:
         if state.ckv is None:

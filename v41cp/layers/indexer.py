@@ -19,6 +19,7 @@ from v41cp.config import LayerRole, ModelConfig
 from v41cp.kernels.indexer_topk import dense_pages, index_block_maxima, indexer_topk
 from v41cp.kernels.indexer_topk.reference import index_scores
 from v41cp.layers.common import RMSNorm, declare, dtype_of, weight_for
+from v41cp.layers.compressor import Compressor
 from v41cp.layers.rope import apply_rope
 from v41cp.layers.tiled_select import select_rows
 from v41cp.quant import mxfp4_block32
@@ -195,7 +196,8 @@ def query_parallel_select_rows(shard, cfg: ModelConfig, role: LayerRole, q, weig
 
 class Indexer(nn.Module):
     """Parameters: ``wq_b [q_lora, index_heads, index_head_dim]``, ``weights_proj [H, index_heads]``;
-    KV sources also ``wk [head_dim, index_head_dim]`` and ``k_norm [index_head_dim]``."""
+    KV sources also ``wk [head_dim, index_head_dim]`` and ``k_norm [index_head_dim]``. V4 (CSA layers): instead of
+    ``wk`` / ``k_norm``, its own overlapping ratio-4 ``compressor`` at the index head dim (`compressed_keys`)."""
 
     cfg: ModelConfig
     role: LayerRole
@@ -203,7 +205,9 @@ class Indexer(nn.Module):
     def setup(self):
         cfg = self.cfg
         dt = dtype_of(cfg.dtype)
-        if self.role.is_kv_source:
+        if cfg.is_v4:
+            self.compressor = Compressor(cfg, self.role.ratio, v4=True, overlap=True, dim=cfg.index_head_dim)
+        elif self.role.is_kv_source:
             self.wk = declare(self, "wk", (cfg.head_dim, cfg.index_head_dim), (None, None), dt)
             self.k_norm = RMSNorm(cfg.index_head_dim, cfg.rms_norm_eps, dt)
         self.wq_b = declare(self, "wq_b", (cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim),
@@ -218,6 +222,12 @@ class Indexer(nn.Module):
         k = self.k_norm(jnp.einsum("...d,de->...e", latent, weight_for(self.wk, latent)))
         k = apply_rope(k, compressed_angles)
         return mxfp4_block32(k) if self.cfg.fake_quant and quantize else k
+
+    def compressed_keys(self, rows, cache, x: jax.Array, compressed_angles: jax.Array) -> jax.Array:
+        """V4: index keys ``[B, G, index_head_dim]`` of the rows' complete windows (``rows.groups``), pooled by this
+        indexer's own compressor and rotated at their entries' ``compressed_angles``."""
+        _, c, z, _, _ = rows.groups(cache, self.role, *self.compressor.project(x))
+        return apply_rope(self.compressor.finish(self.compressor.pool(c, z), x.dtype), compressed_angles)
 
     def query(self, x: jax.Array, qr: jax.Array, angles: jax.Array) -> IndexQuery:
         """The index query of rows ``x [B,R,H]``, ``qr [B,R,q_lora]`` at ``angles [B,R,P]`` (`IndexQuery`: projected

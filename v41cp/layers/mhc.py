@@ -1,8 +1,10 @@
-"""mHC: manifold-constrained hyper-connections with the V4.1 single-pass hand-off.
+"""mHC: manifold-constrained hyper-connections with the V4.1 single-pass hand-off (and V4's per-site form).
 
 The residual is ``X [B, S, hc, H]``. Each site (attention, FFN) predicts FP32 coefficients
 ``pre [B,S,hc]``, ``post [B,S,hc]`` and a Sinkhorn-normalised ``comb [B,S,hc,hc]``
-(input stream × output stream). A site's input is collapsed with the *previous* site's ``pre``.
+(input stream × output stream). V4.1: a site's input is collapsed with the *previous* site's ``pre``, and the last
+``pre`` collapses the streams before the final norm. V4: each site collapses with its own ``pre``, and a head
+mixer (`HyperHead`, ``hc_head_*``) collapses them at the end.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import jax.numpy as jnp
 from v41cp.config import ModelConfig
 from v41cp.layers.common import declare, ones_init, zeros_init
 
-__all__ = ["HyperConnection", "sinkhorn", "collapse", "expand", "mhc_layer"]
+__all__ = ["HyperConnection", "HyperHead", "sinkhorn", "collapse", "expand", "mhc_layer", "mhc_layer_v4"]
 
 
 def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
@@ -50,6 +52,41 @@ def mhc_layer(streams: jax.Array, pre_prev: jax.Array, hc_attn, attn_norm, atten
     return expand(ffn(ffn_norm(collapse(streams, pre_a))), streams, post_f, comb_f), pre_f
 
 
+def mhc_layer_v4(streams: jax.Array, hc_attn, attn_norm, attend, hc_ffn, ffn_norm, ffn) -> jax.Array:
+    """V4's layer: each site collapses the streams with its own ``pre`` (arguments as `mhc_layer`).
+    ``streams [B,S,hc,H]`` → ``[B,S,hc,H]``."""
+    pre_a, post_a, comb_a = hc_attn(streams)
+    streams = expand(attend(attn_norm(collapse(streams, pre_a))), streams, post_a, comb_a)
+    pre_f, post_f, comb_f = hc_ffn(streams)
+    return expand(ffn(ffn_norm(collapse(streams, pre_f))), streams, post_f, comb_f)
+
+
+def _normalized_mix(cfg: ModelConfig, streams: jax.Array, fn: jax.Array) -> jax.Array:
+    """``fn · flatten(X)`` scaled by ``rsqrt(mean(flatten(X)²) + eps)`` (FP32): ``[B,S,hc,H]`` → ``[B,S,m]``."""
+    flat = streams.reshape(*streams.shape[:2], -1).astype(jnp.float32)
+    mixes = jnp.einsum("bsi,mi->bsm", flat, fn, precision=jax.lax.Precision.HIGHEST)
+    return mixes * jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + cfg.rms_norm_eps)
+
+
+class HyperHead(nn.Module):
+    """V4's final collapse: ``pre = sigmoid(mix · scale + base) + eps`` from its own mixer; parameters ``fn [hc,
+    hc·H]``, ``base [hc]``, ``scale [1]`` (FP32; the release's ``hc_head_fn / base / scale``). ``[B,S,hc,H] →
+    [B,S,H]``."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, streams: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        hc = cfg.hc_mult
+        fn = declare(self, "fn", (hc, hc * cfg.hidden_size), (None, "hc_embed"), jnp.float32,
+                     nn.initializers.normal(0.02))
+        base = declare(self, "base", (hc,), (None,), jnp.float32, zeros_init)
+        scale = declare(self, "scale", (1,), (None,), jnp.float32, ones_init)
+        pre = jax.nn.sigmoid(_normalized_mix(cfg, streams, fn) * scale + base) + cfg.hc_eps
+        return collapse(streams, pre)
+
+
 class HyperConnection(nn.Module):
     """One mHC site's coefficient predictor; parameters ``fn [hc(hc+2), hc·H]``, ``base``, ``scale [3]`` (FP32)."""
 
@@ -63,9 +100,7 @@ class HyperConnection(nn.Module):
                      nn.initializers.normal(0.02))
         base = declare(self, "base", (width,), ("hc_mix",), jnp.float32, zeros_init)
         scale = declare(self, "scale", (3,), (None,), jnp.float32, ones_init)
-        flat = streams.reshape(*streams.shape[:2], hc * cfg.hidden_size).astype(jnp.float32)
-        mixes = jnp.einsum("bsi,mi->bsm", flat, fn, precision=jax.lax.Precision.HIGHEST)
-        mixes = mixes * jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + cfg.rms_norm_eps)
+        mixes = _normalized_mix(cfg, streams, fn)
         scales = jnp.concatenate([jnp.broadcast_to(scale[0], (hc,)), jnp.broadcast_to(scale[1], (hc,)),
                                   jnp.broadcast_to(scale[2], (hc * hc,))])
         logits = base + mixes * scales

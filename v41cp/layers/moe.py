@@ -62,10 +62,13 @@ def route_scores(x: jax.Array, w_gate: jax.Array, bias: jax.Array, bias_vl: jax.
 
 
 def route(cfg: ModelConfig, x: jax.Array, w_gate: jax.Array, bias: jax.Array, bias_vl: jax.Array,
-          image_mask: jax.Array | None = None, gather=None) -> tuple[jax.Array, jax.Array]:
-    """Router for ``x [T,H]`` → (weights ``[T,k]`` FP32, expert ids ``[T,k]``); ``gather`` as `route_scores`."""
+          image_mask: jax.Array | None = None, gather=None, fixed: jax.Array | None = None
+          ) -> tuple[jax.Array, jax.Array]:
+    """Router for ``x [T,H]`` → (weights ``[T,k]`` FP32, expert ids ``[T,k]``); ``gather`` as `route_scores`.
+    ``fixed [T,k]`` (V4's hash-routed layers: ``tid2eid`` of the rows' tokens): the experts, not the top-k; the
+    weights are still the router's scores of those experts."""
     scores, ranked = route_scores(x, w_gate, bias, bias_vl, image_mask, gather)
-    _, idx = jax.lax.top_k(ranked, cfg.num_experts_per_tok)
+    idx = jax.lax.top_k(ranked, cfg.num_experts_per_tok)[1] if fixed is None else fixed.astype(jnp.int32)
     w = jnp.take_along_axis(scores, idx, axis=-1)
     if cfg.norm_topk_prob and cfg.num_experts_per_tok > 1:
         w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
@@ -153,13 +156,24 @@ def shared_output(cfg: ModelConfig, xt: jax.Array, s1, s3, s2) -> jax.Array:
     return shared @ weight_for(s2, shared)
 
 
+def _distinct_experts(experts: int):
+    """The initializer of a random model's ``tid2eid [vocab, k]``: token ``v`` routes to experts ``v, v+1, … (mod
+    E)`` (a checkpoint brings the release's table)."""
+    def init(key, shape, dtype):
+        return ((jnp.arange(shape[0])[:, None] + jnp.arange(shape[1])[None, :]) % experts).astype(dtype)
+    return init
+
+
 class MoE(nn.Module):
     """Parameters: ``gate.weight [H, E]``, ``gate.bias``/``gate.bias_vl [E]`` (FP32),
     ``experts.w1/w3 [E, H, I]``, ``experts.w2 [E, I, H]`` (or their FP4 storage, see `_experts`),
-    ``shared.w1/w3 [H, I]``, ``shared.w2 [I, H]``. ``I`` (``moe_mlp`` / ``mlp``) is split over attention TP."""
+    ``shared.w1/w3 [H, I]``, ``shared.w2 [I, H]``. ``I`` (``moe_mlp`` / ``mlp``) is split over attention TP.
+    V4: no ``gate.bias_vl``; a hash-routed layer (``hash_routed``) has ``gate.tid2eid [vocab, k]`` int32 (each
+    token's experts) instead of ``gate.bias``."""
 
     cfg: ModelConfig
     shard: ShardingContext | None = None
+    hash_routed: bool = False
 
     def _experts(self, dt) -> tuple[dict, dict]:
         """Routed expert parameters and their logical axes: ``experts_w1/w3 [E, H, I]``, ``experts_w2 [E, I,
@@ -183,14 +197,24 @@ class MoE(nn.Module):
         return stored, {k: (shape, axes) for k, (shape, axes, _) in specs.items()}
 
     @nn.compact
-    def __call__(self, x: jax.Array, image_mask: jax.Array | None = None) -> jax.Array:
-        """``x [B,S,H]`` (ffn-normed) → ``[B,S,H]``."""
+    def __call__(self, x: jax.Array, image_mask: jax.Array | None = None, tokens: jax.Array | None = None
+                 ) -> jax.Array:
+        """``x [B,S,H]`` (ffn-normed) → ``[B,S,H]``; ``tokens [B,S]``: the rows' token ids (hash-routed layers)."""
         cfg = self.cfg
         dt = dtype_of(cfg.dtype)
         e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         w_gate = declare(self, "gate_weight", (h, e), GATE_AXES, dt)
-        bias = declare(self, "gate_bias", (e,), (None,), jnp.float32, zeros_init)
-        bias_vl = declare(self, "gate_bias_vl", (e,), (None,), jnp.float32, zeros_init)
+        hash_idx = None
+        if self.hash_routed:
+            table = declare(self, "gate_tid2eid", (cfg.vocab_size, cfg.num_experts_per_tok), (None, None), jnp.int32,
+                            _distinct_experts(e))
+            if tokens is None:
+                raise ValueError("a hash-routed MoE layer needs the rows' token ids")
+            hash_idx = jnp.take(table, tokens.reshape(-1), axis=0)
+            bias = jnp.zeros((e,), jnp.float32)
+        else:
+            bias = declare(self, "gate_bias", (e,), (None,), jnp.float32, zeros_init)
+        bias_vl = bias if cfg.is_v4 else declare(self, "gate_bias_vl", (e,), (None,), jnp.float32, zeros_init)
         stored, expert_axes = self._experts(dt)
         shared_axes = {"shared_w1": ((h, i), ("embed", "mlp")), "shared_w3": ((h, i), ("embed", "mlp")),
                        "shared_w2": ((i, h), ("mlp", "embed"))}
@@ -201,22 +225,22 @@ class MoE(nn.Module):
         mask = None if image_mask is None else image_mask.reshape(b * s)
         gate = (w_gate, bias, bias_vl)
         if getattr(self.shard, "in_map", False):
-            out = self._row_group(xt, mask, gate, stored, shared)
+            out = self._row_group(xt, mask, gate, stored, shared, hash_idx)
             return out.astype(x.dtype).reshape(b, s, h)
         if self.is_mutable_collection("intermediates"):       # forward_debug: the routing boundary's scores
             self.sow("intermediates", "route_scores", route_scores(xt, w_gate, bias, bias_vl, mask)[1])
         if cfg.moe_backend == "sparse" and self.shard is not None:
-            out = self._tp_island(xt, mask, gate, stored, shared, {**expert_axes, **shared_axes})
+            out = self._tp_island(xt, mask, gate, stored, shared, {**expert_axes, **shared_axes}, hash_idx)
         elif cfg.moe_backend == "sparse":
-            out = moe_partial(cfg, xt, route(cfg, xt, *gate, mask), stored, shared, 0, None)
+            out = moe_partial(cfg, xt, route(cfg, xt, *gate, mask, fixed=hash_idx), stored, shared, 0, None)
         else:
-            w, idx = route(cfg, xt, w_gate, bias, bias_vl, mask)
+            w, idx = route(cfg, xt, w_gate, bias, bias_vl, mask, fixed=hash_idx)
             dense_w = constrain(dense_route_weights(cfg, w, idx), (None, "experts"), self.shard)
             routed = routed_output(cfg, xt, dense_w, *expert_weights(stored, dt), self.shard)
             out = routed + shared_output(cfg, xt, *shared).astype(jnp.float32)
         return out.astype(x.dtype).reshape(b, s, h)
 
-    def _tp_island(self, xt, mask, gate, stored, shared, axes):
+    def _tp_island(self, xt, mask, gate, stored, shared, axes, hash_idx=None):
         """The GSPMD step's MoE as a ``jax.shard_map`` island over attention TP: rows (split over ``dp`` when the
         batch is) replicated over the group, each rank's weight slices as laid out by the rules, partial outputs
         all-reduced. ``xt [T, H]`` → FP32 ``[T, H]``."""
@@ -232,21 +256,22 @@ class MoE(nn.Module):
         gate_spec = logical_sharding(gate[0].shape, GATE_AXES, mesh, ctx.rules).spec
         split = gate_spec[1] is not None                         # the router's expert columns split over the group
 
-        def body(xt, mask, gate, expert_leaves, shared_leaves):
+        def body(xt, gate, expert_leaves, shared_leaves, extra):
             rank = jax.lax.axis_index(group) if group else 0
             lead = (rank == 0) if group else None
             gather = (lambda lg: jax.lax.all_gather(lg, gate_spec[1], axis=1, tiled=True)) if split else None
-            routing = route(cfg, xt, *gate, mask, gather)             # every rank routes every row
+            routing = route(cfg, xt, *gate, extra.get("mask"), gather, extra.get("hash_idx"))   # every row
             part = moe_partial(cfg, xt, routing, dict(zip(names, expert_leaves)), tuple(shared_leaves), rank, lead)
             return jax.lax.psum(part, group) if group else part
 
-        args = (xt, gate, tuple(stored[n] for n in names), shared) + (() if mask is None else (mask,))
-        in_specs = (rows, (gate_spec, P(), P()), tuple(spec(n) for n in names), tuple(spec(n) for n in shared_names)) + \
-            (() if mask is None else (P(dp),))
-        return jax.shard_map(lambda x, g, e, s, *m: body(x, m[0] if m else None, g, e, s), mesh=mesh,
-                             in_specs=in_specs, out_specs=rows)(*args)
+        extra = {k: v for k, v in (("mask", mask), ("hash_idx", hash_idx)) if v is not None}
+        extra_specs = {k: P(dp) if k == "mask" else rows for k in extra}
+        args = (xt, gate, tuple(stored[n] for n in names), shared, extra)
+        in_specs = (rows, (gate_spec, P(), P()), tuple(spec(n) for n in names), tuple(spec(n) for n in shared_names),
+                    extra_specs)
+        return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=rows)(*args)
 
-    def _row_group(self, xt, mask, gate, stored, shared):
+    def _row_group(self, xt, mask, gate, stored, shared, hash_idx=None):
         """Model-wide QCP (``shard`` a `RowGroup`): with the expert / shared width split over the group, every rank
         applies its slices to every row (gathered) and the partial outputs are reduce-scattered back to the local
         rows; a replicated part is counted on one rank. Each rank routes its own rows and the routing (``[C, k]`` weights
@@ -256,7 +281,7 @@ class MoE(nn.Module):
         w2 = stored.get("experts_w2", stored.get("experts_w2_fp4"))
         local_routed = w2.shape[1] if "experts_w2" in stored else 2 * w2.shape[-1]
         gathered = local_routed < width or shared[0].shape[1] < width
-        routing = route(cfg, xt, *gate, mask)                          # each rank routes its own rows
+        routing = route(cfg, xt, *gate, mask, fixed=hash_idx)          # each rank routes its own rows
         if not gathered:
             return moe_partial(cfg, xt, routing, stored, shared, 0, None)
         rank = grp.rank()

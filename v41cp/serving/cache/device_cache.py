@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 from v41cp.config import LayerRole, ModelConfig
 from v41cp.layers.common import dtype_of
 from v41cp.serving.cache.records import RECORD_FORMATS
+from v41cp.serving.cache.spec import require_paged_layout
 from v41cp.sharding.mesh import CP
 from v41cp.sharding.rules import AxisRules
 
@@ -153,6 +154,7 @@ def declare_cache(cfg: ModelConfig, num_blocks: int, block_tokens: int, max_batc
     """Every leaf of the cache for ``num_blocks`` logical blocks of ``block_tokens`` tokens and ``max_batch`` slots, as
     an `ArrayDecl`. ``records`` (default: ``cfg.fake_quant``) stores the release's byte records; otherwise values in
     the model dtype."""
+    require_paged_layout(cfg)
     dt = dtype_of(cfg.dtype)
     records = cfg.fake_quant if records is None else records
     if records and not cfg.fake_quant:

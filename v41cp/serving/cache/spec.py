@@ -43,6 +43,15 @@ class CacheGroup:
         return self.kv_bytes_per_entry + self.index_bytes_per_entry
 
 
+
+def require_paged_layout(cfg: ModelConfig) -> None:
+    """Refuse a model whose paged decode state is not built (DeepSeek-V4), naming what is missing."""
+    if cfg.is_v4:
+        raise ValueError("model_type deepseek_v4: DeepSeek-V4 runs the full-sequence forward only (`v41cp.model."
+                         "forward`); its paged caches (C4 / C128 entries, index keys, compressor states), decode and "
+                         "span-prefill steps are not built yet")
+
+
 @dataclass(frozen=True)
 class CacheSpec:
     """Layout and sizes of the decode state of ``cfg`` with ``block_tokens`` tokens per logical block.
@@ -56,6 +65,7 @@ class CacheSpec:
     quantized: bool = True
 
     def __post_init__(self):
+        require_paged_layout(self.cfg)
         ratios = sorted({r.ratio for r in self.cfg.layer_roles if r.is_kv_source})
         lcm = math.lcm(*ratios) if ratios else 1
         if self.block_tokens <= 0 or self.block_tokens % lcm:
