@@ -200,3 +200,38 @@ def run_recording_logits(eng, requests) -> dict:
         eng.decode_round()
         grab()
     return logits
+
+
+def decode_teacher_forcing(cfg, params, seqs: dict, start: dict, block: int, max_batch: int, max_blocks: int,
+                           num_blocks: int, steps: int) -> dict:
+    """Feed each sequence of ``seqs`` (id → tokens) token by token through the paged decode step, request ``id``
+    joining at step ``start[id]``, one compile for all steps: ``{id: logits [len, V]}`` (row ``t`` after token
+    ``t``). Every page comes back at the end."""
+    from v41cp.serving.cache.allocator import BlockAllocator
+    from v41cp.serving.runner.steps import decode_step, init_cache
+    from v41cp.serving.step_batch import StepBatch
+
+    alloc = BlockAllocator(num_blocks, block, max_batch, max_blocks)
+    cache = init_cache(cfg, num_blocks, block, max_batch)
+    got = {k: [] for k in seqs}
+    before = decode_step._cache_size()
+    for step in range(steps):
+        rows = []
+        for rid, seq in seqs.items():
+            t = step - start[rid]
+            if 0 <= t < len(seq):
+                alloc.admit(rid, 1) if rid not in alloc else alloc.extend(rid, t + 1)
+                rows.append((rid, seq[: t + 1]))
+        if not rows:
+            continue
+        meta = StepBatch.for_histories(cfg, [h for _, h in rows], [alloc.slot(r) for r, _ in rows],
+                                       [alloc.blocks(r) for r, _ in rows], max_batch, max_blocks)
+        logits, cache = decode_step(params, cache, meta, cfg)
+        for i, (rid, hist) in enumerate(rows):
+            got[rid].append(np.asarray(logits)[i])
+            if len(hist) == len(seqs[rid]):
+                alloc.finish(rid)
+    assert decode_step._cache_size() - before == 1
+    alloc.check()
+    assert alloc.free_blocks == num_blocks
+    return {rid: np.stack(rows) for rid, rows in got.items()}

@@ -133,10 +133,15 @@ def test_v4_refuses_cache_fake_quant_and_v41_refuses_hash_layers():
         preset("tiny", num_hash_layers=1)
 
 
-def test_v4_serving_is_refused_by_name():
-    """The paged decode state of V4 is not built: the serving paths refuse a V4 model with a message naming it,
-    before anything is allocated."""
-    from v41cp.serving.cache.spec import CacheSpec
-
-    with pytest.raises(ValueError, match="deepseek_v4"):
-        CacheSpec(preset("tiny-v4"), 8)
+def test_v4_quantization_block_and_defaults_from_config_json():
+    """A V4 config.json names its FP8 block in ``quantization_config.weight_block_size`` (square), and leaves out the
+    fields V4 has no use for or whose V4 value differs from V4.1's (``rms_norm_eps`` 1e-6)."""
+    d = _released_v4(quantization_config={"quant_method": "fp8", "weight_block_size": [64, 64]})
+    d.pop("rms_norm_eps")
+    d.pop("weight_block_size")
+    cfg = ModelConfig.from_dict(d)
+    assert cfg.weight_block_size == 64 and cfg.rms_norm_eps == 1e-6
+    d.pop("quantization_config")
+    assert ModelConfig.from_dict(d).weight_block_size == 128
+    with pytest.raises(ConfigError, match="weight_block_size"):
+        ModelConfig.from_dict({**d, "quantization_config": {"weight_block_size": [128, 32]}})

@@ -40,7 +40,8 @@ RUNTIME_FIELDS = ("engram_token_map", "attention_backend", "indexer_backend", "m
 # config.json's model_type → the family (V4.1's composite config and its text config; V4's flat config)
 MODEL_TYPES = {"deepseek_v41": "deepseek_v41", "deepseek_v41_text": "deepseek_v41", "deepseek_v4": "deepseek_v4"}
 V4_SCHEDULE_DEFAULTS = dict(kv_source_layer_ids=(), index_source_layer_ids=(), candidate_source_layer_id=-1,
-                            candidate_topk_blocks=0, candidate_block_size=0, weight_block_size=128)
+                            candidate_topk_blocks=0, candidate_block_size=1, weight_block_size=128,
+                            rms_norm_eps=1e-6)
 
 
 class ConfigError(ValueError):
@@ -142,7 +143,7 @@ _V4_FLASH: dict[str, Any] = dict(
     model_type="deepseek_v4", vocab_size=129280, hidden_size=4096, num_hidden_layers=43, num_attention_heads=64,
     num_key_value_heads=1, head_dim=512, qk_rope_head_dim=64, q_lora_rank=1024, o_groups=8, o_lora_rank=1024,
     sliding_window=128, compress_ratios=(0, 0) + (4, 128) * 20 + (4, 0), kv_source_layer_ids=(),
-    index_source_layer_ids=(), candidate_source_layer_id=-1, candidate_topk_blocks=0, candidate_block_size=0,
+    index_source_layer_ids=(), candidate_source_layer_id=-1, candidate_topk_blocks=0, candidate_block_size=1,
     index_n_heads=64, index_head_dim=128, index_topk=512, rope_theta=10000.0, compress_rope_theta=160000.0,
     max_position_embeddings=1048576, n_routed_experts=256, num_experts_per_tok=6, n_shared_experts=1,
     moe_intermediate_size=2048, scoring_func="sqrtsoftplus", topk_method="noaux_tc", norm_topk_prob=True,
@@ -165,7 +166,7 @@ _TINY_V4: dict[str, Any] = dict(
     num_attention_heads=4, num_key_value_heads=1, head_dim=64, qk_rope_head_dim=16, q_lora_rank=32, o_lora_rank=32,
     o_groups=2, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, sliding_window=8,
     compress_ratios=(0, 8, 4, 4), kv_source_layer_ids=(), index_source_layer_ids=(), candidate_source_layer_id=-1,
-    candidate_topk_blocks=0, candidate_block_size=0, index_n_heads=8, index_head_dim=32, index_topk=4,
+    candidate_topk_blocks=0, candidate_block_size=1, index_n_heads=8, index_head_dim=32, index_topk=4,
     num_hash_layers=2, num_nextn_predict_layers=0, rope_theta=10000.0, compress_rope_theta=160000.0,
     max_position_embeddings=1048576, scoring_func="sqrtsoftplus", topk_method="noaux_tc", norm_topk_prob=True,
     routed_scaling_factor=1.5, swiglu_limit=10.0, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-6,

@@ -18,7 +18,7 @@ MEMBERS = sorted({n for n in vars(RowsBackend) if not n.startswith("_")} | set(R
 
 def test_the_protocol_lists_what_the_layers_ask_for():
     assert {"pos", "valid", "narrows", "columns", "window", "groups", "write_entries", "history", "select", "attend",
-            "ced_split", "sampled", "last_rows"} == set(MEMBERS)
+            "ced_split", "sampled", "last_rows", "every_entry"} == set(MEMBERS)
 
 
 @pytest.mark.parametrize("backend", [FullSequence, PagedRows, QCPRows])

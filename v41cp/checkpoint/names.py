@@ -32,7 +32,7 @@ from v41cp.drafter import abstract_drafter_params
 from v41cp.model import abstract_params
 
 __all__ = ["CheckpointError", "Source", "params_from_released", "released_to_tree", "drafter_to_tree",
-           "drafter_params_from_released", "IGNORED_PREFIXES", "insert"]
+           "drafter_params_from_released", "IGNORED_PREFIXES", "insert", "check_expert_table"]
 
 log = logging.getLogger(__name__)
 
@@ -210,6 +210,8 @@ def _tree_from(cfg: ModelConfig, mapping: dict, abstract, tensors: Mapping[str, 
         elif not (np.issubdtype(arr.dtype, np.floating) or arr.dtype.name in ("bfloat16", "float8_e4m3fn")):
             raise CheckpointError(f"tensor {keys[0]!r} has dtype {arr.dtype}, expected a floating dtype")
         used.update(keys)
+        if path[-1] == "gate_tid2eid":
+            check_expert_table(keys[0], arr, cfg.n_routed_experts)
         insert(out, path, np.asarray(arr).astype(node.dtype))
     skipped = [k for k in tensors if k.startswith(ignored)]
     if skipped:
@@ -219,6 +221,15 @@ def _tree_from(cfg: ModelConfig, mapping: dict, abstract, tensors: Mapping[str, 
         raise CheckpointError(f"unexpected tensor {extra[0]!r}: the config gives it no place "
                               f"({len(extra)} unexpected in all)")
     return out
+
+
+def check_expert_table(key: str, table: np.ndarray, experts: int) -> np.ndarray:
+    """A hash-routing table ``tid2eid [vocab, k]`` whose every id names an expert ``[0, experts)``; else an error
+    naming ``key`` and the first bad id."""
+    bad = (table < 0) | (table >= experts)
+    if bad.any():
+        raise CheckpointError(f"tensor {key!r} routes to expert {int(table[bad][0])}, outside [0, {experts})")
+    return table
 
 
 def insert(tree: dict, path: tuple[str, ...], value) -> None:

@@ -211,7 +211,7 @@ def _abstract_subtrees(cfg: ModelConfig, mesh: Mesh | None, rules: AxisRules) ->
     else:
         shardings = param_shardings(boxed, mesh, rules)
     tree = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), nn.unbox(boxed), shardings)
-    out = {"top": {k: tree[k] for k in ("embed", "head", "norm")}}
+    out = {"top": {k: v for k, v in tree.items() if not k.startswith("layers_")}}     # embed, head, norm (hc_head)
     out.update({k: v for k, v in tree.items() if k.startswith("layers_")})
     return out
 

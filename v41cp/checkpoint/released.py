@@ -42,6 +42,7 @@ from v41cp.checkpoint.layouts import index_arrays
 from v41cp.checkpoint.names import (
     IGNORED_PREFIXES,
     CheckpointError,
+    check_expert_table,
     drafter_params_from_released,
     insert,
     released_to_tree,
@@ -287,7 +288,10 @@ class ReleasedCheckpoint:
         node = self._node(path)
         index = index_arrays(index if index is not None else (slice(None),) * len(node.shape), node.shape)
         reader = lambda key, region: self.read_region(key, region, node.dtype, raw)
-        return np.ascontiguousarray(layout.read(reader, keys, index), node.dtype)
+        value = np.ascontiguousarray(layout.read(reader, keys, index), node.dtype)
+        if path[-1] == "gate_tid2eid":
+            check_expert_table(keys[0], value, self.cfg.n_routed_experts)
+        return value
 
     def leaves(self, name: str) -> Iterator[tuple[tuple[str, ...], np.ndarray]]:
         """Decode subtree ``name`` one parameter at a time: (path inside the subtree, NumPy array)."""

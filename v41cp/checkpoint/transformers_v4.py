@@ -69,7 +69,12 @@ def _layer(cfg: ModelConfig, i: int, take) -> dict:
         "shared_w2": _linear(take("mlp.shared_experts.down_proj.weight")),
     }
     if cfg.hash_routed(i):
-        ffn["gate_tid2eid"] = np.asarray(take("mlp.gate.tid2eid")).astype(np.int32)
+        table = np.asarray(take("mlp.gate.tid2eid"))
+        bad = (table < 0) | (table >= cfg.n_routed_experts)
+        if bad.any():
+            raise ValueError(f"transformers V4 state: layer {i}'s mlp.gate.tid2eid routes to expert "
+                             f"{int(table[bad][0])}, outside [0, {cfg.n_routed_experts})")
+        ffn["gate_tid2eid"] = table.astype(np.int32)
     else:
         ffn["gate_bias"] = take("mlp.gate.e_score_correction_bias")
     mix = lambda site: {"fn": take(f"{site}.fn"), "base": take(f"{site}.base"), "scale": take(f"{site}.scale")}

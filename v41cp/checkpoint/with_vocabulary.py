@@ -51,6 +51,9 @@ def with_vocabulary(src: str | os.PathLike, dst: str | os.PathLike, tokenizer_di
     vocab = tok.get_vocab_size(with_added_tokens=True)
     ckpt = ReleasedCheckpoint(src)
     cfg = ckpt.cfg
+    if cfg.is_v4:
+        raise ValueError("with_vocabulary: DeepSeek-V4 checkpoints (hash-routing tables ffn.gate.tid2eid [vocab, k]) "
+                         "are not extended yet")
     config = tokenizer_dir / "tokenizer_config.json"
     specials = json.loads(config.read_text()) if config.exists() else {}
     for name, want in (("bos_token", cfg.bos_token_id), ("eos_token", cfg.eos_token_id)):

@@ -134,9 +134,11 @@ def write_released(dst: str | os.PathLike, cfg: ModelConfig | Mapping, tensors: 
     """
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
+    if isinstance(cfg, Mapping) and cfg.get("model_type") == "deepseek_v4":
+        cfg = ModelConfig.from_dict(cfg)          # V4: the flat config and its FP8 block
     if isinstance(cfg, ModelConfig):
         config, block = cfg.config_json(), cfg.weight_block_size
-    else:                                         # a released config dict, as given (V4.1: 32×32 FP8 blocks)
+    else:                                         # a released V4.1 config dict, as given (32×32 FP8 blocks)
         config, block = {"model_type": "deepseek_v41", "text_config": dict(cfg.get("text_config", cfg))}, 32
     (dst / "config.json").write_text(json.dumps(config, indent=1))
     if tokenizer is not None:

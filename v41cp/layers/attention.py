@@ -215,7 +215,7 @@ class Attention(nn.Module):
             if not cfg.is_v4:
                 ik = indexer.index_keys(latent, cang, quantize=False)
             elif indexer is not None:                   # V4 CSA: the indexer's own compressor
-                ik = indexer.compressed_keys(rows, cache, x, cang)
+                cache, ik = indexer.compressed_keys(rows, cache, x, cang)
             else:                                       # V4 HCA: no index keys
                 ik = jnp.zeros(ckv.shape[:-1] + (0,), ckv.dtype)
             cache = rows.write_entries(cache, role, ckv, ik, j, emits)

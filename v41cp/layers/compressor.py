@@ -12,8 +12,9 @@ same `pool_group` and `Compressor.finish`.
 DeepSeek-V4 (``v4=True``): the gate scores get a learned position bias ``ape [r, ·]`` (one row per position in the
 window) before the softmax. HCA (any ratio but 4): projections to ``dim``, windows of ``r`` rows as above. CSA
 (``overlap``, ratio 4): projections to ``2·dim``; entry ``j`` pools ``2r`` slots — the previous window's rows' low
-halves ``[..., :dim]`` then its own rows' high halves ``[..., dim:]`` (`overlap_slots`); the first window's
-previous slots are empty (value 0, score −inf: weight 0). The indexer of a CSA layer owns one of these at the index
+halves ``[..., :dim]`` then its own rows' high halves ``[..., dim:]``; a rows backend hands each entry its ``2r``
+rows (`with_previous_window` for a whole sequence); the first window's previous slots are empty (value 0, score
+−inf: weight 0). The indexer of a CSA layer owns one of these at the index
 head dim.
 """
 
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 from v41cp.config import ModelConfig
 from v41cp.layers.common import RMSNorm, declare, dtype_of, weight_for
 
-__all__ = ["Compressor", "pool_group", "overlap_slots"]
+__all__ = ["Compressor", "pool_group", "with_previous_window"]
 
 
 def pool_group(values: jax.Array, scores: jax.Array) -> jax.Array:
@@ -35,16 +36,11 @@ def pool_group(values: jax.Array, scores: jax.Array) -> jax.Array:
     return jnp.sum(values * jax.nn.softmax(scores, axis=-2), axis=-2)
 
 
-def overlap_slots(c: jax.Array, z: jax.Array, dim: int, prior: tuple[jax.Array, jax.Array] | None = None):
-    """V4 CSA windows ``c / z [B, G, r, 2·dim]`` (scores with the position bias added) → the ``2r`` slots of each
-    entry ``[B, G, 2r, dim]``: window ``j − 1``'s low halves, then window ``j``'s high halves. ``prior``: the low
-    halves ``[B, r, dim]`` of the window before the first (a continued sequence); None: empty slots."""
-    b, _, r, _ = c.shape
-    if prior is None:
-        prior = (jnp.zeros((b, r, dim), c.dtype), jnp.full((b, r, dim), -jnp.inf, z.dtype))
-    prev = lambda a, first: jnp.concatenate([first[:, None], a[:, :-1, :, :dim]], axis=1)
-    return (jnp.concatenate([prev(c, prior[0]), c[..., dim:]], axis=2),
-            jnp.concatenate([prev(z, prior[1]), z[..., dim:]], axis=2))
+def with_previous_window(c: jax.Array, z: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Windows ``c / z [B, G, r, C]`` of a whole sequence → ``[B, G, 2r, C]``: window ``j − 1``'s rows, then window
+    ``j``'s (V4 CSA's input to `Compressor.pool`); window 0's previous rows are empty (value 0, score −inf)."""
+    prev = lambda a, fill: jnp.concatenate([jnp.full_like(a[:, :1], fill), a[:, :-1]], axis=1)
+    return jnp.concatenate([prev(c, 0), c], axis=2), jnp.concatenate([prev(z, -jnp.inf), z], axis=2)
 
 
 class Compressor(nn.Module):
@@ -72,15 +68,19 @@ class Compressor(nn.Module):
             self.ape = declare(self, "ape", (self.ratio, out), (None, None), jnp.float32)
         self.norm = RMSNorm(self.width, cfg.rms_norm_eps, dtype_of(cfg.dtype))
 
-    def pool(self, c: jax.Array, z: jax.Array, prior=None) -> jax.Array:
-        """Windows of rows ``c / z [..., r, ·]`` (FP32, `project`) → pooled ``[..., dim]`` FP32: `pool_group`; V4 adds
-        the position bias to the scores and (CSA) lays the overlapping slots out first (`overlap_slots`)."""
+    def pool(self, c: jax.Array, z: jax.Array) -> jax.Array:
+        """Windows of rows ``c / z [..., r, ·]`` (FP32, `project`) → pooled ``[..., dim]`` FP32: `pool_group`. V4 adds
+        the position bias (row ``i`` of a window: ``ape[i]``) to the scores; CSA (``overlap``) takes ``[..., 2r,
+        2·dim]`` — the previous window's rows then the entry's own (rows before the sequence: value 0, score −inf)
+        — and pools the previous rows' low halves with its own rows' high halves."""
         if not self.v4:
             return pool_group(c, z)
-        z = z + self.ape
-        if self.overlap:
-            c, z = overlap_slots(c, z, self.width, prior)
-        return pool_group(c, z)
+        r, d = self.ratio, self.width
+        if not self.overlap:
+            return pool_group(c, z + self.ape)
+        z = z + jnp.concatenate([self.ape, self.ape])
+        slots = lambda a: jnp.concatenate([a[..., :r, :d], a[..., r:, d:]], axis=-2)
+        return pool_group(slots(c), slots(z))
 
     def unpooled(self, x: jax.Array) -> jax.Array:
         """Ratio 1: the latent of every row ``x [..., H]`` → ``[..., head_dim]``."""
@@ -105,4 +105,7 @@ class Compressor(nn.Module):
         length = x.shape[1] // r * r
         c, z = self.project(x[:, :length])
         group = lambda a: a.reshape(x.shape[0], length // r, r, a.shape[-1])
-        return self.finish(self.pool(group(c), group(z)), x.dtype)
+        c, z = group(c), group(z)
+        if self.overlap:
+            c, z = with_previous_window(c, z)
+        return self.finish(self.pool(c, z), x.dtype)

@@ -29,6 +29,7 @@ from v41cp.layers.attention import (
     rows_sink_attention,
     window_indices,
 )
+from v41cp.layers.compressor import with_previous_window
 from v41cp.layers.indexer import IndexQuery, query_parallel_select, select_scored
 from v41cp.layers.rows_backend import RowsBackend
 from v41cp.quant import fp8_block32, mxfp4_block32, nvfp4_block16
@@ -74,12 +75,16 @@ class FullSequence(RowsBackend):
         widx, wvalid = window_indices(self.length, self.cfg.sliding_window)
         return cache, (kv, widx), wvalid
 
-    def groups(self, cache, role: LayerRole, c: jax.Array, z: jax.Array):
-        """The ``G = S // r`` complete groups: ``c / z [B,G,r,D]``, entries ``0 … G−1``, all written."""
+    def groups(self, cache, role: LayerRole, c: jax.Array, z: jax.Array, part: str = "main"):
+        """The ``G = S // r`` complete groups: ``c / z [B,G,r,C]`` (V4 CSA: ``[B,G,2r,C]``, each with the window before
+        it), entries ``0 … G−1``, all written. ``part``: which compressor of the layer (no state here)."""
         r, b = role.ratio, self.batch
         g = self.length // r
         group = lambda a: a[:, :g * r].reshape(b, g, r, a.shape[-1])
-        return cache, group(c), group(z), jnp.broadcast_to(jnp.arange(g), (b, g)), jnp.ones((b, g), bool)
+        c, z = group(c), group(z)
+        if role.overlapping:
+            c, z = with_previous_window(c, z)
+        return cache, c, z, jnp.broadcast_to(jnp.arange(g), (b, g)), jnp.ones((b, g), bool)
 
     def write_entries(self, cache, role: LayerRole, ckv: jax.Array, ik: jax.Array, j: jax.Array, emits: jax.Array):
         """The source's entries (every group complete, in order), in the cache formats' precision under fake-quant."""

@@ -223,11 +223,12 @@ class Indexer(nn.Module):
         k = apply_rope(k, compressed_angles)
         return mxfp4_block32(k) if self.cfg.fake_quant and quantize else k
 
-    def compressed_keys(self, rows, cache, x: jax.Array, compressed_angles: jax.Array) -> jax.Array:
-        """V4: index keys ``[B, G, index_head_dim]`` of the rows' complete windows (``rows.groups``), pooled by this
-        indexer's own compressor and rotated at their entries' ``compressed_angles``."""
-        _, c, z, _, _ = rows.groups(cache, self.role, *self.compressor.project(x))
-        return apply_rope(self.compressor.finish(self.compressor.pool(c, z), x.dtype), compressed_angles)
+    def compressed_keys(self, rows, cache, x: jax.Array, compressed_angles: jax.Array):
+        """V4: ``(cache, index keys [B, G, index_head_dim])`` of the rows' complete windows (``rows.groups`` of the
+        ``"index"`` part: its own state), pooled by this indexer's own compressor and rotated at their entries'
+        ``compressed_angles``."""
+        cache, c, z, _, _ = rows.groups(cache, self.role, *self.compressor.project(x), part="index")
+        return cache, apply_rope(self.compressor.finish(self.compressor.pool(c, z), x.dtype), compressed_angles)
 
     def query(self, x: jax.Array, qr: jax.Array, angles: jax.Array) -> IndexQuery:
         """The index query of rows ``x [B,R,H]``, ``qr [B,R,q_lora]`` at ``angles [B,R,P]`` (`IndexQuery`: projected

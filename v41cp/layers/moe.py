@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from v41cp.config import ModelConfig
 from v41cp.kernels.stored_weights import decode_fp4, e8m0_to_f32, fp4_values
 from v41cp.layers.common import declare, dtype_of, stacked_loop, weight_for, zeros_init
-from v41cp.layers.moe_dispatch import expert_width, sparse_routed_output
+from v41cp.layers.moe_dispatch import expert_width, row_bytes, sparse_routed_output
 from v41cp.sharding.mesh import ATTN_TP
 from v41cp.sharding.rules import ShardingContext, constrain, logical_sharding
 
@@ -290,10 +290,12 @@ class MoE(nn.Module):
             xa, routing = grp.gather(part), tuple(grp.gather(r) for r in routing)
             return grp.sum_scatter(moe_partial(cfg, xa, routing, stored, shared, rank, rank == 0))
 
-        # the gathered rows' buffers (the rows, the FP32 accumulator and output) grow with N·C: in row chunks of at
-        # most `RowGroup.chunk_bytes` of them (each token's output is its own, so chunking changes no value)
+        # the gathered rows' buffers (the rows, their pairs' FP32 outputs, the result and the scattered output) grow
+        # with N·C: in row chunks of at most `RowGroup.chunk_bytes` of them (each token's output is its own, so
+        # chunking changes no value)
         c, h = xt.shape
-        chunks = min(c, max(1, -(-(grp.n * c * h * 16) // grp.chunk_bytes)))
+        per_row = row_bytes(h, cfg.num_experts_per_tok, xt.dtype) + 8 * h
+        chunks = min(c, max(1, -(-(grp.n * c * per_row) // grp.chunk_bytes)))
         while c % chunks:
             chunks += 1
         if chunks == 1:

@@ -49,7 +49,7 @@ from v41cp.kernels.grouped_matmul.reference import stored_matmul
 from v41cp.layers.common import full_after
 
 __all__ = ["DispatchShape", "dispatch", "sparse_routed_output", "expert_width", "TILE_PADDING",
-           "CHUNK_WEIGHT_BYTES"]
+           "CHUNK_WEIGHT_BYTES", "row_bytes"]
 
 TILE_PADDING = 1.0625           # worst-case padded slots ≤ 1.0625 × pairs (or G = 1)
 MAX_TILE = 128
@@ -114,6 +114,12 @@ def dispatch(idx: jax.Array, shape: DispatchShape):
     return tile_expert, slot_pair.reshape(shape.tiles, g)
 
 
+def row_bytes(hidden: int, k: int, dtype) -> int:
+    """Bytes `sparse_routed_output` holds per input row at once: the row, the FP32 output of each of its ``k``
+    pairs (their own rows) and its FP32 result."""
+    return hidden * (jnp.dtype(dtype).itemsize + 4 * k + 4)
+
+
 def _tile_matmul(x: jax.Array, weight, tiles: jax.Array, backend: str = "xla", live=None) -> jax.Array:
     """``x [c, G, n]`` times expert ``tiles [c]``'s weight: a plain ``[E, n, o]`` array, or stored FP4 ``(packed
     [E, o, n/2], scale [E, o, n/32])`` → ``[c, G, o]``; ``backend="pallas"``: FP4 weights through the grouped
@@ -142,11 +148,11 @@ def _expert_ffn(xs: jax.Array, tiles: jax.Array, experts: dict, swiglu, backend:
 
 def _combine(pair_out: jax.Array, weights: jax.Array) -> jax.Array:
     """``Σ_j weights[t, j] · pair_out[t·k + j]`` in FP32, in the order ``j = 0 … k−1``, for every token:
-    ``pair_out [≥ T·k, H]`` (each pair's expert output, token-major), ``weights [T, k]`` → ``[T, H]``. Written
+    ``pair_out [≥ T·k, H]`` FP32 (each pair's expert output, token-major), ``weights [T, k]`` → ``[T, H]``. Written
     as a chain of adds so the order is the program's, not the backend's: a token's output depends on its own
     pairs only — not on the tile size or the other tokens of the pass (batch invariance)."""
     t, k = weights.shape
-    y = pair_out[:t * k].reshape(t, k, -1).astype(jnp.float32)
+    y = pair_out[:t * k].reshape(t, k, -1)
     w = weights.astype(jnp.float32)
     out = y[:, 0] * w[:, :1]
     for j in range(1, k):
@@ -194,7 +200,9 @@ def sparse_routed_output(x: jax.Array, idx: jax.Array, weights: jax.Array, exper
     # every pair's expert output lands in its own row of ``pair_out`` (token-major: row t·k + j), then
     # `_combine` sums each token's k rows in a fixed order: a plain scatter, no accumulation across tiles, so
     # the result is the same whatever the tile size and deterministic on backends whose scatter-add is atomic
-    out0 = full_after((shape.slots if shape.tile == 1 else pairs, h), 0, x.dtype, x)    # allocated with this layer
+    # FP32 rows (exact for the expert outputs; a BF16 scatter would be widened to FP32 and back on backends
+    # without BF16 scatter, measured on XLA:CPU), allocated with this layer
+    out0 = full_after((shape.slots if shape.tile == 1 else pairs, h), 0, jnp.float32, x)
     if shape.tile == 1:
         # tiles of one slot (decode): every (token, expert) pair is its own tile, already in token-major order —
         # no sort and no scatter
@@ -203,7 +211,7 @@ def sparse_routed_output(x: jax.Array, idx: jax.Array, weights: jax.Array, exper
         xs = jnp.pad(jnp.repeat(x, k, axis=0), ((0, pad), (0, 0)))[:, None, :]          # [P, 1, H]
 
         def one_slot(out, tiles, xs, offset=0):
-            y = _expert_ffn(xs, tiles, experts, swiglu)[:, 0]
+            y = _expert_ffn(xs, tiles, experts, swiglu)[:, 0].astype(jnp.float32)
             return jax.lax.dynamic_update_slice_in_dim(out, y, offset, axis=0)
 
         return _combine(_chunked(shape, one_slot, out0, (tiles, xs), like), weights)
@@ -213,7 +221,7 @@ def sparse_routed_output(x: jax.Array, idx: jax.Array, weights: jax.Array, exper
     def tiles_run(out, tiles, slot_pairs, offset=0):
         tok = jnp.where(slot_pairs < 0, t, slot_pairs // k)
         live = jnp.any(slot_pairs >= 0, axis=1).astype(jnp.int32) if kernel else None
-        y = _expert_ffn(rows[tok], tiles, experts, swiglu, backend if kernel else "xla", live)
+        y = _expert_ffn(rows[tok], tiles, experts, swiglu, backend if kernel else "xla", live).astype(jnp.float32)
         dest = jnp.where(slot_pairs < 0, pairs, slot_pairs).reshape(-1)     # empty slots: out of range, dropped
         return out.at[dest].set(y.reshape(-1, h), mode="drop")
 

@@ -62,10 +62,16 @@ class RowsBackend(Protocol):
         """Window keys of every row (and the cache's window write): ``kv [B,R,D]`` → ``(cache, keys, valid
         [B,R,W])``; ``keys`` is the backend's own form, read back only by its `attend`."""
 
-    def groups(self, cache: Any, role: LayerRole, c: jax.Array, z: jax.Array):
+    def groups(self, cache: Any, role: LayerRole, c: jax.Array, z: jax.Array, part: str = "main"):
         """The compression groups (ratio ``r = role.ratio`` > 1) of the rows' FP32 projections ``c / z [B,R,D]``:
         ``(cache, c [B,N,r,D], z [B,N,r,D], j [B,N], emits [B,N])`` — each group's rows in order, its entry index
-        ``j`` and whether it is written (complete). Ratio 1 needs no groups: each row is its entry ``pos``."""
+        ``j`` and whether it is written (complete). Ratio 1 needs no groups: each row is its entry ``pos``. V4 CSA
+        (``role.overlapping``): ``[B,N,2r,D]``, the window before each group's rows first. ``part``: the layer's
+        compressor (``"main"``) or its indexer's (``"index"``, V4 CSA), each with its own state."""
+
+    def every_entry(self, cache: Any, role: LayerRole, state: CSAState) -> jax.Array:
+        """V4 HCA's selection: every entry complete at each row's position, in entry order (−1 = not visible), over
+        the history ``state`` reads."""
 
     def write_entries(self, cache: Any, role: LayerRole, ckv: jax.Array, ik: jax.Array, j: jax.Array,
                       emits: jax.Array):
@@ -93,11 +99,20 @@ class CachedRows(RowsBackend):
     def group_first(self, cache: Any, src: str, c: jax.Array, z: jax.Array):
         """Ratio-2 pair partners of every row (``c / z [B,R,D]``) → ``(cache, c0, z0)``; the open pair is written."""
 
+    def compressor_windows(self, cache: Any, role: LayerRole, c: jax.Array, z: jax.Array, part: str):
+        """V4's compression windows of cached rows (`groups`): a backend with V4 compressor state implements it."""
+        raise ValueError(f"layer {role.index}: {type(self).__name__} does not run DeepSeek-V4 compressors yet")
+
+    def every_entry(self, cache: Any, role: LayerRole, state: CSAState) -> jax.Array:
+        raise ValueError(f"layer {role.index}: {type(self).__name__} does not run DeepSeek-V4 HCA layers yet")
+
     @abstractmethod
     def select_queries(self, cache: Any, role: LayerRole, q: jax.Array, weights: jax.Array, state: CSAState):
         """Index selection of projected rows ``q [B,R,Hi,Di]`` / ``weights [B,R,Hi]`` → ``(topk, candidates)``."""
 
-    def groups(self, cache: Any, role: LayerRole, c: jax.Array, z: jax.Array):
+    def groups(self, cache: Any, role: LayerRole, c: jax.Array, z: jax.Array, part: str = "main"):
+        if self.cfg.is_v4:
+            return self.compressor_windows(cache, role, c, z, part)
         r = role.ratio
         if r != 2:
             raise ValueError(f"layer {role.index}: cached rows pair compression groups of ratio 2, not {r}")

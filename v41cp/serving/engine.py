@@ -30,6 +30,7 @@ record_logits=False)`:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Protocol, runtime_checkable
 
@@ -43,6 +44,20 @@ from v41cp.serving.scheduler.scheduler import ROLES, Scheduler
 from v41cp.sharding.topology import ParallelConfig
 
 __all__ = ["Capacity", "SamplingParams", "Engine", "EngineLike", "EngineFull", "RequestError"]
+
+
+def _check_v4_serving(parallel: ParallelConfig | None, speculative, role: str) -> None:
+    """DeepSeek-V4 is served on one device, aggregated, without speculative decoding, for now: anything else is
+    refused by name (its sharded / DCP attention over HCA entries, MTP and the PD transfer are not built)."""
+    sizes = {} if parallel is None else {k: v for k, v in dataclasses.asdict(parallel).items()
+                                         if k.endswith("_size") and isinstance(v, int) and v > 1}
+    if sizes:
+        raise ValueError(f"DeepSeek-V4 serving runs on one device for now; got {sizes} (tensor / context-parallel "
+                         f"V4 steps are not built)")
+    if speculative is not None:
+        raise ValueError("DeepSeek-V4 speculative decoding (its MTP layer) is not built")
+    if role != "both":
+        raise ValueError(f"DeepSeek-V4 prefill / decode disaggregation is not built (engine role {role!r})")
 
 
 @runtime_checkable
@@ -98,6 +113,8 @@ class Engine:
                  devices=None, role: str = "both", record_logits: bool = False, tokenizer: str | None = None):
         if role not in ROLES:
             raise ValueError(f"engine role must be 'both', 'prefill' or 'decode', got {role!r}")
+        if cfg.is_v4:
+            _check_v4_serving(parallel, speculative, role)
         if speculative is not None:
             check_speculative(cfg, speculative)
             if speculative.params is None and speculative.proposer is None:

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import rel_err
+from helpers import decode_teacher_forcing, rel_err
 
 from v41cp import model
 from v41cp.checkpoint import default_checkpoint, load
@@ -30,37 +30,11 @@ def test_decode_teacher_forcing_matches_full_forward(fake_quant, tol):
     cfg, params = load(default_checkpoint(), fake_quant=fake_quant)
     rng = np.random.default_rng(7)
     seqs = {"a": rng.integers(3, cfg.vocab_size, 41), "b": rng.integers(3, cfg.vocab_size, 23)}
-    start = {"a": 0, "b": 9}
-    want = {k: np.asarray(model.forward(params, cfg, v[None]))[0] for k, v in seqs.items()}
-    alloc = BlockAllocator(NUM_BLOCKS, BLOCK, MAX_BATCH, MAX_BLOCKS)
-    cache = init_cache(cfg, NUM_BLOCKS, BLOCK, MAX_BATCH)
-    got = {k: [] for k in seqs}
-    compiles_before = decode_step._cache_size()
-    for step in range(45):
-        rows = []
-        for rid, seq in seqs.items():
-            t = step - start[rid]
-            if 0 <= t < len(seq):
-                if rid not in alloc:
-                    alloc.admit(rid, 1)
-                else:
-                    alloc.extend(rid, t + 1)
-                rows.append((rid, seq[: t + 1]))
-        if not rows:
-            continue
-        logits, cache = decode_step(params, cache, _meta(cfg, alloc, rows), cfg)
-        logits = np.asarray(logits)
-        for i, (rid, hist) in enumerate(rows):
-            got[rid].append(logits[i])
-            if len(hist) == len(seqs[rid]):
-                alloc.finish(rid)
-    assert decode_step._cache_size() - compiles_before == 1
-    for rid in seqs:
-        err = rel_err(np.stack(got[rid]), want[rid])
-        print(f"\n[decode teacher forcing] request {rid} ({len(seqs[rid])} tokens): logits rel err {err:.2e}")
+    got = decode_teacher_forcing(cfg, params, seqs, {"a": 0, "b": 9}, BLOCK, MAX_BATCH, MAX_BLOCKS, NUM_BLOCKS, 45)
+    for rid, seq in seqs.items():
+        err = rel_err(got[rid], np.asarray(model.forward(params, cfg, seq[None]))[0])
+        print(f"\n[decode teacher forcing] request {rid} ({len(seq)} tokens): logits rel err {err:.2e}")
         assert err <= tol
-    alloc.check()
-    assert alloc.free_blocks == NUM_BLOCKS
 
 
 def test_one_compile_over_1000_steps_with_changing_batches():

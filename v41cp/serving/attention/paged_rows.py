@@ -220,6 +220,48 @@ class PagedRows(CachedRows):
                               open_score={**cache.open_score, src: open_z.at[at].set(pick(z), mode="drop")})
         return cache, c0, z0
 
+    def compressor_windows(self, cache: PagedCache, role: LayerRole, c: jax.Array, z: jax.Array, part: str):
+        """V4's compression windows of every row (`CachedRows.groups`): ``c / z [B,R,C]`` (packed ``[1,R,C]``) FP32
+        projections → ``(cache, c [B,R,n,C], z [B,R,n,C], j, emits)`` where row ``p``'s ``n`` window rows are
+        positions ``p − n + 1 … p`` (``n = r``; CSA: ``2r``, the window before too) — from the step's own rows or
+        the slot's ring of its last ``n`` rows (`declare_cache`: ``open_kv`` / ``open_score``, flattened ``[B,
+        n·C]``; the indexer's under key ``"<layer>i"``), positions before 0 empty (value 0, score −inf). The
+        ring rows of each request's last ``n`` positions are written."""
+        if self.undo is not None:
+            raise ValueError("DeepSeek-V4 compressor state records no undo yet: verification steps are not built")
+        m, r = self.meta, role.ratio
+        n = r * (2 if role.overlapping else 1)
+        key = str(role.kv_source) + ("i" if part == "index" else "")
+        b, rr = self.pos.shape
+        width = c.shape[-1]
+        want = self.pos[..., None] - (n - 1) + jnp.arange(n)                                   # [B,R,n] positions
+        start = self.by_row(m.starts)[..., None]
+        local = jnp.clip(want - start, 0, None)
+        out, rings = [], {}
+        for name, values, fill in (("open_kv", c, 0.0), ("open_score", z, -jnp.inf)):
+            ring = getattr(cache, name)[key].reshape(self.n_slots, n, width)
+            held = self.by_row(ring[self.slot_r])                                   # [B|1, R|B·…, n, C] per row
+            held = jnp.take_along_axis(held, (want % n)[..., None], axis=-2)
+            if m.packed:
+                step = self.flat(values)[self._flat_row(self.unflat(self.row_req)[..., None], local)]
+            else:
+                step = values[jnp.arange(b)[:, None, None], jnp.clip(local, 0, rr - 1)]
+            got = jnp.where((want >= start)[..., None], step, held)
+            out.append(jnp.where((want >= 0)[..., None], got, fill))
+            ok = self.valid & (self.unflat(self.row_local) >= self.by_row(m.lengths) - n)
+            at = (jnp.where(ok, self.by_row(m.slots), self.n_slots), self.pos % n)
+            rings[name] = {**getattr(cache, name), key: ring.at[at].set(values, mode="drop").reshape(self.n_slots, -1)}
+        cache = cache.replace(**rings)
+        emits = self.valid & (self.pos % r == r - 1)
+        return cache, out[0], out[1], self.pos // r, emits
+
+    def every_entry(self, cache: PagedCache, role: LayerRole, state: CSAState) -> jax.Array:
+        """V4 HCA's selection of every row: each entry of the gathered history ``[B,R,G]`` complete at the row's
+        position (``j < (p + 1) // r``), −1 otherwise."""
+        g = state.ckv.shape[1]
+        j = jnp.arange(g)
+        return jnp.where(j < ((self.pos + 1) // role.ratio)[..., None], j, -1).astype(jnp.int32)
+
     def write_entries(self, cache: PagedCache, role: LayerRole, ckv: jax.Array, ik: jax.Array, j: jax.Array,
                       emits: jax.Array) -> dict:
         """Write entries ``j [B,R]`` (compressed KV ``ckv [B,R,D]``, index keys ``ik [B,R,Di]``, pre-quantization)
@@ -235,6 +277,8 @@ class PagedRows(CachedRows):
         undo = {"blk": blk, "row": row, "emits": emits} if self.undo is not None else None
         out = {}
         for name, values, fmt in (("ckv", ckv, "nvfp4"), ("ikey", ik, "mxfp4")):
+            if src not in cache.pool(name):         # V4 HCA: no index keys
+                continue
             pool = cache.pool(name)[src]
             if self.plan is not None:
                 got = pc.write_owned(self.plan, self.cfg, pool, self.flat(blk), self.flat(row), self.flat(values),
@@ -248,7 +292,9 @@ class PagedRows(CachedRows):
                 undo[name] = old
         if undo is not None:
             self.undo["entries"][src] = EntriesUndo(**undo)
-        return cache.with_pool("ckv", src, out["ckv"]).with_pool("ikey", src, out["ikey"])
+        for name, store in out.items():
+            cache = cache.with_pool(name, src, store)
+        return cache
 
     # --------------------------------------------------------------------------- selection and attention
     def history(self, cache: PagedCache, role: LayerRole) -> CSAState:
@@ -258,8 +304,8 @@ class PagedRows(CachedRows):
             return CSAState()
         src = str(role.kv_source)
         gather = lambda a: pc.gather_pages(a, self.meta.block_tables)
-        return CSAState(ckv=pc.read(cache.ckv[src], "nvfp4", self.dtype, gather),
-                        ikeys=pc.read(cache.ikey[src], "mxfp4", self.dtype, gather))
+        ikeys = pc.read(cache.ikey[src], "mxfp4", self.dtype, gather) if src in cache.ikey else None
+        return CSAState(ckv=pc.read(cache.ckv[src], "nvfp4", self.dtype, gather), ikeys=ikeys)
 
     def select_queries(self, cache: PagedCache, role: LayerRole, q: jax.Array, weights: jax.Array,
                        state: CSAState):

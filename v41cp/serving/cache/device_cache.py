@@ -8,7 +8,9 @@ block_tokens / ratio`` entries per block of a ratio-``ρ`` KV source, ``D`` / ``
 * ``swa [L, B, W, ·]`` — the window ring: row ``p % W`` of slot ``b`` holds the window KV of position ``p``;
 * ``ckv[g] / ikey[g] [NB, epb, ·]`` per KV source ``g`` (its layer index as a string) — the paged global pools:
   entry ``j`` of a request lives in block ``block_table[j // epb]`` at row ``j % epb``;
-* ``open_kv[g] / open_score[g] [B, D]`` FP32 per ratio-2 source — the open pair's first row (compressor projections).
+* ``open_kv[g] / open_score[g] [B, D]`` FP32 per ratio-2 source — the open pair's first row (compressor projections);
+  DeepSeek-V4: per compressor a ring of its last ``n`` rows' projections, flattened ``[B, n·width]`` (HCA ``n = r``,
+  width ``D``; CSA ``n = 2r``, width ``2D``, and its indexer's under ``"<g>i"``, width ``2·Di``).
 
 A *store* (``swa``, each pool) is an array of values in the model dtype, or the release's byte records ``{"q":
 payload, "s": scale}`` (uint8; FP8 window rows, NVFP4 compressed KV, MXFP4 index keys: `v41cp.serving.cache.records`).
@@ -33,7 +35,6 @@ from jax.sharding import PartitionSpec as P
 from v41cp.config import LayerRole, ModelConfig
 from v41cp.layers.common import dtype_of
 from v41cp.serving.cache.records import RECORD_FORMATS
-from v41cp.serving.cache.spec import require_paged_layout
 from v41cp.sharding.mesh import CP
 from v41cp.sharding.rules import AxisRules
 
@@ -154,7 +155,6 @@ def declare_cache(cfg: ModelConfig, num_blocks: int, block_tokens: int, max_batc
     """Every leaf of the cache for ``num_blocks`` logical blocks of ``block_tokens`` tokens and ``max_batch`` slots, as
     an `ArrayDecl`. ``records`` (default: ``cfg.fake_quant``) stores the release's byte records; otherwise values in
     the model dtype."""
-    require_paged_layout(cfg)
     dt = dtype_of(cfg.dtype)
     records = cfg.fake_quant if records is None else records
     if records and not cfg.fake_quant:
@@ -176,6 +176,18 @@ def declare_cache(cfg: ModelConfig, num_blocks: int, block_tokens: int, max_batc
             raise ValueError(f"block_tokens={block_tokens} is not a multiple of layer {g.index}'s ratio {g.ratio}")
         src, epb = str(g.index), block_tokens // g.ratio
         ckv[src] = store("ckv", (num_blocks, epb), "nvfp4")
+        if cfg.is_v4:
+            # V4: each compressor's ring of its last n rows' FP32 projections (flattened [B, n·width]): HCA n = r;
+            # CSA n = 2r (the window before the open one), for the layer's compressor and its indexer's ("<g>i")
+            n = g.ratio * (2 if g.overlapping else 1)
+            rings = {src: n * d * (2 if g.overlapping else 1)}
+            if g.is_index_source:
+                ikey[src] = store("ikey", (num_blocks, epb), "mxfp4")
+                rings[src + "i"] = n * 2 * di
+            for key, width in rings.items():
+                open_kv[key] = ArrayDecl((max_batch, width), jnp.float32, PagedCache.axes_of("open_kv"))
+                open_score[key] = ArrayDecl((max_batch, width), jnp.float32, PagedCache.axes_of("open_score"))
+            continue
         ikey[src] = store("ikey", (num_blocks, epb), "mxfp4")
         if g.ratio > 1:
             if g.ratio != 2:

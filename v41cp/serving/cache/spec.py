@@ -1,4 +1,4 @@
-"""The V4.1 decode-state layout and its exact byte accounting (docs/architecture.md).
+"""The V4.1 (and V4) decode-state layout and its exact byte accounting (docs/architecture.md).
 
 Per request:
 
@@ -44,14 +44,6 @@ class CacheGroup:
 
 
 
-def require_paged_layout(cfg: ModelConfig) -> None:
-    """Refuse a model whose paged decode state is not built (DeepSeek-V4), naming what is missing."""
-    if cfg.is_v4:
-        raise ValueError("model_type deepseek_v4: DeepSeek-V4 runs the full-sequence forward only (`v41cp.model."
-                         "forward`); its paged caches (C4 / C128 entries, index keys, compressor states), decode and "
-                         "span-prefill steps are not built yet")
-
-
 @dataclass(frozen=True)
 class CacheSpec:
     """Layout and sizes of the decode state of ``cfg`` with ``block_tokens`` tokens per logical block.
@@ -65,7 +57,6 @@ class CacheSpec:
     quantized: bool = True
 
     def __post_init__(self):
-        require_paged_layout(self.cfg)
         ratios = sorted({r.ratio for r in self.cfg.layer_roles if r.is_kv_source})
         lcm = math.lcm(*ratios) if ratios else 1
         if self.block_tokens <= 0 or self.block_tokens % lcm:
@@ -87,7 +78,7 @@ class CacheSpec:
         d, di = cfg.head_dim, cfg.index_head_dim
         kv = d // 2 + d // 16 if self.quantized else d * self._elem
         ik = di // 2 + di // 32 if self.quantized else di * self._elem
-        return tuple(CacheGroup(r.index, r.ratio, self.block_tokens // r.ratio, kv, ik)
+        return tuple(CacheGroup(r.index, r.ratio, self.block_tokens // r.ratio, kv, ik if r.is_index_source else 0)
                      for r in cfg.layer_roles if r.is_kv_source)
 
     @property
@@ -107,7 +98,19 @@ class CacheSpec:
 
     @property
     def compressor_state_bytes_per_request(self) -> int:
-        return sum((g.ratio - 1) * 2 * self.cfg.head_dim * 4 for g in self.groups)
+        """FP32 ``[kv, score]`` rows of every compressor's open state: V4.1 the open group's ``r − 1`` rows; V4 a
+        ring of the last ``n`` rows (`device_cache.declare_cache`: HCA ``r`` rows of ``D``; CSA ``2r`` rows of
+        ``2D``, plus its indexer's ``2r`` rows of ``2·Di``)."""
+        cfg = self.cfg
+        if not cfg.is_v4:
+            return sum((g.ratio - 1) * 2 * cfg.head_dim * 4 for g in self.groups)
+        total = 0
+        for r in cfg.layer_roles:
+            if r.overlapping:
+                total += 2 * r.ratio * 2 * (cfg.head_dim + cfg.index_head_dim) * 2 * 4
+            elif r.is_kv_source:
+                total += r.ratio * cfg.head_dim * 2 * 4
+        return total
 
     @property
     def prefix_state_bytes(self) -> int:

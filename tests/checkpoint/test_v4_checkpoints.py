@@ -1,6 +1,7 @@
-"""DeepSeek-V4 parameters from transformers' module names (`v41cp.checkpoint.transformers_v4`): a round trip
-through transformers' layout, and errors that name the missing, unexpected or mis-shaped key. (The oracle test,
-tests/e2e/test_oracle_v4.py, loads transformers' own state dict this way.)"""
+"""DeepSeek-V4 checkpoints: parameters from transformers' module names (`v41cp.checkpoint.transformers_v4`: a round
+trip through transformers' layout, errors that name the missing, unexpected or mis-shaped key; the oracle test,
+tests/e2e/test_oracle_v4.py, loads transformers' own state dict this way), and the release's V4 layout written,
+read (FP8 128×128 blocks, FP4 experts, int hash tables), converted to orbax and loaded."""
 
 import jax
 import numpy as np
@@ -90,3 +91,42 @@ def test_errors_name_the_key(v4):
         params_from_transformers_v4(cfg, {**state, "model.layers.1.self_attn.compressor.position_bias": np.zeros((4, 64))})
     with pytest.raises(ValueError, match="deepseek_v4"):
         params_from_transformers_v4(preset("tiny"), state)
+
+
+def test_release_layout_write_read_convert_load(tmp_path):
+    """Random tensors under the release's V4 names (`released_shapes`), written in the release's formats, read back
+    kept quantized and dequantized (the same logits), converted to orbax and loaded (the same tree, ``hc_head``
+    included); a hash table routing outside the experts is refused by name."""
+    import jax.numpy as jnp
+
+    from v41cp.checkpoint import convert, load
+    from v41cp.checkpoint.names import CheckpointError
+    from v41cp.checkpoint.released import ReleasedCheckpoint
+    from v41cp.checkpoint.writer import released_shapes, write_released
+
+    cfg = preset("tiny-v4")
+    rng = np.random.default_rng(0)
+    tensors = {k: (rng.integers(0, cfg.n_routed_experts, shape) if k.endswith("tid2eid")
+                   else rng.normal(0, 0.05, shape).astype(np.float32))
+               for k, shape in released_shapes(cfg).items()}
+    write_released(tmp_path / "r", cfg, tensors)
+    stored = ReleasedCheckpoint(tmp_path / "r")
+    assert stored.cfg.is_v4 and stored.cfg.weight_block_size == 128 and stored.cfg.keep_quantized
+    tokens = rng.integers(3, cfg.vocab_size, (1, 20))
+    logits = {keep: np.asarray(model.forward(jax.tree.map(jnp.asarray, ReleasedCheckpoint(
+        tmp_path / "r", keep_quantized=keep).params()), stored.cfg.replace(keep_quantized=keep), tokens))
+              for keep in (True, False)}
+    np.testing.assert_allclose(logits[True], logits[False], rtol=0, atol=1e-5 * np.abs(logits[False]).max())
+    convert(tmp_path / "r", tmp_path / "o", dtype="fp32", progress=False, keep_quantized=False)
+    cfg_o, params_o = load(tmp_path / "o")
+    assert cfg_o.is_v4 and "hc_head" in params_o
+    want = jax.tree.map(np.asarray, ReleasedCheckpoint(tmp_path / "r", keep_quantized=False).params())
+    flat = lambda t: {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(t)[0]}
+    got, want = flat(params_o), flat(want)
+    assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
+
+    bad = dict(tensors)
+    bad["layers.0.ffn.gate.tid2eid"] = np.full_like(tensors["layers.0.ffn.gate.tid2eid"], cfg.n_routed_experts)
+    write_released(tmp_path / "bad", cfg, bad)
+    with pytest.raises(CheckpointError, match="layers.0.ffn.gate.tid2eid' routes to expert 4"):
+        ReleasedCheckpoint(tmp_path / "bad").params()
