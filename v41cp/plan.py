@@ -169,6 +169,9 @@ def plan_program(cfg: ModelConfig, mode: str, batch: int, context: int, parallel
     prefill's selection / attention tile budget (default `v41cp.layers.tiled_select.ROW_TILE_BYTES`)."""
     if mode not in ("decode", "prefill"):
         raise ValueError(f"plan: mode must be 'decode' or 'prefill', got {mode!r}")
+    if cfg.is_v4:
+        raise ValueError("plan: DeepSeek-V4 programs are not planned yet (its tensor / context-parallel steps are not "
+                         "built); plan a V4.1 preset or checkpoint")
     for name, v in (("batch", batch), ("context", context), ("block_tokens", block_tokens)):
         if type(v) is not int or v <= 0:
             raise ValueError(f"plan: {name} must be a positive integer, got {v!r}")

@@ -8,13 +8,14 @@ caches hold every CSA / HCA layer's entries (CSA's index keys too) and each comp
 * the engine's greedy tokens equal the full forward's greedy continuation with the span prefill (one pass, and
   passes of 16 rows continuing over rounds: the rings carried across passes) and the token-serial reference, with
   no near-tie on any selection or greedy choice, prefix-cache hits included;
-* what is not built is refused by name: tensor / context parallel steps, MTP speculative decoding, PD.
+* what is not built is refused by name: tensor / context parallel steps (a parallel config or a mesh), the kernel
+  backends, MTP speculative decoding, PD, the release-size plans.
 """
 
 import jax
 import numpy as np
 import pytest
-from helpers import decode_teacher_forcing, perturbed, rel_err, selection_margin
+from helpers import decode_teacher_forcing, perturbed, rel_err, run_recording_logits, selection_margin
 
 from v41cp import model
 from v41cp.config import preset
@@ -42,25 +43,27 @@ def test_decode_teacher_forcing_matches_full_forward(v4):
 
 @pytest.fixture(scope="module")
 def greedy(v4):
-    """Prompts (two, then two sharing 41 / 33 tokens of the second) and their greedy continuations by the full
-    forward, with no near-tie on any greedy choice or selection."""
+    """Prompts (two, then two sharing 41 / 33 tokens of the second), their greedy continuations by the full forward
+    and the logits behind each continuation token, with no near-tie on any greedy choice or selection."""
     cfg, params = v4
     rng = np.random.default_rng(1)
     prompts = {"r0": rng.integers(3, cfg.vocab_size, 30).tolist(), "r2": rng.integers(3, cfg.vocab_size, 41).tolist()}
     prompts["hit"] = prompts["r2"] + rng.integers(3, cfg.vocab_size, 4).tolist()         # r2 stored its state at 40
     prompts["branch"] = prompts["r2"][:33] + rng.integers(3, cfg.vocab_size, 5).tolist()   # no state at 32: cold
-    want = {}
+    want, want_logits = {}, {}
     for rid, prompt in prompts.items():
         seq = list(prompt)
+        rows = []
         for _ in range(NEW):
             logits = np.asarray(model.forward(params, cfg, np.array([seq])))[0, -1]
             top = np.sort(logits)[-2:]
             assert (top[1] - top[0]) / np.abs(logits).max() > 1e-4, (rid, len(seq), "greedy near-tie")
+            rows.append(logits)
             seq.append(int(logits.argmax()))
         margin, where = selection_margin(cfg, params, seq, 0)
         assert margin > 1e-5, (rid, where)
-        want[rid] = seq[len(prompt):]
-    return prompts, want
+        want[rid], want_logits[rid] = seq[len(prompt):], np.stack(rows)
+    return prompts, want, want_logits
 
 
 NEW = 4
@@ -69,26 +72,32 @@ NEW = 4
 @pytest.mark.parametrize("prefill", ["span", "span-16-row-passes", "token-serial"])
 def test_engine_greedy_equals_full_forward(v4, greedy, prefill):
     """Prefix caching on (the default): a later prompt reuses the second's cached blocks and the state stored with
-    them — the window rings and every compressor's ring — and still gives the full forward's tokens. (Its
-    logits are not bit-identical to a cold prefill: this model's rows round differently in passes of other sizes on
-    XLA:CPU, ~2e-7; `docs/architecture.md` §8.)"""
+    them — the window rings and every compressor's ring — and still gives the full forward's tokens, and every
+    output token's logits equal the full forward's to 1e-5. (Not bit-identical to a cold prefill: this model's rows
+    round differently on XLA:CPU in passes of other sizes, ~2e-7; `docs/architecture.md` §8.)"""
     cfg, params = v4
-    prompts, want = greedy
+    prompts, want, want_logits = greedy
     cap = Capacity(max_batch=3, max_tokens=64, block_tokens=BLOCK, span_prefill=prefill != "token-serial",
                    prefill_tokens=16 if prefill == "span-16-row-passes" else None)
-    eng = Engine(params, cfg, cap)
-    got = {}
+    eng = Engine(params, cfg, cap, record_logits=True)
+    got, logits = {}, {}
     for batch in (("r0", "r2"), ("hit", "branch")):
-        for rid in batch:
-            eng.submit(rid, prompts[rid], SamplingParams(max_new_tokens=NEW, stop_on_eos=False))
-        got.update({r["id"]: r["output_ids"] for r in eng.run(max_steps=200)})
+        logits.update(run_recording_logits(eng, {rid: (prompts[rid], SamplingParams(max_new_tokens=NEW,
+                                                                                     stop_on_eos=False))
+                                                 for rid in batch}))
+        got.update({rid: eng.result(rid)["output_ids"] for rid in batch})
     assert got == want
+    for rid in prompts:
+        err = rel_err(np.stack(logits[rid]), want_logits[rid])
+        assert err <= 1e-5, (rid, err)
     assert eng.result("hit")["cached_tokens"] == 40 and eng.result("branch")["cached_tokens"] == 0
     eng.check()
     assert eng.alloc.free_blocks + eng.prefix_stats()["cached_blocks"] == eng.num_blocks
 
 
 def test_what_is_not_built_is_refused_by_name(v4):
+    from v41cp.serving.runner.speculative import Speculative
+    from v41cp.sharding import make_mesh
     from v41cp.sharding.topology import ParallelConfig
 
     cfg, params = v4
@@ -98,5 +107,15 @@ def test_what_is_not_built_is_refused_by_name(v4):
                               "kv_parallel_size")):
         with pytest.raises(ValueError, match=f"DeepSeek-V4 serving runs on one device.*{needle}"):
             Engine(params, cfg, cap, parallel=parallel)
+    with pytest.raises(ValueError, match="DeepSeek-V4 serving runs on one device.*mesh devices"):
+        Engine(params, cfg, cap, mesh=make_mesh(tp=2, devices=jax.devices()[:2]))
+    with pytest.raises(ValueError, match="XLA attention and indexer paths.*attention_backend"):
+        Engine(params, cfg.replace(attention_backend="pallas"), cap)
+    with pytest.raises(ValueError, match="DeepSeek-V4 speculative decoding"):
+        Engine(params, cfg, cap, speculative=Speculative(None, 2, proposer=lambda *a: None))
     with pytest.raises(ValueError, match="DeepSeek-V4 prefill / decode disaggregation"):
         Engine(params, cfg, cap, role="prefill")
+    from v41cp.plan import plan_program
+
+    with pytest.raises(ValueError, match="DeepSeek-V4 programs are not planned yet"):
+        plan_program(preset("v4-flash"), "decode", 64, 1 << 20)

@@ -46,14 +46,20 @@ from v41cp.sharding.topology import ParallelConfig
 __all__ = ["Capacity", "SamplingParams", "Engine", "EngineLike", "EngineFull", "RequestError"]
 
 
-def _check_v4_serving(parallel: ParallelConfig | None, speculative, role: str) -> None:
-    """DeepSeek-V4 is served on one device, aggregated, without speculative decoding, for now: anything else is
-    refused by name (its sharded / DCP attention over HCA entries, MTP and the PD transfer are not built)."""
+def _check_v4_serving(cfg: ModelConfig, parallel: ParallelConfig | None, mesh, speculative, role: str) -> None:
+    """DeepSeek-V4 is served on one device, aggregated, with the XLA attention / indexer paths and without
+    speculative decoding, for now: anything else is refused by name (its sharded / DCP attention over HCA entries,
+    the kernels' V4 paths, MTP and the PD transfer are not built)."""
     sizes = {} if parallel is None else {k: v for k, v in dataclasses.asdict(parallel).items()
                                          if k.endswith("_size") and isinstance(v, int) and v > 1}
+    if mesh is not None and mesh.size > 1:
+        sizes["mesh devices"] = mesh.size
     if sizes:
         raise ValueError(f"DeepSeek-V4 serving runs on one device for now; got {sizes} (tensor / context-parallel "
                          f"V4 steps are not built)")
+    kernels = {n: getattr(cfg, n) for n in ("attention_backend", "indexer_backend") if getattr(cfg, n) != "xla"}
+    if kernels:
+        raise ValueError(f"DeepSeek-V4 serving runs the XLA attention and indexer paths for now; got {kernels}")
     if speculative is not None:
         raise ValueError("DeepSeek-V4 speculative decoding (its MTP layer) is not built")
     if role != "both":
@@ -114,7 +120,7 @@ class Engine:
         if role not in ROLES:
             raise ValueError(f"engine role must be 'both', 'prefill' or 'decode', got {role!r}")
         if cfg.is_v4:
-            _check_v4_serving(parallel, speculative, role)
+            _check_v4_serving(cfg, parallel, mesh, speculative, role)
         if speculative is not None:
             check_speculative(cfg, speculative)
             if speculative.params is None and speculative.proposer is None:
