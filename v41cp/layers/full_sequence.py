@@ -30,7 +30,7 @@ from v41cp.layers.attention import (
     window_indices,
 )
 from v41cp.layers.compressor import with_previous_window
-from v41cp.layers.indexer import IndexQuery, query_parallel_select, select_scored
+from v41cp.layers.indexer import IndexQuery, every_visible_entry, query_parallel_select, select_scored
 from v41cp.layers.rows_backend import RowsBackend
 from v41cp.quant import fp8_block32, mxfp4_block32, nvfp4_block16
 from v41cp.sharding.operator_qcp import attention_query_parallel_applies, indexer_query_parallel_applies
@@ -98,10 +98,7 @@ class FullSequence(RowsBackend):
     def every_entry(self, cache, role: LayerRole, state: CSAState) -> jax.Array:
         """V4 HCA's selection: every entry complete at each row's position, in entry order ``[B,S,G]`` (−1 =
         not yet visible: entry ``j`` is visible to row ``t`` iff ``j < (t + 1) // r``)."""
-        g = state.ckv.shape[1]
-        j = jnp.arange(g)[None, :]
-        sel = jnp.where(j < (jnp.arange(self.length)[:, None] + 1) // role.ratio, j, -1)
-        return jnp.broadcast_to(sel, (self.batch, self.length, g)).astype(jnp.int32)
+        return every_visible_entry(self.pos, role.ratio, state.ckv.shape[1])
 
     @staticmethod
     def _published(role: LayerRole, state: CSAState) -> None:

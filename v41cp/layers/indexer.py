@@ -25,7 +25,7 @@ from v41cp.layers.tiled_select import select_rows
 from v41cp.quant import mxfp4_block32
 from v41cp.sharding.operator_qcp import interleaved_island
 
-__all__ = ["Indexer", "IndexQuery", "index_query", "kept_candidate_entries",
+__all__ = ["Indexer", "IndexQuery", "index_query", "kept_candidate_entries", "every_visible_entry",
            "kernel_select_rows", "select_candidate_blocks", "select_positions", "select_scored", "topk_select",
            "query_parallel_select", "query_parallel_select_rows"]
 
@@ -56,6 +56,13 @@ def kept_candidate_entries(blocks: jax.Array, visible_len: jax.Array, topk_block
     vals, idx = jax.lax.top_k(blocks, min(topk_blocks, nb))
     keep = jnp.zeros(blocks.shape, bool).at[jnp.arange(blocks.shape[0])[:, None], idx].set(vals > -jnp.inf)
     return jnp.repeat(keep.reshape(*lead, nb), block_size, axis=-1)[..., :g]
+
+
+def every_visible_entry(positions: jax.Array, ratio: int, g: int) -> jax.Array:
+    """The selection that reads every entry complete at each row's position (V4 HCA): ``positions [...]`` →
+    ``[..., g]`` int32, entry ``j`` where ``j < (p + 1) // ratio``, else −1."""
+    j = jnp.arange(g, dtype=jnp.int32)
+    return jnp.where(j < ((positions + 1) // ratio)[..., None], j, -1)
 
 
 def topk_select(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

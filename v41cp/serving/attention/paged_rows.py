@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from v41cp.config import LayerRole, ModelConfig
 from v41cp.layers.attention import CSAState
 from v41cp.layers.common import dtype_of
+from v41cp.layers.indexer import every_visible_entry
 from v41cp.layers.rows_backend import CachedRows
 from v41cp.serving.attention import paged_paths
 from v41cp.serving.cache import paged as pc
@@ -237,6 +238,9 @@ class PagedRows(CachedRows):
         want = self.pos[..., None] - (n - 1) + jnp.arange(n)                                   # [B,R,n] positions
         start = self.by_row(m.starts)[..., None]
         local = jnp.clip(want - start, 0, None)
+        # ring rows written: each request's fed rows among its last n of the step
+        ok = self.valid & (self.unflat(self.row_local) >= self.by_row(m.lengths) - n)
+        at = (jnp.where(ok, self.by_row(m.slots), self.n_slots), self.pos % n)
         out, rings = [], {}
         for name, values, fill in (("open_kv", c, 0.0), ("open_score", z, -jnp.inf)):
             ring = getattr(cache, name)[key].reshape(self.n_slots, n, width)
@@ -248,8 +252,6 @@ class PagedRows(CachedRows):
                 step = values[jnp.arange(b)[:, None, None], jnp.clip(local, 0, rr - 1)]
             got = jnp.where((want >= start)[..., None], step, held)
             out.append(jnp.where((want >= 0)[..., None], got, fill))
-            ok = self.valid & (self.unflat(self.row_local) >= self.by_row(m.lengths) - n)
-            at = (jnp.where(ok, self.by_row(m.slots), self.n_slots), self.pos % n)
             rings[name] = {**getattr(cache, name), key: ring.at[at].set(values, mode="drop").reshape(self.n_slots, -1)}
         cache = cache.replace(**rings)
         emits = self.valid & (self.pos % r == r - 1)
@@ -258,9 +260,7 @@ class PagedRows(CachedRows):
     def every_entry(self, cache: PagedCache, role: LayerRole, state: CSAState) -> jax.Array:
         """V4 HCA's selection of every row: each entry of the gathered history ``[B,R,G]`` complete at the row's
         position (``j < (p + 1) // r``), −1 otherwise."""
-        g = state.ckv.shape[1]
-        j = jnp.arange(g)
-        return jnp.where(j < ((self.pos + 1) // role.ratio)[..., None], j, -1).astype(jnp.int32)
+        return every_visible_entry(self.pos, role.ratio, state.ckv.shape[1])
 
     def write_entries(self, cache: PagedCache, role: LayerRole, ckv: jax.Array, ik: jax.Array, j: jax.Array,
                       emits: jax.Array) -> dict:
