@@ -203,16 +203,29 @@ def run_recording_logits(eng, requests) -> dict:
 
 
 def decode_teacher_forcing(cfg, params, seqs: dict, start: dict, block: int, max_batch: int, max_blocks: int,
-                           num_blocks: int, steps: int) -> dict:
+                           num_blocks: int, steps: int, parallel=None) -> dict:
     """Feed each sequence of ``seqs`` (id → tokens) token by token through the paged decode step, request ``id``
     joining at step ``start[id]``, one compile for all steps: ``{id: logits [len, V]}`` (row ``t`` after token
-    ``t``). Every page comes back at the end."""
+    ``t``). Every page comes back at the end. ``parallel`` (a `ParallelConfig`): the step on its mesh — KVP pages
+    split over the ``cp`` group with the DCP step, or plain TP's split selection."""
+    from v41cp import model
+    from v41cp.serving.attention.dcp import DCPPlan
     from v41cp.serving.cache.allocator import BlockAllocator
     from v41cp.serving.runner.steps import decode_step, init_cache
     from v41cp.serving.step_batch import StepBatch
 
-    alloc = BlockAllocator(num_blocks, block, max_batch, max_blocks)
-    cache = init_cache(cfg, num_blocks, block, max_batch)
+    plan, n, sharding = None, 1, None
+    if parallel is not None:
+        mesh = parallel.make_mesh()
+        params = model.shard_params(params, cfg, mesh, parallel.rules())
+        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        if parallel.kv_parallel_size > 1:
+            plan, n = DCPPlan.build(cfg, parallel, mesh), parallel.kv_parallel_size
+        else:
+            plan = DCPPlan.split_selection(mesh)
+    alloc = BlockAllocator(num_blocks, block, max_batch, max_blocks, n)
+    cache = init_cache(cfg, num_blocks, block, max_batch, sharding=None if n > 1 else sharding,
+                       plan=plan if n > 1 else None)
     got = {k: [] for k in seqs}
     before = decode_step._cache_size()
     for step in range(steps):
@@ -226,7 +239,7 @@ def decode_teacher_forcing(cfg, params, seqs: dict, start: dict, block: int, max
             continue
         meta = StepBatch.for_histories(cfg, [h for _, h in rows], [alloc.slot(r) for r, _ in rows],
                                        [alloc.blocks(r) for r, _ in rows], max_batch, max_blocks)
-        logits, cache = decode_step(params, cache, meta, cfg)
+        logits, cache = decode_step(params, cache, meta, cfg, plan)
         for i, (rid, hist) in enumerate(rows):
             got[rid].append(np.asarray(logits)[i])
             if len(hist) == len(seqs[rid]):
@@ -235,3 +248,26 @@ def decode_teacher_forcing(cfg, params, seqs: dict, start: dict, block: int, max
     alloc.check()
     assert alloc.free_blocks == num_blocks
     return {rid: np.stack(rows) for rid, rows in got.items()}
+
+
+def greedy_reference(cfg, params, prompts: dict, new: int, length: int) -> tuple[dict, dict]:
+    """The full forward's greedy continuation of each prompt (id → token list) by ``new`` tokens, with the logits
+    behind each: ``({id: tokens}, {id: logits [new, V]})``. Every forward runs at one padded length ``length`` (one
+    compile; the model is causal, so the rows before the padding are those of the unpadded sequence). Asserts no
+    greedy near-tie (1e-4 relative) and no selection near-tie (`selection_margin` > 1e-5) on any row."""
+    from v41cp import model
+
+    want, want_logits = {}, {}
+    for rid, prompt in prompts.items():
+        seq, rows = list(prompt), []
+        for _ in range(new):
+            padded = np.full((1, length), cfg.pad_token_id, np.int32)
+            padded[0, :len(seq)] = seq
+            logits = np.asarray(model.forward(params, cfg, padded))[0, len(seq) - 1]
+            assert top_gap(logits) > 1e-4, (rid, len(seq), "greedy near-tie")
+            rows.append(logits)
+            seq.append(int(logits.argmax()))
+        margin, where = selection_margin(cfg, params, seq, 0)
+        assert margin > 1e-5, (rid, where)
+        want[rid], want_logits[rid] = seq[len(prompt):], np.stack(rows)
+    return want, want_logits

@@ -8,14 +8,15 @@ caches hold every CSA / HCA layer's entries (CSA's index keys too) and each comp
 * the engine's greedy tokens equal the full forward's greedy continuation with the span prefill (one pass, and
   passes of 16 rows continuing over rounds: the rings carried across passes) and the token-serial reference, with
   no near-tie on any selection or greedy choice, prefix-cache hits included;
-* what is not built is refused by name: tensor / context parallel steps (a parallel config or a mesh), the kernel
-  backends, MTP speculative decoding, PD, the release-size plans.
+* what is not built is refused by name: query context parallelism (model-wide, operator-local), the kernel backends,
+  MTP speculative decoding, PD, the release-size plans. (Attention TP and KVP = DCP:
+  `tests/serving/attention/test_v4_dcp.py`.)
 """
 
 import jax
 import numpy as np
 import pytest
-from helpers import decode_teacher_forcing, perturbed, rel_err, run_recording_logits, selection_margin
+from helpers import decode_teacher_forcing, greedy_reference, perturbed, rel_err, run_recording_logits
 
 from v41cp import model
 from v41cp.config import preset
@@ -50,20 +51,7 @@ def greedy(v4):
     prompts = {"r0": rng.integers(3, cfg.vocab_size, 30).tolist(), "r2": rng.integers(3, cfg.vocab_size, 41).tolist()}
     prompts["hit"] = prompts["r2"] + rng.integers(3, cfg.vocab_size, 4).tolist()         # r2 stored its state at 40
     prompts["branch"] = prompts["r2"][:33] + rng.integers(3, cfg.vocab_size, 5).tolist()   # no state at 32: cold
-    want, want_logits = {}, {}
-    for rid, prompt in prompts.items():
-        seq = list(prompt)
-        rows = []
-        for _ in range(NEW):
-            logits = np.asarray(model.forward(params, cfg, np.array([seq])))[0, -1]
-            top = np.sort(logits)[-2:]
-            assert (top[1] - top[0]) / np.abs(logits).max() > 1e-4, (rid, len(seq), "greedy near-tie")
-            rows.append(logits)
-            seq.append(int(logits.argmax()))
-        margin, where = selection_margin(cfg, params, seq, 0)
-        assert margin > 1e-5, (rid, where)
-        want[rid], want_logits[rid] = seq[len(prompt):], np.stack(rows)
-    return prompts, want, want_logits
+    return (prompts,) + greedy_reference(cfg, params, prompts, NEW, 64)
 
 
 NEW = 4
@@ -97,18 +85,15 @@ def test_engine_greedy_equals_full_forward(v4, greedy, prefill):
 
 def test_what_is_not_built_is_refused_by_name(v4):
     from v41cp.serving.runner.speculative import Speculative
-    from v41cp.sharding import make_mesh
     from v41cp.sharding.topology import ParallelConfig
 
     cfg, params = v4
     cap = Capacity(max_batch=1, max_tokens=32, block_tokens=BLOCK)
-    for parallel, needle in ((ParallelConfig(tp_size=4), "tp_size"),
-                             (ParallelConfig(tp_size=2, kv_parallel_size=2, decode_context_parallel_size=2),
-                              "kv_parallel_size")):
-        with pytest.raises(ValueError, match=f"DeepSeek-V4 serving runs on one device.*{needle}"):
+    for parallel, needle in ((ParallelConfig(tp_size=2, query_context_parallel_size=2),
+                              "query_context_parallel_size"),
+                             (ParallelConfig(tp_size=2, indexer_query_parallel_size=2), "indexer_query_parallel_size")):
+        with pytest.raises(ValueError, match=f"DeepSeek-V4 query context parallelism is not built.*{needle}"):
             Engine(params, cfg, cap, parallel=parallel)
-    with pytest.raises(ValueError, match="DeepSeek-V4 serving runs on one device.*mesh devices"):
-        Engine(params, cfg, cap, mesh=make_mesh(tp=2, devices=jax.devices()[:2]))
     with pytest.raises(ValueError, match="XLA attention and indexer paths.*attention_backend"):
         Engine(params, cfg.replace(attention_backend="pallas"), cap)
     with pytest.raises(ValueError, match="DeepSeek-V4 speculative decoding"):

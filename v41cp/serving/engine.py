@@ -30,7 +30,6 @@ record_logits=False)`:
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Protocol, runtime_checkable
 
@@ -46,17 +45,15 @@ from v41cp.sharding.topology import ParallelConfig
 __all__ = ["Capacity", "SamplingParams", "Engine", "EngineLike", "EngineFull", "RequestError"]
 
 
-def _check_v4_serving(cfg: ModelConfig, parallel: ParallelConfig | None, mesh, speculative, role: str) -> None:
-    """DeepSeek-V4 is served on one device, aggregated, with the XLA attention / indexer paths and without
-    speculative decoding, for now: anything else is refused by name (its sharded / DCP attention over HCA entries,
-    the kernels' V4 paths, MTP and the PD transfer are not built)."""
-    sizes = {} if parallel is None else {k: v for k, v in dataclasses.asdict(parallel).items()
-                                         if k.endswith("_size") and isinstance(v, int) and v > 1}
-    if mesh is not None and mesh.size > 1:
-        sizes["mesh devices"] = mesh.size
-    if sizes:
-        raise ValueError(f"DeepSeek-V4 serving runs on one device for now; got {sizes} (tensor / context-parallel "
-                         f"V4 steps are not built)")
+def _check_v4_serving(cfg: ModelConfig, parallel: ParallelConfig | None, speculative, role: str) -> None:
+    """DeepSeek-V4 is served aggregated, with the XLA attention / indexer paths, on one device or a mesh of
+    attention TP with KVP = DCP, and without speculative decoding, for now: anything else is refused by name
+    (model-wide / operator-local QCP, the kernels' V4 paths, MTP and the PD transfer are not built)."""
+    if parallel is not None:
+        qcp = {n: getattr(parallel, n) for n in ("query_context_parallel_size", "indexer_query_parallel_size",
+                                                 "attention_query_parallel_size") if getattr(parallel, n) > 1}
+        if qcp:
+            raise ValueError(f"DeepSeek-V4 query context parallelism is not built yet; got {qcp}")
     kernels = {n: getattr(cfg, n) for n in ("attention_backend", "indexer_backend") if getattr(cfg, n) != "xla"}
     if kernels:
         raise ValueError(f"DeepSeek-V4 serving runs the XLA attention and indexer paths for now; got {kernels}")
@@ -120,7 +117,7 @@ class Engine:
         if role not in ROLES:
             raise ValueError(f"engine role must be 'both', 'prefill' or 'decode', got {role!r}")
         if cfg.is_v4:
-            _check_v4_serving(cfg, parallel, mesh, speculative, role)
+            _check_v4_serving(cfg, parallel, speculative, role)
         if speculative is not None:
             check_speculative(cfg, speculative)
             if speculative.params is None and speculative.proposer is None:

@@ -50,7 +50,7 @@ from v41cp.sharding.mesh import ATTN_TP, CP
 from v41cp.sharding.ownership import owned_positions
 from v41cp.sharding.topology import ParallelConfig
 
-__all__ = ["DCPPlan", "select", "attend", "gather_history", "gather_owned_records", "collective_plan", "KEPT_SHARE"]
+__all__ = ["DCPPlan", "select", "attend", "attend_visible", "gather_history", "gather_owned_records", "collective_plan", "KEPT_SHARE"]
 
 # A rank's static capacity for the kept candidate entries it owns (Reindex layers), × an even share: page-cyclic
 # ownership spreads the contiguous runs the candidate blocks form evenly, so 1.5× leaves the data-dependent overflow
@@ -364,17 +364,55 @@ def attend(plan: DCPPlan, read, q: jax.Array, ring: jax.Array, ring_valid: jax.A
             valid = jnp.concatenate([valid, own], axis=1)
         if backend != "pallas":
             o, lse = partial_attention(q, keys, valid)
-        if plan.merge == "a2a":
-            o, lse = merge_a2a(o, lse, CP, n)
-        else:
-            o, lse = merge_ag_rs(o, lse, CP, scatter=plan.heads_sharded)
-        return apply_sink(o, lse, sink).astype(q.dtype)
+        return _merged(plan, o, lse, sink, q.dtype)
 
     sink_spec = P(*plan.out_spec[1:2])
     spec = jax.tree.map(lambda _: P(CP), ckv_pool)
     body = heads_body if plan.merge == "heads" else body
     return plan.shard_map(body, (plan.q_spec, P(), P(), P(), spec, P(), sink_spec), plan.out_spec, backend)(
         q, ring, ring_valid, topk, ckv_pool, tables, sink)
+
+
+def _merged(plan: DCPPlan, o: jax.Array, lse: jax.Array, sink: jax.Array, dtype) -> jax.Array:
+    """Inside a ``cp`` island: this rank's sink-free partial ``o [B, Hg, D]`` / ``lse [B, Hg]`` over the cp group's
+    heads merged exactly (``a2a``, else ``ag_rs``: the ``heads`` mode's partial layers merge so), back in the TP head
+    layout, the sink applied once."""
+    if plan.merge == "a2a":
+        o, lse = merge_a2a(o, lse, CP, plan.n)
+    else:
+        o, lse = merge_ag_rs(o, lse, CP, scatter=plan.heads_sharded)
+    return apply_sink(o, lse, sink).astype(dtype)
+
+
+def attend_visible(plan: DCPPlan, read, q: jax.Array, ring: jax.Array, ring_valid: jax.Array, ckv_pool,
+                   tables: jax.Array, positions: jax.Array, ratio: int, sink: jax.Array) -> jax.Array:
+    """DCP attention of a layer that attends every visible compressed entry (V4 HCA, `LayerRole.dense_history`) for
+    one query row per batch row: each rank's partial attention over the entries of the pages it owns that are
+    complete at the row's position (``j < (p + 1) // ratio``) — no selection, no record moves — plus the replicated
+    window on cp rank 0 only, merged exactly by LSE (`_merged`; under the ``heads`` mode too: gathering every
+    visible record would move the whole history), the sink once.
+
+    q ``[B, H, D]`` (TP head layout, `DCPPlan.q_spec`); ring ``[B, W, D]`` / ring_valid ``[B, W]``; ckv_pool the
+    cp-split pool; tables ``[B, MB]``; positions ``[B]``; sink ``[H]`` → ``[B, H, D]`` (`DCPPlan.out_spec`). A rank
+    owning no visible entry (a short history) contributes an empty partial (LSE −inf)."""
+    epb = _local(ckv_pool).shape[1]
+
+    def body(q, ring, ring_valid, pool, tables, positions, sink):
+        if plan.heads_sharded and plan.q_mode == "gather":
+            q = jax.lax.all_gather(q, CP, axis=1, tiled=True)                        # heads of the cp group
+        rows, ids = _owned_rows(plan, tables, epb)                                    # [B, LT], [B, LT·epb]
+        b = rows.shape[0]
+        owned = read(pool, lambda a: a[rows]).reshape(b, ids.shape[1], -1)           # [B, LT·epb, D]
+        visible = (ids >= 0) & (ids < ((positions + 1) // ratio)[:, None])
+        keys = jnp.concatenate([ring, owned.astype(ring.dtype)], axis=1)
+        valid = jnp.concatenate([ring_valid & (jax.lax.axis_index(CP) == 0), visible], axis=1)
+        o, lse = partial_attention(q, keys, valid)
+        return _merged(plan, o, lse, sink, q.dtype)
+
+    sink_spec = P(*plan.out_spec[1:2])
+    spec = jax.tree.map(lambda _: P(CP), ckv_pool)
+    return plan.shard_map(body, (plan.q_spec, P(), P(), spec, P(), P(), sink_spec), plan.out_spec)(
+        q, ring, ring_valid, ckv_pool, tables, positions, sink)
 
 
 def gather_owned_records(pool, own: jax.Array, local: jax.Array, off: jax.Array):
@@ -410,7 +448,9 @@ def collective_plan(cfg: ModelConfig, plan: DCPPlan, max_batch: int, max_blocks:
     for role in cfg.layer_roles:
         if role.ratio == 0:
             continue
-        if plan.merge == "heads":      # the selected entries' records, all-reduced; no query gather, no merge
+        if plan.merge == "heads" and not role.dense_history:
+            # the selected entries' records, all-reduced; no query gather, no merge (a V4 HCA layer attends every
+            # visible entry: partials over owned entries, merged, in every mode — `attend_visible`)
             # a Reuse layer gathers exactly its source layer's records (same selection, same pool): XLA merges the
             # two identical all-reduces into one
             if role.kind != "reuse":
@@ -420,7 +460,7 @@ def collective_plan(cfg: ModelConfig, plan: DCPPlan, max_batch: int, max_blocks:
                 out["q_gather"] += b * hg * d * item
             if plan.merge == "a2a":
                 out["merge"] += n * b * (hg // n) * (d + 1) * 4
-            elif plan.heads_sharded:
+            elif plan.heads_sharded:                # ag_rs (and the heads mode's partial layers)
                 out["merge"] += n * b * hg * 4 + b * (hg // n) * d * 4
             else:
                 out["merge"] += n * b * hg * 4 + b * hg * d * 4

@@ -16,7 +16,8 @@ Attention (sink attention over each row's window keys and selected entries):
   decoded from the pool in place instead); row tiles for a packed pass; operator-local attention QCP when it applies;
 * `KernelAttention` — the sparse-attention kernel (`kernel_ops.attend`);
 * `OwnedPagesAttention` — DCP: each rank's partial attention over its owned entries, merged by LSE
-  (`v41cp.serving.attention.dcp.attend`); window-only layers take the local path.
+  (`v41cp.serving.attention.dcp.attend`; V4 HCA over every visible entry it owns, `dcp.attend_visible`); window-only
+  layers take the local path.
 
 Every path takes the step's `PagedRows` (``rows``: positions, tables, the flat row layout) and reads no weight.
 ``reads_history``: whether the path reads the gathered history (`PagedRows.history` gathers it only then).
@@ -156,6 +157,11 @@ class OwnedPagesAttention:
         if role.ratio == 0:
             return self.local.attend(rows, cache, role, q, keys, valid, state, sink)
         read = lambda a, f: pc.read(a, "nvfp4", rows.dtype, f)
+        if role.dense_history:          # V4 HCA: every visible entry each rank owns (its selection is implied)
+            o = dcp.attend_visible(self.plan, read, rows.flat(q), rows.flat(keys), rows.flat(valid),
+                                   cache.ckv[str(role.kv_source)], rows.row_tables, rows.flat(rows.pos), role.ratio,
+                                   sink)
+            return rows.unflat(o)
         o = dcp.attend(self.plan, read, rows.flat(q), rows.flat(keys), rows.flat(valid), rows.flat(state.topk),
                        cache.ckv[str(role.kv_source)], rows.row_tables, sink, rows.cfg.attention_backend)
         return rows.unflat(o)

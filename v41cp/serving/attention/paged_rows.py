@@ -258,9 +258,11 @@ class PagedRows(CachedRows):
         return cache, out[0], out[1], self.pos // r, emits
 
     def every_entry(self, cache: PagedCache, role: LayerRole, state: CSAState) -> jax.Array:
-        """V4 HCA's selection of every row: each entry of the gathered history ``[B,R,G]`` complete at the row's
-        position (``j < (p + 1) // r``), −1 otherwise."""
-        return every_visible_entry(self.pos, role.ratio, state.ckv.shape[1])
+        """V4 HCA's selection of every row: each entry of the request's table ``[B,R,G]`` (``G = max_blocks · epb``,
+        the gathered history's length) complete at the row's position (``j < (p + 1) // r``), −1 otherwise. (Under
+        DCP the attention path attends them from their owners without reading this list, `dcp.attend_visible`.)"""
+        g = self.meta.block_tables.shape[1] * pc.entries_per_block(cache.ckv[str(role.kv_source)])
+        return every_visible_entry(self.pos, role.ratio, g)
 
     def write_entries(self, cache: PagedCache, role: LayerRole, ckv: jax.Array, ik: jax.Array, j: jax.Array,
                       emits: jax.Array) -> dict:

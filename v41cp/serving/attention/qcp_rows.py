@@ -12,6 +12,9 @@ only moves keys (the `CachedRows` interface, as `v41cp.serving.attention.paged_r
 * `group_first` — a ratio-2 row's pair partner (the previous position; `CachedRows.groups`): from the gathered
   span, or the cached open pair at a pass's first position; the open pair of each request's last even position is
   written;
+* `compressor_windows` (DeepSeek-V4) — each local row's compression window from the gathered span (complete rows:
+  a window across a rank boundary is pooled as on one device) or the slot's compressor ring before the pass; the
+  ring rows of the pass's last ``n`` positions are written; `every_entry` — HCA's every visible entry;
 * `write_entries` — the local rows' complete entries all-gathered, so every rank writes the same entries (under
   KVP = QCP each page by its owner only);
 * `history` — a KV source's entries from the request's pages (under KVP from the owners, one all-reduce);
@@ -32,6 +35,7 @@ import jax.numpy as jnp
 from v41cp.config import LayerRole, ModelConfig
 from v41cp.layers.attention import CSAState
 from v41cp.layers.common import dtype_of
+from v41cp.layers.indexer import every_visible_entry
 from v41cp.layers.rows_backend import CachedRows
 from v41cp.layers.tiled_select import ROW_TILE_BYTES, attend_rows, select_rows
 from v41cp.serving.cache import paged as pc
@@ -172,6 +176,41 @@ class QCPRows(CachedRows):
                               open_score={**cache.open_score, src: open_z.at[at].set(pick(zs), mode="drop")})
         return cache, c0, z0
 
+    def compressor_windows(self, cache: PagedCache, role: LayerRole, c: jax.Array, z: jax.Array, part: str):
+        """V4's compression windows of the local rows (`CachedRows.groups`): ``c / z [1,C,W]`` FP32 projections →
+        ``(cache, c [1,C,n,W], z [1,C,n,W], j, emits)``, row ``p``'s window = positions ``p − n + 1 … p`` (``n = r``;
+        CSA ``2r``) from the gathered span — complete rows, so a window that straddles a rank boundary is the one
+        the one-device pass pools — or, before the pass, the slot's ring (`declare_cache`: ``open_kv`` /
+        ``open_score`` ``[B, n·W]``; the indexer's under ``"<layer>i"``); positions before 0 empty (value 0, score
+        −inf). Every rank writes the same ring rows: each request's last ``n`` positions of the pass."""
+        r = role.ratio
+        n = r * (2 if role.overlapping else 1)
+        key = str(role.kv_source) + ("i" if part == "index" else "")
+        width = c.shape[-1]
+        start, end = self.starts, self.starts + self.lengths
+        want = self.pos_c[:, None] - (n - 1) + jnp.arange(n)[None]                     # [C, n] positions
+        rel = want - start[self.rq][:, None]
+        last = end[:, None] - n + jnp.arange(n)[None]                                   # [B, n] the pass's last n
+        at = (jnp.where((last >= start[:, None]) & (last >= 0), self.batch.slots[:, None], self.n_slots),
+              jnp.maximum(last, 0) % n)
+        out, rings = [], {}
+        for name, values, fill in (("open_kv", c, 0.0), ("open_score", z, -jnp.inf)):
+            span = self._span(values)                                                   # [B, S, W]
+            ring = getattr(cache, name)[key].reshape(self.n_slots, n, width)
+            held = ring[self.slot_r][self.rq[:, None], want % n]                        # [C, n, W]
+            got = jnp.where((rel >= 0)[..., None], span[self.rq[:, None], jnp.clip(rel, 0, span.shape[1] - 1)], held)
+            out.append(jnp.where((want >= 0)[..., None], got, fill)[None])
+            fresh = self._row(span, last - start[:, None])                              # [B, n, W]
+            rings[name] = {**getattr(cache, name), key: ring.at[at].set(fresh, mode="drop").reshape(self.n_slots, -1)}
+        cache = cache.replace(**rings)
+        emits = self.valid & (self.pos % r == r - 1)
+        return cache, out[0], out[1], self.pos // r, emits
+
+    def every_entry(self, cache: PagedCache, role: LayerRole, state: CSAState) -> jax.Array:
+        """V4 HCA's selection of the local rows ``[1, C, G]``: every entry of the request's history (``G = MB ·
+        epb``) complete at the row's position, −1 otherwise."""
+        return every_visible_entry(self.pos, role.ratio, state.ckv.shape[1])
+
     def write_entries(self, cache: PagedCache, role: LayerRole, ckv: jax.Array, ik: jax.Array, j: jax.Array,
                       emits: jax.Array) -> dict:
         """The local rows' entries ``j [1,C]`` (``ckv [1,C,D]`` / ``ik [1,C,Di]`` pre-quantization, where
@@ -181,11 +220,13 @@ class QCPRows(CachedRows):
         tables = self.batch.block_tables[jnp.maximum(req, 0)]                            # [N·C, MB]
         ok = (g(emits[0]) & (req >= 0))[:, None]
         jj = g(j[0])[:, None]
-        out = {}
         for name, values, fmt in (("ckv", ckv, "nvfp4"), ("ikey", ik, "mxfp4")):
-            out[name] = pc.write_entries(self.cfg, self.kvp, True, cache.pool(name)[src], g(values[0])[:, None], jj, ok,
-                                         tables, fmt)
-        return cache.with_pool("ckv", src, out["ckv"]).with_pool("ikey", src, out["ikey"])
+            if src not in cache.pool(name):                     # V4 HCA: no index keys
+                continue
+            store = pc.write_entries(self.cfg, self.kvp, True, cache.pool(name)[src], g(values[0])[:, None], jj, ok,
+                                     tables, fmt)
+            cache = cache.with_pool(name, src, store)
+        return cache
 
     # --------------------------------------------------------------------------- selection and attention
     def history(self, cache: PagedCache, role: LayerRole) -> CSAState:
@@ -193,7 +234,7 @@ class QCPRows(CachedRows):
         src = str(role.kv_source)
         read = lambda name, fmt: pc.read_pages(self.kvp, True, cache.pool(name)[src], self.batch.block_tables, fmt,
                                                self.dtype)
-        return CSAState(ckv=read("ckv", "nvfp4"), ikeys=read("ikey", "mxfp4"))
+        return CSAState(ckv=read("ckv", "nvfp4"), ikeys=read("ikey", "mxfp4") if src in cache.ikey else None)
 
     def select_queries(self, cache: PagedCache, role: LayerRole, q: jax.Array, weights: jax.Array,
                        state: CSAState):
