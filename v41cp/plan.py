@@ -87,7 +87,7 @@ def floor_flops(cfg: ModelConfig, mode: str, batch: int, context: int, ced: bool
     """The work the model defines, in FLOPs (all devices together): 2 per multiply-add of the parameters each row
     uses (`_layer_macs`; the head on every decode row, at prefill only on each prompt's sampled row), the
     attention products over the entries each row attends (``4 · heads · head_dim`` per entry: the window rows
-    and, on compressed layers, ``min(index_topk, entries)``) and the indexer scores (``2 · index_heads ·
+    and, on compressed layers, ``min(index_topk, entries)`` — every visible entry on V4's HCA layers) and the indexer scores (``2 · index_heads ·
     index_head_dim`` per scored key: every entry of the source, or on candidate-restricted layers at most
     ``candidate_topk_blocks · candidate_block_size``). Decode: ``batch`` rows at position ``context − 1``;
     prefill: ``batch`` prompts of positions ``0 … context − 1`` (with ``ced``, the layers from the CED boundary
@@ -103,7 +103,7 @@ def floor_flops(cfg: ModelConfig, mode: str, batch: int, context: int, ced: bool
         entries = np.minimum(cfg.sliding_window, rows).astype(np.float64)
         if role.ratio > 0:
             avail = rows // role.ratio
-            entries += np.minimum(cfg.index_topk, avail)
+            entries += avail if role.dense_history else np.minimum(cfg.index_topk, avail)
             if role.is_index_source:
                 keys = avail
                 if role.uses_candidates:
@@ -169,9 +169,6 @@ def plan_program(cfg: ModelConfig, mode: str, batch: int, context: int, parallel
     prefill's selection / attention tile budget (default `v41cp.layers.tiled_select.ROW_TILE_BYTES`)."""
     if mode not in ("decode", "prefill"):
         raise ValueError(f"plan: mode must be 'decode' or 'prefill', got {mode!r}")
-    if cfg.is_v4:
-        raise ValueError("plan: DeepSeek-V4 programs are not planned yet (its tensor / context-parallel steps are not "
-                         "built); plan a V4.1 preset or checkpoint")
     for name, v in (("batch", batch), ("context", context), ("block_tokens", block_tokens)):
         if type(v) is not int or v <= 0:
             raise ValueError(f"plan: {name} must be a positive integer, got {v!r}")

@@ -8,9 +8,8 @@ caches hold every CSA / HCA layer's entries (CSA's index keys too) and each comp
 * the engine's greedy tokens equal the full forward's greedy continuation with the span prefill (one pass, and
   passes of 16 rows continuing over rounds: the rings carried across passes) and the token-serial reference, with
   no near-tie on any selection or greedy choice, prefix-cache hits included;
-* what is not built is refused by name: query context parallelism (model-wide, operator-local), the kernel backends,
-  MTP speculative decoding, PD, the release-size plans. (Attention TP and KVP = DCP:
-  `tests/serving/attention/test_v4_dcp.py`.)
+* what is not built is refused by name: the kernel backends, MTP speculative decoding, PD.
+  (Every topology: `tests/serving/test_v4_parallel.py`.)
 """
 
 import jax
@@ -85,22 +84,12 @@ def test_engine_greedy_equals_full_forward(v4, greedy, prefill):
 
 def test_what_is_not_built_is_refused_by_name(v4):
     from v41cp.serving.runner.speculative import Speculative
-    from v41cp.sharding.topology import ParallelConfig
 
     cfg, params = v4
     cap = Capacity(max_batch=1, max_tokens=32, block_tokens=BLOCK)
-    for parallel, needle in ((ParallelConfig(tp_size=2, query_context_parallel_size=2),
-                              "query_context_parallel_size"),
-                             (ParallelConfig(tp_size=2, indexer_query_parallel_size=2), "indexer_query_parallel_size")):
-        with pytest.raises(ValueError, match=f"DeepSeek-V4 query context parallelism is not built.*{needle}"):
-            Engine(params, cfg, cap, parallel=parallel)
     with pytest.raises(ValueError, match="XLA attention and indexer paths.*attention_backend"):
         Engine(params, cfg.replace(attention_backend="pallas"), cap)
     with pytest.raises(ValueError, match="DeepSeek-V4 speculative decoding"):
         Engine(params, cfg, cap, speculative=Speculative(None, 2, proposer=lambda *a: None))
     with pytest.raises(ValueError, match="DeepSeek-V4 prefill / decode disaggregation"):
         Engine(params, cfg, cap, role="prefill")
-    from v41cp.plan import plan_program
-
-    with pytest.raises(ValueError, match="DeepSeek-V4 programs are not planned yet"):
-        plan_program(preset("v4-flash"), "decode", 64, 1 << 20)

@@ -45,15 +45,10 @@ from v41cp.sharding.topology import ParallelConfig
 __all__ = ["Capacity", "SamplingParams", "Engine", "EngineLike", "EngineFull", "RequestError"]
 
 
-def _check_v4_serving(cfg: ModelConfig, parallel: ParallelConfig | None, speculative, role: str) -> None:
-    """DeepSeek-V4 is served aggregated, with the XLA attention / indexer paths, on one device or a mesh of
-    attention TP with KVP = DCP, and without speculative decoding, for now: anything else is refused by name
-    (model-wide / operator-local QCP, the kernels' V4 paths, MTP and the PD transfer are not built)."""
-    if parallel is not None:
-        qcp = {n: getattr(parallel, n) for n in ("query_context_parallel_size", "indexer_query_parallel_size",
-                                                 "attention_query_parallel_size") if getattr(parallel, n) > 1}
-        if qcp:
-            raise ValueError(f"DeepSeek-V4 query context parallelism is not built yet; got {qcp}")
+def _check_v4_serving(cfg: ModelConfig, speculative, role: str) -> None:
+    """DeepSeek-V4 is served aggregated, with the XLA attention / indexer paths, on any topology (attention TP,
+    KVP = DCP, QCP), and without speculative decoding, for now: anything else is refused by name (the kernels' V4
+    paths, MTP and the PD transfer are not built)."""
     kernels = {n: getattr(cfg, n) for n in ("attention_backend", "indexer_backend") if getattr(cfg, n) != "xla"}
     if kernels:
         raise ValueError(f"DeepSeek-V4 serving runs the XLA attention and indexer paths for now; got {kernels}")
@@ -117,7 +112,7 @@ class Engine:
         if role not in ROLES:
             raise ValueError(f"engine role must be 'both', 'prefill' or 'decode', got {role!r}")
         if cfg.is_v4:
-            _check_v4_serving(cfg, parallel, speculative, role)
+            _check_v4_serving(cfg, speculative, role)
         if speculative is not None:
             check_speculative(cfg, speculative)
             if speculative.params is None and speculative.proposer is None:

@@ -1,11 +1,14 @@
-"""DeepSeek-V4 under attention TP and KVP = DCP (`tiny-v4`: SWA | HCA ratio 8 | CSA | CSA, pages of 8 tokens = one
-HCA entry, two CSA entries): every sharded path equals the one-device path on the same inputs.
+"""DeepSeek-V4 on every topology (`tiny-v4`: SWA | HCA ratio 8 | CSA | CSA, pages of 8 tokens = one HCA entry, two
+CSA entries): every sharded path equals the one-device path on the same inputs.
 
 * KVP: each CSA / HCA layer's entries (and CSA's index keys) on their page's owner; the compressor rings, like the
   window rings, replicated;
 * DCP decode: CSA's exact distributed top-k over each rank's owned index keys (`dcp.select`, the same as V4.1's),
   HCA's partial attention over every visible entry each rank owns (`dcp.attend_visible`), merged by LSE with the
   window counted on one rank and the sink once; plain TP splits only the CSA selection's scoring;
+* model-wide QCP: each rank's rows pool their compression windows from the gathered span (a window straddling a
+  rank boundary is pooled from complete rows), continuing passes from the compressor rings; operator-local QCP of
+  the indexer and attention;
 * ranks that own nothing: a 5-token request has no HCA entry and one CSA entry, and under KVP = 8 most ranks own
   none of any request's pages early on;
 * the distributed C4 top-k equals the replicated selection, exact ties included (`lax.top_k` order: the lower
@@ -42,6 +45,14 @@ TOPOLOGIES = {
                                            dcp_merge="ag_rs", dcp_q="replicate"),
     "dp2-kvp2-a2a": ParallelConfig(tp_size=4, dp_size=2, kv_parallel_size=2, decode_context_parallel_size=2,
                                    dcp_merge="a2a"),
+}
+PREFILL_TOPOLOGIES = {
+    "qcp2": ParallelConfig(tp_size=2, query_context_parallel_size=2),
+    "qcp8-kvp8": ParallelConfig(tp_size=8, query_context_parallel_size=8, kv_parallel_size=8,
+                                decode_context_parallel_size=8),
+    "operator-qcp2": ParallelConfig(tp_size=2, indexer_query_parallel_size=2, attention_query_parallel_size=2,
+                                    indexer_query_min_tokens=1, attention_query_min_tokens=1,
+                                    attention_query_swa_min_tokens=1),
 }
 
 
@@ -135,15 +146,18 @@ def greedy(v4):
 NEW = 4
 
 
-@pytest.mark.parametrize("name,prefill", [("kvp8-heads", "span"), ("tp2", "span"), ("kvp2-heads", "token-serial")])
+@pytest.mark.parametrize("name,prefill", [("kvp8-heads", "span"), ("tp2", "span"), ("kvp2-heads", "token-serial"),
+                                          ("qcp2", "span-16-row-passes"), ("qcp8-kvp8", "span"),
+                                          ("operator-qcp2", "span")])
 def test_sharded_engine_greedy_equals_full_forward(v4, greedy, name, prefill):
-    """The engine under a topology (span prefill passes through the KVP owners' writes, or the token-serial
-    prefill; prefix caching on: "hit" reuses the pages and state "r2" stored) gives the full forward's greedy tokens,
-    each output token's logits within 1e-5."""
+    """The engine under a topology (span prefill passes — one, or passes of 16 rows continuing from the rings — or
+    the token-serial prefill; prefix caching on: "hit" reuses the pages and state "r2" stored) gives the full
+    forward's greedy tokens, each output token's logits within 1e-5."""
     cfg, params = v4
     prompts, want, want_logits = greedy
-    cap = Capacity(max_batch=2, max_tokens=64, block_tokens=BLOCK, span_prefill=prefill == "span")
-    eng = Engine(params, cfg, cap, parallel=TOPOLOGIES[name], record_logits=True)
+    cap = Capacity(max_batch=2, max_tokens=64, block_tokens=BLOCK, span_prefill=prefill != "token-serial",
+                   prefill_tokens=16 if prefill == "span-16-row-passes" else None)
+    eng = Engine(params, cfg, cap, parallel={**TOPOLOGIES, **PREFILL_TOPOLOGIES}[name], record_logits=True)
     got, logits = {}, {}
     for batch in (("r0", "r2"), ("hit", "short")):
         logits.update(run_recording_logits(eng, {rid: (prompts[rid], SamplingParams(max_new_tokens=NEW,
