@@ -130,20 +130,33 @@ def assert_same_records(got: np.ndarray, want: np.ndarray, key: str) -> None:
     assert (steps == 1).all(), (key, g, w)
 
 
-def assert_same_request_state(got: dict, want: dict, rid, window: int) -> None:
+def assert_same_request_state(got: dict, want: dict, rid, window: int, cfg=None) -> None:
     """Two `Engine.request_state`s hold the same bytes: every complete entry of every group, the window rows of the
-    request's last ``window`` positions (other ring rows are not the request's), the open ratio-2 pairs."""
+    request's last ``window`` positions (other ring rows are not the request's), the open ratio-2 pairs — with a
+    DeepSeek-V4 ``cfg``, each compressor ring's rows of the request's last ``n`` positions."""
     import jax
 
     assert got["tokens"] == want["tokens"], rid
+    t = got["tokens"]
     for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got["pages"]), jax.tree.leaves(want["pages"])):
         np.testing.assert_array_equal(g, w, err_msg=f"{rid} {jax.tree_util.keystr(path)}")
-    rows = np.arange(max(0, got["tokens"] - window), got["tokens"]) % window
+    rows = np.arange(max(0, t - window), t) % window
     for g, w in zip(jax.tree.leaves(got["slot"]["swa"]), jax.tree.leaves(want["slot"]["swa"])):
         np.testing.assert_array_equal(g[:, rows], w[:, rows], err_msg=f"{rid} window")
+    rings = {}
+    if cfg is not None and cfg.is_v4:
+        for role in cfg.layer_roles:
+            if role.ratio:
+                n = role.ratio * (2 if role.overlapping else 1)
+                rings[str(role.index)] = rings[str(role.index) + "i"] = n
     for name in ("open_kv", "open_score"):
-        for g, w in zip(jax.tree.leaves(got["slot"][name]), jax.tree.leaves(want["slot"][name])):
-            np.testing.assert_array_equal(g, w, err_msg=f"{rid} {name}")
+        for key, g in got["slot"][name].items():
+            g, w = np.asarray(g), np.asarray(want["slot"][name][key])
+            if key in rings:             # [n·width]: the rows of the request's last n positions
+                n = rings[key]
+                live = np.arange(max(0, t - n), t) % n
+                g, w = g.reshape(n, -1)[live], w.reshape(n, -1)[live]
+            np.testing.assert_array_equal(g, w, err_msg=f"{rid} {name} {key}")
 
 
 @contextlib.contextmanager

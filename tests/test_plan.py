@@ -114,6 +114,28 @@ def test_floor_equals_an_independent_count_at_the_released_size():
     assert np.isclose(sum(floor_flops(cfg, "decode", 64, 1 << 20)[k] for k in ("attention", "indexer")), 64 * got)
 
 
+def test_v4_floor_equals_an_independent_count_at_the_released_size():
+    """The attention + indexer floor of one DeepSeek-V4-Flash / V4-Pro decode row at 1M tokens, counted by layer kind
+    from seed 001's table ("CSA indexer: scan all L/4 compressed index keys, then select top-k; CSA main: read the
+    selected entries plus the local 128; HCA main: read all L/128 entries plus the local 128; local-only: the local
+    128") at the absorbed-MQA cost (4 · heads · head_dim per attended entry, 2 · index heads · index_head_dim per
+    scored key)."""
+    tokens = 1 << 20
+    for name, layers in (("v4-flash", {"swa": 2, "csa": 21, "hca": 20}), ("v4-pro", {"swa": 0, "csa": 30, "hca": 31})):
+        cfg = preset(name)
+        kinds = {"swa": 0, "csa": 0, "hca": 0}
+        for role in cfg.layer_roles:
+            kinds[role.kind] += 1
+        assert kinds == layers, name
+        per_entry, per_key = 4 * cfg.num_attention_heads * cfg.head_dim, 2 * cfg.index_n_heads * cfg.index_head_dim
+        want = (layers["swa"] * 128 * per_entry
+                + layers["csa"] * ((128 + cfg.index_topk) * per_entry + tokens // 4 * per_key)
+                + layers["hca"] * (128 + tokens // 128) * per_entry)
+        floor = floor_flops(cfg, "decode", 1, tokens)
+        assert floor["attention"] + floor["indexer"] == want, name
+        assert floor["indexer"] == layers["csa"] * tokens // 4 * per_key, name
+
+
 def test_qcp_prefill_temporaries_grow_linearly_in_prompt_length():
     """Model-wide QCP = KVP = 8 span prefill at reduced width (tiny-tp8, 64 KiB selection / attention tiles):
     doubling the prompt at most 2.2×'s the compiled temporaries per device — no intermediate grows as rows ×

@@ -628,6 +628,12 @@ class ModelConfig:
         return layer < self.num_hash_layers
 
     @property
+    def page_tokens(self) -> int:
+        """The default cache page: 16 tokens, or the least multiple of 16 that every layer's compression ratio
+        divides (a page holds whole entries of every pool): 16 for V4.1, 128 for DeepSeek-V4 (its HCA ratio)."""
+        return math.lcm(16, *(r for r in self.compress_ratios if r > 0))
+
+    @property
     def storable_quantized(self) -> bool:
         """The shapes hold whole FP4 / FP8 scale blocks (``hidden_size``, ``moe_intermediate_size`` and
         ``engram_head_dim`` multiples of 32), so ``keep_quantized`` may keep the release's bytes."""

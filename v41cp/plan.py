@@ -160,15 +160,17 @@ def _prefill_program(cfg, batch, context, block_tokens, parallel, mesh, params, 
     return lower_prefill_span(params, cache, batch, cfg, layout), cache
 
 
-def plan_program(cfg: ModelConfig, mode: str, batch: int, context: int, parallel=None, *, block_tokens: int = 16,
-                 ced: bool = False, device_memory_gb: float = 141.0, top_ops: int = 20,
+def plan_program(cfg: ModelConfig, mode: str, batch: int, context: int, parallel=None, *,
+                 block_tokens: int | None = None, ced: bool = False, device_memory_gb: float = 141.0, top_ops: int = 20,
                  tile_bytes: int | None = None) -> dict:
     """Compile the ``mode`` step (see the module docstring) and report its per-device structure. ``parallel``: a
-    `v41cp.sharding.topology.ParallelConfig` (None: one device). ``top_ops``: how many source operations the
+    `v41cp.sharding.topology.ParallelConfig` (None: one device); ``block_tokens``: the cache page (default the model's,
+    `ModelConfig.page_tokens`). ``top_ops``: how many source operations the
     dot-FLOP and all-FLOP breakdowns list (`v41cp.sharding.hlo_stats.dot_flops_by_op` / `flops_by_op`, largest first); ``tile_bytes``: the
     prefill's selection / attention tile budget (default `v41cp.layers.tiled_select.ROW_TILE_BYTES`)."""
     if mode not in ("decode", "prefill"):
         raise ValueError(f"plan: mode must be 'decode' or 'prefill', got {mode!r}")
+    block_tokens = cfg.page_tokens if block_tokens is None else block_tokens
     for name, v in (("batch", batch), ("context", context), ("block_tokens", block_tokens)):
         if type(v) is not int or v <= 0:
             raise ValueError(f"plan: {name} must be a positive integer, got {v!r}")

@@ -25,7 +25,7 @@ def open_engine(args, capacity: Capacity):
     model, parallel = flags.ModelFlags.from_args(args), flags.parallel_config(args)
     mesh = parallel.make_mesh() if parallel is not None else None
     cfg, params = open_checkpoint(model.path, mesh=mesh, rules=parallel.rules() if parallel is not None else None,
-                                  fake_quant=model.fake_quant, progress=flags.OutputFlags.from_args(args).progress(),
+                                  **model.quant(), progress=flags.OutputFlags.from_args(args).progress(),
                                   **model.storage(), **flags.BackendFlags.from_args(args).overrides())
     speculative = flags.SpeculativeFlags.from_args(args).speculative(cfg, model.path)
     return cfg, Engine(params, cfg, capacity, mesh=mesh, parallel=parallel, speculative=speculative,
@@ -39,7 +39,7 @@ def _disaggregated_engine(args, capacity: Capacity):
     prefill, decode = flags.DisaggregationFlags.from_args(args).parallel(
         flags.TopologyFlags.from_args(args), flags.QueryParallelFlags.from_args(args), nnodes)
     model = flags.ModelFlags.from_args(args)
-    cfg, params = open_checkpoint(model.path, fake_quant=model.fake_quant,
+    cfg, params = open_checkpoint(model.path, **model.quant(),
                                   progress=flags.OutputFlags.from_args(args).progress(), **model.storage(),
                                   **flags.BackendFlags.from_args(args).overrides())
     speculative = flags.SpeculativeFlags.from_args(args).speculative(cfg, model.path)

@@ -95,9 +95,10 @@ class ModelFlags(_Group):
     def path(self) -> str:
         return self.checkpoint or default_checkpoint()
 
-    @property
-    def fake_quant(self) -> bool:
-        return not self.no_fake_quant
+    def quant(self) -> dict:
+        """The cache fake-quant override: ``fake_quant=False`` under ``--no-fake-quant``, else empty — the model's
+        default (on for V4.1; off for DeepSeek-V4, whose cache record formats are not built yet)."""
+        return {"fake_quant": False} if self.no_fake_quant else {}
 
     def storage(self) -> dict:
         """The loaders' ``keep_quantized`` override: empty (weights as stored), or what a flag asks."""
@@ -112,10 +113,10 @@ class ModelFlags(_Group):
         ``--keep-quantized`` / ``--dequantize`` override."""
         storage = self.storage()
         if self.preset:
-            cfg = preset(self.preset, fake_quant=self.fake_quant)
+            cfg = preset(self.preset, **self.quant())
             return cfg.replace(keep_quantized=storage.get("keep_quantized", cfg.storable_quantized))
         path = Path(self.path)
-        cfg = ModelConfig.from_json(path / "config.json", fake_quant=self.fake_quant)
+        cfg = ModelConfig.from_json(path / "config.json", **self.quant())
         if "keep_quantized" not in storage:
             headers = (path / "manifest.json").exists() or any(path.glob("*.safetensors"))
             storage["keep_quantized"] = stores_quantized_at(path) if headers else cfg.storable_quantized
@@ -332,7 +333,9 @@ class CapacityFlags(_Group):
 
     max_batch: int | None = flag("--max-batch", type=int, help=_max_batch_help)
     max_context: int | None = flag("--max-context", type=int, help=_max_context_help)
-    block_tokens: int = flag("--block-tokens", default=16, type=int, help="tokens per cache page")
+    block_tokens: int | None = flag("--block-tokens", type=int,
+                                    help="tokens per cache page (default 16; plan: the model's page, "
+                                         "ModelConfig.page_tokens — 128 for DeepSeek-V4)")
     num_blocks: int | None = flag("--num-blocks", type=int,
                                   help="cache pages in all (default: max-batch full requests)")
     prefill_chunk: int = flag("--prefill-chunk", default=32, type=int, help="rows per token-serial prefill chunk")
@@ -343,7 +346,7 @@ class CapacityFlags(_Group):
 
     def capacity(self, prefill: PrefillFlags, longest: int, **fixed) -> Capacity:
         """The `Capacity`; unset fields fit ``longest`` tokens per request, ``fixed`` ones (not None) win."""
-        block = self.block_tokens
+        block = self.block_tokens or Capacity.block_tokens
         fields = {"max_batch": self.max_batch, "max_tokens": self.max_context or -(-longest // block) * block,
                   "block_tokens": block, "num_blocks": self.num_blocks, "prefill_chunk": self.prefill_chunk,
                   "max_waiting": self.max_waiting, "max_logprobs": self.max_logprobs, **prefill.options()}

@@ -57,7 +57,7 @@ def run(args) -> int:
     mesh = parallel.make_mesh() if parallel is not None else None
     spec = flags.ModelFlags.from_args(args)
     cfg, params = open_checkpoint(spec.path, mesh=mesh, rules=parallel.rules() if parallel is not None else None,
-                                  fake_quant=spec.fake_quant, **spec.storage(),
+                                  **spec.quant(), **spec.storage(),
                                   **flags.BackendFlags.from_args(args).overrides())
     shard = parallel.sharding_context(mesh) if parallel is not None else None
     t_load = time.perf_counter() - t0

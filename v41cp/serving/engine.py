@@ -45,17 +45,15 @@ from v41cp.sharding.topology import ParallelConfig
 __all__ = ["Capacity", "SamplingParams", "Engine", "EngineLike", "EngineFull", "RequestError"]
 
 
-def _check_v4_serving(cfg: ModelConfig, speculative, role: str) -> None:
-    """DeepSeek-V4 is served aggregated, with the XLA attention / indexer paths, on any topology (attention TP,
-    KVP = DCP, QCP), and without speculative decoding, for now: anything else is refused by name (the kernels' V4
-    paths, MTP and the PD transfer are not built)."""
+def _check_v4_serving(cfg: ModelConfig, speculative) -> None:
+    """DeepSeek-V4 is served with the XLA attention / indexer paths, on any topology (attention TP, KVP = DCP, QCP)
+    and disaggregated, without speculative decoding, for now: anything else is refused by name (the kernels' V4
+    paths and MTP are not built)."""
     kernels = {n: getattr(cfg, n) for n in ("attention_backend", "indexer_backend") if getattr(cfg, n) != "xla"}
     if kernels:
         raise ValueError(f"DeepSeek-V4 serving runs the XLA attention and indexer paths for now; got {kernels}")
     if speculative is not None:
         raise ValueError("DeepSeek-V4 speculative decoding (its MTP layer) is not built")
-    if role != "both":
-        raise ValueError(f"DeepSeek-V4 prefill / decode disaggregation is not built (engine role {role!r})")
 
 
 @runtime_checkable
@@ -112,7 +110,7 @@ class Engine:
         if role not in ROLES:
             raise ValueError(f"engine role must be 'both', 'prefill' or 'decode', got {role!r}")
         if cfg.is_v4:
-            _check_v4_serving(cfg, speculative, role)
+            _check_v4_serving(cfg, speculative)
         if speculative is not None:
             check_speculative(cfg, speculative)
             if speculative.params is None and speculative.proposer is None:

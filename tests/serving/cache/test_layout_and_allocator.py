@@ -125,3 +125,21 @@ def test_allocator_saw_at_least_10000_operations():
         pytest.skip("TestAllocator was deselected")
     print(f"\n[allocator] {OPS['count']} checked random operations")
     assert OPS["count"] >= 10_000, OPS["count"]
+
+
+def test_v4_flash_cache_bytes_match_the_release_and_split_over_kvp():
+    """DeepSeek-V4-Flash with the release's records: 584 B main entries (C4, C128) and window rows, 68 B C4 index
+    keys, 21 CSA + 20 HCA groups; one 1M-token request's pages hold 3.43 GiB (seed 001: "roughly 3.44 GiB"), and
+    under KVP = 8 each rank holds 1/8 of its pages (the window and compressor rings replicated)."""
+    cfg = preset("v4-flash")
+    spec = CacheSpec(cfg, block_tokens=cfg.page_tokens)
+    assert cfg.page_tokens == 128 and spec.v4_record_bytes == 584 and spec.swa_bytes_per_row == 584
+    groups = [(g.ratio, g.kv_bytes_per_entry, g.index_bytes_per_entry) for g in spec.groups]
+    assert groups.count((4, 584, 68)) == 21 and groups.count((128, 584, 0)) == 20 and len(groups) == 41
+    assert spec.global_bytes_per_token == 21 * (584 + 68) / 4 + 20 * 584 / 128
+    one, eight = spec.per_request(1 << 20), spec.per_request(1 << 20, kvp=8)
+    assert one["global"] == (1 << 20) * spec.global_bytes_per_token
+    assert abs(one["global"] / 2**30 - 3.44) < 0.01                   # 3.432 GiB of pages (+ 3.2 MB window rows)
+    assert eight["global"] * 8 == one["global"] and eight["swa"] == one["swa"] == 43 * 128 * 584
+    stored = CacheSpec(cfg, block_tokens=128, quantized=False)      # what v41cp stores for V4 today: BF16
+    assert stored.global_bytes_per_token == 21 * (1024 + 256) / 4 + 20 * 1024 / 128

@@ -190,3 +190,76 @@ def test_cancel_in_every_role_across_processes_equals_one_process():
     for rid in "abcde":
         assert two["results"][rid] == res[rid], rid
     assert two == one
+
+
+V4_PROMPTS = {"a": (27, 5, 0), "b": (5, 3, 0), "c": (16, 6, 0), "late": (21, 4, 3)}
+
+
+@pytest.fixture(scope="module")
+def v4_aggregated():
+    """DeepSeek-V4 (`tiny-v4`, pages of 8 tokens: one HCA entry, two CSA entries) on the decode topology, aggregated:
+    per step, every request's output, status, last logits and (running) cache bytes."""
+    cfg = preset("tiny-v4")
+    params = perturbed(model.init_params(cfg, jax.random.key(0)))
+    rng = np.random.default_rng(4)
+    prompts = {rid: rng.integers(3, cfg.vocab_size, n).tolist() for rid, (n, _, _) in V4_PROMPTS.items()}
+    cap = Capacity(max_batch=3, max_tokens=64, block_tokens=8, prefill_chunk=8)
+    record = []
+
+    def keep(step, eng):
+        record.append({rid: (list(r.output), r.status, r.last_logits,
+                             eng.request_state(rid) if r.status == "running" else None)
+                       for rid, r in eng.requests.items()})
+
+    _drive_v4(Engine(params, cfg, cap, parallel=DECODE, record_logits=True), prompts, keep)
+    return cfg, params, cap, prompts, record
+
+
+def _drive_v4(eng, prompts, check):
+    step = 0
+    while step == 0 or eng.pending:
+        for rid, (_, new, at) in V4_PROMPTS.items():
+            if at == step:
+                eng.submit(rid, prompts[rid], SamplingParams(max_new_tokens=new, stop_on_eos=False))
+        eng.step()
+        step += 1
+        check(step, eng)
+    assert step < 20
+
+
+@pytest.mark.parametrize("prefill_kvp,transport", [(2, "collective"), (1, "copy")])
+def test_v4_disaggregated_equals_aggregated(v4_aggregated, prefill_kvp, transport):
+    """DeepSeek-V4 through PD: the CSA / HCA pages (index keys of CSA only) by the page-owner transfer plan and every
+    compressor's ring (the C4 overlap state of the main and index compressors, the open C128 window) with the slot
+    state; the bytes moved equal the plan's. Rank-matched (prefill KVP 2, the collective): every token, logits row
+    and running request's cache bytes equal the aggregated engine's. Relayout (prefill KVP 1): the prefill runs
+    another program, and tiny-v4's rows round differently between programs on XLA:CPU (`docs/architecture.md` §8):
+    the same tokens, logits within 1e-5."""
+    from v41cp.serving.pd.engines import DisaggregatedEngine
+
+    cfg, params, cap, prompts, record = v4_aggregated
+    pre = ParallelConfig(tp_size=4, kv_parallel_size=prefill_kvp, decode_context_parallel_size=prefill_kvp)
+    pd = DisaggregatedEngine(params, cfg, cap, pre, DECODE, transport=transport, record_logits=True)
+    worst = 0.0
+
+    def compare(step, eng):
+        nonlocal worst
+        for rid, (output, status, logits, state) in record[step - 1].items():
+            got = eng.result(rid)
+            assert got["output_ids"] == output and got["status"] == status, (rid, step)
+            if rid in eng.requests and logits is not None:
+                mine = eng.requests[rid].last_logits
+                worst = max(worst, float(np.abs(mine - logits).max() / np.abs(logits).max()))
+                if prefill_kvp == 2:
+                    np.testing.assert_array_equal(mine, logits, err_msg=f"{rid} step {step}")
+            if state is not None and prefill_kvp == 2:
+                assert_same_request_state(eng.decode.request_state(rid), state, rid, cfg.sliding_window, cfg)
+
+    _drive_v4(pd, prompts, compare)
+    print(f"\n[v4 pd] prefill KVP {prefill_kvp} ({transport}): logits vs aggregated {worst:.2e}")
+    assert worst <= 1e-5
+    for x in pd.transfers:
+        assert x["bytes"] == x["planned_bytes"] > 0, x
+    # the 5-token prompt: one page, one CSA entry per CSA layer, no HCA entry
+    short = next(x for x in pd.transfers if x["id"] == "b")
+    assert short["pages"] == 1 and set(short["entries"].values()) == {0, 1}

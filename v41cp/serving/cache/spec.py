@@ -12,6 +12,13 @@ Per request:
   (``r − 1`` rows × ``2·D·4`` B).
 * **Engram history** — the last ``max_ngram − 1`` token ids (host side: hashing is host planning).
 
+DeepSeek-V4 (``quantized``: the release's records as vLLM stores them): the window rows and every CSA / HCA main
+entry in the **V4 record** — the ``D − rope`` no-RoPE channels FP8 e4m3 with a ue8m0 scale per 64, the RoPE
+channels BF16, the scales padded to 8 B (584 B at D 512, rope 64: 448 + 128 + 7 + 1) — and CSA's index keys MXFP4
+(68 B); one group per CSA / HCA layer (no sharing), every CSA group with index keys; the compressor rings as
+`compressor_state_bytes_per_request` says. (v41cp itself stores V4 caches unquantized for now, ``quantized=False``:
+the V4 record formats are not built.)
+
 All global groups share one allocation unit, the **logical block** of ``block_tokens`` tokens (a
 multiple of every ratio: the LCM rule): block ``b`` of a request holds ``block_tokens / r`` entries of
 every ratio-r group, under the same physical block id. One page lifecycle therefore covers main and
@@ -56,6 +63,15 @@ class CacheSpec:
     block_tokens: int = 64
     quantized: bool = True
 
+    def per_request(self, tokens: int, kvp: int = 1) -> dict:
+        """One request of ``tokens`` tokens on one rank of a KVP group of ``kvp``: ``global`` (its pages, split
+        page-cyclically: the busiest rank's share, ``⌈blocks / kvp⌉`` blocks), ``swa`` and ``compressor_state``
+        (replicated on every rank) and ``total`` bytes."""
+        out = {"global": -(-self.blocks_for(tokens) // kvp) * self.block_bytes, "swa": self.swa_bytes_per_request,
+               "compressor_state": self.compressor_state_bytes_per_request}
+        out["total"] = sum(out.values())
+        return out
+
     def __post_init__(self):
         ratios = sorted({r.ratio for r in self.cfg.layer_roles if r.is_kv_source})
         lcm = math.lcm(*ratios) if ratios else 1
@@ -68,15 +84,26 @@ class CacheSpec:
         return 2 if self.cfg.dtype == "bfloat16" else 4
 
     @property
+    def v4_record_bytes(self) -> int:
+        """DeepSeek-V4's main / window record: ``D − rope`` FP8 channels, ``rope`` BF16 channels, one ue8m0 scale
+        per 64 FP8 channels padded to 8 B (584 B at D 512, rope 64)."""
+        d, rope = self.cfg.head_dim, self.cfg.qk_rope_head_dim
+        scales = -(-(d - rope) // 64)
+        return (d - rope) + 2 * rope + -(-scales // 8) * 8
+
+    @property
     def swa_bytes_per_row(self) -> int:
         d = self.cfg.head_dim
-        return d + d // 32 if self.quantized else d * self._elem
+        if not self.quantized:
+            return d * self._elem
+        return self.v4_record_bytes if self.cfg.is_v4 else d + d // 32
 
     @property
     def groups(self) -> tuple[CacheGroup, ...]:
         cfg = self.cfg
         d, di = cfg.head_dim, cfg.index_head_dim
-        kv = d // 2 + d // 16 if self.quantized else d * self._elem
+        main = self.v4_record_bytes if cfg.is_v4 else d // 2 + d // 16
+        kv = main if self.quantized else d * self._elem
         ik = di // 2 + di // 32 if self.quantized else di * self._elem
         return tuple(CacheGroup(r.index, r.ratio, self.block_tokens // r.ratio, kv, ik if r.is_index_source else 0)
                      for r in cfg.layer_roles if r.is_kv_source)

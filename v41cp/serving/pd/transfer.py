@@ -65,7 +65,8 @@ class TransferPlan:
         """Bytes `execute` moves: every entry's stored record (main KV + index key) once per device holding its
         destination rank's pages (``dst_replicas``), plus the slot state once per decode device."""
         per_entry = {src: sum(a.dtype.itemsize * int(np.prod(a.shape[2:]))
-                              for name in POOLS for a in jax.tree.leaves(src_cache.pool(name)[src]))
+                              for name in POOLS if src in src_cache.pool(name)      # V4 HCA: no index keys
+                              for a in jax.tree.leaves(src_cache.pool(name)[src]))
                      for src in self.copies}
         return sum(self.entries(g) * per_entry[g] for g in self.copies) * dst_replicas + slot_bytes * dst_devices
 
@@ -135,6 +136,8 @@ def execute(plan: TransferPlan, src_cache: PagedCache, dst_cache: PagedCache, sr
     moved = 0
     for name in POOLS:
         for group, pair_copies in plan.copies.items():
+            if group not in src_cache.pool(name):                    # V4 HCA: no index keys
+                continue
             pool, m = _move_pool(src_cache.pool(name)[group], dst_cache.pool(name)[group], pair_copies,
                                  plan.prefill_kvp, plan.decode_kvp)
             dst_cache = dst_cache.with_pool(name, group, pool)

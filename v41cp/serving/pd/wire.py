@@ -90,7 +90,7 @@ class WireLayout:
         for r_dst in range(plan.decode_kvp):
             pieces = []
             for pool in POOLS:
-                for group in sorted(plan.copies):
+                for group in sorted(g for g in plan.copies if g in cache.pool(pool)):   # V4 HCA: no index keys
                     for key, a in _leaves(cache.pool(pool)[group]):
                         for pair, (s_rows, _, _) in sorted(plan.copies[group].items()):
                             if pair[1] == r_dst and len(s_rows):
@@ -180,7 +180,8 @@ class Wire:
         if got is None:
             got = self._exchange({}, layout.bucket(self.dst_ranks))
         new = {pool: {g: {k: {sh.device: sh.data for sh in a.addressable_shards}
-                          for k, a in _leaves(cache.pool(pool)[g])} for g in plan.copies} for pool in POOLS}
+                          for k, a in _leaves(cache.pool(pool)[g])} for g in plan.copies if g in cache.pool(pool)}
+               for pool in POOLS}
         state_parts = [dict() for _ in layout.state]
         received = 0
         for i, dev in enumerate(self.decode):
@@ -196,7 +197,7 @@ class Wire:
                 leaf[dev] = leaf[dev].at[jnp.asarray(d_rows), jnp.asarray(in_page)].set(values)
             received += offset
         for pool in POOLS:
-            for g in plan.copies:
+            for g in (g for g in plan.copies if g in cache.pool(pool)):
                 store = cache.pool(pool)[g]
                 out = {k: jax.make_array_from_single_device_arrays(
                     a.shape, a.sharding, [new[pool][g][k][sh.device] for sh in a.addressable_shards])
