@@ -41,6 +41,8 @@ TOPOLOGIES = {
     "tp2": ParallelConfig(tp_size=2),                                           # plain TP: split selection
     "kvp2-heads": ParallelConfig(tp_size=2, kv_parallel_size=2, decode_context_parallel_size=2),
     "kvp8-heads": ParallelConfig(tp_size=8, kv_parallel_size=8, decode_context_parallel_size=8),
+    "kvp2-heads-replicate": ParallelConfig(tp_size=2, kv_parallel_size=2, decode_context_parallel_size=2,
+                                           dcp_q="replicate"),
     "kvp4-ag_rs-replicate": ParallelConfig(tp_size=4, kv_parallel_size=4, decode_context_parallel_size=4,
                                            dcp_merge="ag_rs", dcp_q="replicate"),
     "dp2-kvp2-a2a": ParallelConfig(tp_size=4, dp_size=2, kv_parallel_size=2, decode_context_parallel_size=2,

@@ -107,6 +107,13 @@ class ModelFlags(_Group):
         return {"keep_quantized": True} if self.keep_quantized else {"keep_quantized": False} if self.dequantize \
             else {}
 
+    def page_tokens(self) -> int:
+        """The model's default cache page (`ModelConfig.page_tokens`: 16, or 128 for DeepSeek-V4), from the preset or
+        the checkpoint's ``config.json``."""
+        if self.preset:
+            return preset(self.preset).page_tokens
+        return ModelConfig.from_json(Path(self.path) / "config.json").page_tokens
+
     def config(self) -> ModelConfig:
         """The preset's config (weights as the release stores them: FP4 experts and FP8 Engram rows wherever the
         shapes allow), or the checkpoint's ``config.json`` (weights as it stores them, read from its headers);
@@ -334,8 +341,8 @@ class CapacityFlags(_Group):
     max_batch: int | None = flag("--max-batch", type=int, help=_max_batch_help)
     max_context: int | None = flag("--max-context", type=int, help=_max_context_help)
     block_tokens: int | None = flag("--block-tokens", type=int,
-                                    help="tokens per cache page (default 16; plan: the model's page, "
-                                         "ModelConfig.page_tokens — 128 for DeepSeek-V4)")
+                                    help="tokens per cache page (default: the model's page, ModelConfig.page_tokens "
+                                         "— 16, or 128 for DeepSeek-V4)")
     num_blocks: int | None = flag("--num-blocks", type=int,
                                   help="cache pages in all (default: max-batch full requests)")
     prefill_chunk: int = flag("--prefill-chunk", default=32, type=int, help="rows per token-serial prefill chunk")
@@ -344,9 +351,10 @@ class CapacityFlags(_Group):
                              help="the most log-probability alternatives a request may ask for (computed on the "
                                   "device, in the steps, when a request asks; 0: no log-probabilities)")
 
-    def capacity(self, prefill: PrefillFlags, longest: int, **fixed) -> Capacity:
-        """The `Capacity`; unset fields fit ``longest`` tokens per request, ``fixed`` ones (not None) win."""
-        block = self.block_tokens or Capacity.block_tokens
+    def capacity(self, prefill: PrefillFlags, longest: int, page: int | None = None, **fixed) -> Capacity:
+        """The `Capacity`; unset fields fit ``longest`` tokens per request, ``fixed`` ones (not None) win; the page is
+        ``--block-tokens``, else ``page`` (the model's, `ModelFlags.page_tokens`), else `Capacity`'s default."""
+        block = self.block_tokens or page or Capacity.block_tokens
         fields = {"max_batch": self.max_batch, "max_tokens": self.max_context or -(-longest // block) * block,
                   "block_tokens": block, "num_blocks": self.num_blocks, "prefill_chunk": self.prefill_chunk,
                   "max_waiting": self.max_waiting, "max_logprobs": self.max_logprobs, **prefill.options()}

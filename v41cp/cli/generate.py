@@ -76,6 +76,7 @@ def run(args) -> int:
     batch = prompts(args, codec)
     cap = flags.CapacityFlags.from_args(args).capacity(flags.PrefillFlags.from_args(args),
                                                  max(len(p) for p in batch) + args.max_new_tokens,
+                                                 page=flags.ModelFlags.from_args(args).page_tokens(),
                                                  max_batch=args.max_batch or len(batch))
     t0 = time.perf_counter()
     cfg, eng = open_engine(args, cap)

@@ -44,7 +44,8 @@ def run(args) -> int:
     flags.CompileCacheFlags.from_args(args).start()
     model = flags.ModelFlags.from_args(args)
     codec = text_codec(model.path, required=False)
-    cap = flags.CapacityFlags.from_args(args).capacity(flags.PrefillFlags.from_args(args), args.max_context)
+    cap = flags.CapacityFlags.from_args(args).capacity(flags.PrefillFlags.from_args(args), args.max_context,
+                                                       page=model.page_tokens())
     cfg, eng = open_engine(args, cap)
     control = None
     if args.nnodes > 1:                           # rank 0 serves HTTP, the others follow its broadcast commands

@@ -143,3 +143,30 @@ def test_v4_flash_cache_bytes_match_the_release_and_split_over_kvp():
     assert eight["global"] * 8 == one["global"] and eight["swa"] == one["swa"] == 43 * 128 * 584
     stored = CacheSpec(cfg, block_tokens=128, quantized=False)      # what v41cp stores for V4 today: BF16
     assert stored.global_bytes_per_token == 21 * (1024 + 256) / 4 + 20 * 1024 / 128
+
+
+def test_bf16_value_stores_are_words_written_in_place():
+    """A BF16 model's unquantized stores hold the values' 16-bit words (uint16): a write then a read returns the
+    BF16-rounded values (an out-of-bounds row dropped), and writing entries into a pool compiles with no temporary of
+    the pool's size (XLA:CPU runs a BF16 scatter in FP32 on a copy of the whole array: 2x the pool)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from v41cp.serving.cache import paged as pc
+    from v41cp.serving.cache.device_cache import declare_cache
+
+    cfg = preset("tiny", dtype="bfloat16", fake_quant=False)
+    decl = declare_cache(cfg, 64, 16, 2)
+    assert decl.swa.dtype == jnp.uint16 and all(d.dtype == jnp.uint16 for d in decl.ckv.values())
+    pool = jnp.zeros((64, 8, cfg.head_dim), jnp.uint16)
+    values = jnp.asarray(np.random.default_rng(0).normal(size=(3, cfg.head_dim)), jnp.float32)
+    at = (jnp.array([5, 63, 64]), jnp.array([1, 7, 0]))                     # the third out of bounds: dropped
+    pool = pc.write(cfg, pool, at, values, "nvfp4")
+    got = pc.read(pool, "nvfp4", jnp.float32, lambda a: a[at[0][:2], at[1][:2]])
+    np.testing.assert_array_equal(got, values[:2].astype(jnp.bfloat16).astype(jnp.float32))
+    assert int(jnp.count_nonzero(pool)) == 2 * cfg.head_dim - int(jnp.sum(values[:2].astype(jnp.bfloat16) == 0))
+    big = jax.ShapeDtypeStruct((4096, 8, cfg.head_dim), jnp.uint16)
+    write = jax.jit(lambda p, v: pc.write(cfg, p, at, v, "nvfp4"), donate_argnums=0)
+    temp = write.lower(big, values).compile().memory_analysis().temp_size_in_bytes
+    assert temp < 4096 * 8 * cfg.head_dim * 2 // 100, temp

@@ -4,6 +4,8 @@ decode topology bit for bit (logits, tokens, every cache byte), the bytes moved 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -195,11 +197,12 @@ def test_cancel_in_every_role_across_processes_equals_one_process():
 V4_PROMPTS = {"a": (27, 5, 0), "b": (5, 3, 0), "c": (16, 6, 0), "late": (21, 4, 3)}
 
 
-@pytest.fixture(scope="module")
-def v4_aggregated():
-    """DeepSeek-V4 (`tiny-v4`, pages of 8 tokens: one HCA entry, two CSA entries) on the decode topology, aggregated:
-    per step, every request's output, status, last logits and (running) cache bytes."""
-    cfg = preset("tiny-v4")
+@functools.lru_cache(maxsize=None)
+def _v4_aggregated(dtype: str):
+    """DeepSeek-V4 (`tiny-v4`, pages of 8 tokens: one HCA entry, two CSA entries; FP32, or BF16 with its value stores
+    as 16-bit words) on the decode topology, aggregated: per step, every request's output, status, last logits and
+    (running) cache bytes."""
+    cfg = preset("tiny-v4", dtype=dtype)
     params = perturbed(model.init_params(cfg, jax.random.key(0)))
     rng = np.random.default_rng(4)
     prompts = {rid: rng.integers(3, cfg.vocab_size, n).tolist() for rid, (n, _, _) in V4_PROMPTS.items()}
@@ -227,17 +230,18 @@ def _drive_v4(eng, prompts, check):
     assert step < 20
 
 
-@pytest.mark.parametrize("prefill_kvp,transport", [(2, "collective"), (1, "copy")])
-def test_v4_disaggregated_equals_aggregated(v4_aggregated, prefill_kvp, transport):
+@pytest.mark.parametrize("dtype,prefill_kvp,transport", [("float32", 2, "collective"), ("float32", 1, "copy"),
+                                                           ("bfloat16", 2, "collective")])
+def test_v4_disaggregated_equals_aggregated(dtype, prefill_kvp, transport):
     """DeepSeek-V4 through PD: the CSA / HCA pages (index keys of CSA only) by the page-owner transfer plan and every
     compressor's ring (the C4 overlap state of the main and index compressors, the open C128 window) with the slot
-    state; the bytes moved equal the plan's. Rank-matched (prefill KVP 2, the collective): every token, logits row
-    and running request's cache bytes equal the aggregated engine's. Relayout (prefill KVP 1): the prefill runs
-    another program, and tiny-v4's rows round differently between programs on XLA:CPU (`docs/architecture.md` §8):
-    the same tokens, logits within 1e-5."""
+    state; the bytes moved equal the plan's. Rank-matched (prefill KVP 2, the collective; FP32, and BF16 through the
+    16-bit word stores): every token, logits row and running request's cache bytes equal the aggregated engine's.
+    Relayout (prefill KVP 1): the prefill runs another program, and tiny-v4's rows round differently between
+    programs on XLA:CPU (`docs/architecture.md` §8): the same tokens, logits within 1e-5."""
     from v41cp.serving.pd.engines import DisaggregatedEngine
 
-    cfg, params, cap, prompts, record = v4_aggregated
+    cfg, params, cap, prompts, record = _v4_aggregated(dtype)
     pre = ParallelConfig(tp_size=4, kv_parallel_size=prefill_kvp, decode_context_parallel_size=prefill_kvp)
     pd = DisaggregatedEngine(params, cfg, cap, pre, DECODE, transport=transport, record_logits=True)
     worst = 0.0

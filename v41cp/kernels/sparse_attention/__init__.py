@@ -50,7 +50,10 @@ def store_format(store, channels: int) -> str | None:
 
 
 def flatten_store(store):
-    """A pool ``[..., slots, C]`` (or a record dict of such) → rows ``[N, C]`` addressed by physical slot."""
+    """A pool ``[..., slots, C]`` (or a record dict of such) → rows ``[N, C]`` addressed by physical slot. A value
+    store of uint16 words holds BF16 values (`v41cp.serving.cache.paged.as_values`): bitcast back."""
+    if not isinstance(store, dict) and store.dtype == jnp.uint16:
+        store = jax.lax.bitcast_convert_type(store, jnp.bfloat16)
     return jax.tree.map(lambda a: a.reshape(-1, a.shape[-1]), store)
 
 

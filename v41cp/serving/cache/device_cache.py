@@ -12,8 +12,9 @@ block_tokens / ratio`` entries per block of a ratio-``ρ`` KV source, ``D`` / ``
   DeepSeek-V4: per compressor a ring of its last ``n`` rows' projections, flattened ``[B, n·width]`` (HCA ``n = r``,
   width ``D``; CSA ``n = 2r``, width ``2D``, and its indexer's under ``"<g>i"``, width ``2·Di``).
 
-A *store* (``swa``, each pool) is an array of values in the model dtype, or the release's byte records ``{"q":
-payload, "s": scale}`` (uint8; FP8 window rows, NVFP4 compressed KV, MXFP4 index keys: `v41cp.serving.cache.records`).
+A *store* (``swa``, each pool) is an array of values in the model dtype (BF16 as its uint16 words), or the release's
+byte records ``{"q": payload, "s": scale}`` (uint8; FP8 window rows, NVFP4 compressed KV, MXFP4 index keys:
+`v41cp.serving.cache.records`).
 
 Each field declares its logical axes (``layers``, ``slots``, ``window``, ``pages``, ``page_rows``, ``channels``);
 partitioning maps those names to mesh axes (`CACHE_RULES`): under KVP the ``pages`` axis is split page-cyclically over
@@ -165,7 +166,9 @@ def declare_cache(cfg: ModelConfig, num_blocks: int, block_tokens: int, max_batc
         axes = PagedCache.axes_of(field)
         c = {"fp8": d, "nvfp4": d, "mxfp4": di}[fmt]
         if not records:
-            return ArrayDecl((*shape, c), dt, axes)
+            # BF16 values are held as their 16-bit words (uint16; `paged.as_values` bitcasts them back): XLA:CPU runs
+            # a BF16 scatter in FP32 on a copy of the whole store, a 16-bit integer scatter in place
+            return ArrayDecl((*shape, c), jnp.uint16 if dt == jnp.bfloat16 else dt, axes)
         block = RECORD_FORMATS[fmt][0]
         return {"q": ArrayDecl((*shape, c if fmt == "fp8" else c // 2), jnp.uint8, axes),
                 "s": ArrayDecl((*shape, c // block), jnp.uint8, axes)}

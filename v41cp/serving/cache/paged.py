@@ -5,7 +5,8 @@ Every mode that touches the cache — the decode / verification step, the token-
 KVP (owner-masked) variants and the kernels' in-place reads — goes through these functions, so the record encoding
 and the page addressing are written once.
 
-A *store* is either an array of values (model dtype; fake-quantized on write when ``cfg.fake_quant``) or the
+A *store* is either an array of values (model dtype — BF16 as its 16-bit words, `as_values`; fake-quantized on
+write when ``cfg.fake_quant``) or the
 release's byte records ``{"q": payload uint8, "s": scale uint8}`` (`v41cp.serving.cache.records`; FP8 window rows,
 NVFP4 compressed KV, MXFP4 index keys). Reading a record store decodes to exactly the fake-quant values.
 
@@ -28,7 +29,7 @@ from v41cp.serving.cache.records import decode, encode
 from v41cp.sharding.mesh import CP
 from v41cp.sharding.ownership import is_owned, local_row, owner
 
-__all__ = ["write", "read", "stored_values", "store_rows", "entries_per_block", "cache_slots", "take_raw", "put_raw",
+__all__ = ["write", "read", "as_values", "stored_values", "store_rows", "entries_per_block", "cache_slots", "take_raw", "put_raw",
            "gather_pages", "entry_location", "page_rows", "write_entries", "read_pages", "write_owned", "restore_owned"]
 
 
@@ -58,6 +59,19 @@ def stored_values(cfg: ModelConfig, values: jax.Array, fmt: str, dtype) -> jax.A
     return (FAKE_QUANT[fmt](values) if cfg.fake_quant else values).astype(dtype)
 
 
+def as_values(a: jax.Array) -> jax.Array:
+    """A value store's (or its selection's) values: BF16 stores hold their values' 16-bit words (uint16,
+    `device_cache.declare_cache`), read back by a bitcast; other dtypes as they are."""
+    return jax.lax.bitcast_convert_type(a, jnp.bfloat16) if a.dtype == jnp.uint16 else a
+
+
+def _as_stored(values: jax.Array, store: jax.Array) -> jax.Array:
+    """``values`` in a value store's element type (BF16 values as their uint16 words)."""
+    if store.dtype == jnp.uint16:
+        return jax.lax.bitcast_convert_type(values.astype(jnp.bfloat16), jnp.uint16)
+    return values.astype(store.dtype)
+
+
 def write(cfg: ModelConfig, store, idx: tuple, values: jax.Array, fmt: str):
     """Scatter ``values`` (pre-quantization) into ``store`` at ``idx`` (out-of-bounds = dropped)."""
     if isinstance(store, dict):
@@ -65,14 +79,14 @@ def write(cfg: ModelConfig, store, idx: tuple, values: jax.Array, fmt: str):
         return {"q": store["q"].at[idx].set(q, mode="drop"), "s": store["s"].at[idx].set(sc, mode="drop")}
     if cfg.fake_quant:
         values = FAKE_QUANT[fmt](values)
-    return store.at[idx].set(values.astype(store.dtype), mode="drop")
+    return store.at[idx].set(_as_stored(values, store), mode="drop")
 
 
 def read(store, fmt: str, dtype, select) -> jax.Array:
     """``select`` (an indexing function) applied to the store, decoded to values in ``dtype``."""
     if isinstance(store, dict):
         return decode(select(store["q"]), select(store["s"]), fmt, dtype)
-    return select(store).astype(dtype)
+    return as_values(select(store)).astype(dtype)
 
 
 def take_raw(store, idx: tuple):
@@ -138,7 +152,7 @@ def read_pages(kvp: int, in_map: bool, store, block_tables, fmt: str, dtype):
     flat = {k: a.reshape(a.shape[0], -1, a.shape[-1]) for k, a in got.items()}
     if isinstance(store, dict):
         return decode(flat["q"], flat["s"], fmt, dtype)
-    return flat["v"].astype(dtype)
+    return as_values(flat["v"]).astype(dtype)
 
 
 def write_owned(plan, cfg: ModelConfig, pool, blk: jax.Array, row: jax.Array, values: jax.Array, emits: jax.Array,
