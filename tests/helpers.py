@@ -147,8 +147,7 @@ def assert_same_request_state(got: dict, want: dict, rid, window: int, cfg=None)
     if cfg is not None and cfg.is_v4:
         for role in cfg.layer_roles:
             if role.ratio:
-                n = role.ratio * (2 if role.overlapping else 1)
-                rings[str(role.index)] = rings[str(role.index) + "i"] = n
+                rings[str(role.index)] = rings[str(role.index) + "i"] = role.window_rows
     for name in ("open_kv", "open_score"):
         for key, g in got["slot"][name].items():
             g, w = np.asarray(g), np.asarray(want["slot"][name][key])
@@ -213,6 +212,21 @@ def run_recording_logits(eng, requests) -> dict:
         eng.decode_round()
         grab()
     return logits
+
+
+def greedy_rounds(eng, prompts: dict, rounds, new: int) -> tuple[dict, dict]:
+    """Greedy requests of ``prompts`` (id → tokens) through engine ``eng`` (built with ``record_logits=True``), one
+    group of ids per entry of ``rounds`` run to completion before the next (a later group can hit an earlier one's
+    prefix), ``new`` tokens each, no stop on EOS → ``({id: output ids}, {id: logits [new, V]})``."""
+    from v41cp.serving.engine import SamplingParams
+
+    got, logits = {}, {}
+    for ids in rounds:
+        logits.update(run_recording_logits(eng, {rid: (prompts[rid], SamplingParams(max_new_tokens=new,
+                                                                                     stop_on_eos=False))
+                                                 for rid in ids}))
+        got.update({rid: eng.result(rid)["output_ids"] for rid in ids})
+    return got, {rid: np.stack(rows) for rid, rows in logits.items()}
 
 
 def decode_teacher_forcing(cfg, params, seqs: dict, start: dict, block: int, max_batch: int, max_blocks: int,

@@ -88,6 +88,12 @@ class LayerRole:
         return self.kind == "csa"
 
     @property
+    def window_rows(self) -> int:
+        """V4: the rows one entry pools, which each compressor keeps in its ring (`device_cache.declare_cache`):
+        ``r``, or ``2r`` on an overlapping (CSA) layer — the previous window's rows too."""
+        return self.ratio * (2 if self.overlapping else 1)
+
+    @property
     def dense_history(self) -> bool:
         """V4 HCA: attention reads every visible entry (no indexer)."""
         return self.kind == "hca"

@@ -87,11 +87,11 @@ def floor_flops(cfg: ModelConfig, mode: str, batch: int, context: int, ced: bool
     """The work the model defines, in FLOPs (all devices together): 2 per multiply-add of the parameters each row
     uses (`_layer_macs`; the head on every decode row, at prefill only on each prompt's sampled row), the
     attention products over the entries each row attends (``4 · heads · head_dim`` per entry: the window rows
-    and, on compressed layers, ``min(index_topk, entries)`` — every visible entry on V4's HCA layers) and the indexer scores (``2 · index_heads ·
-    index_head_dim`` per scored key: every entry of the source, or on candidate-restricted layers at most
-    ``candidate_topk_blocks · candidate_block_size``). Decode: ``batch`` rows at position ``context − 1``;
-    prefill: ``batch`` prompts of positions ``0 … context − 1`` (with ``ced``, the layers from the CED boundary
-    on only for each prompt's last `ced_rows` rows)."""
+    and, on compressed layers, ``min(index_topk, entries)`` — every visible entry on V4's HCA layers) and the
+    indexer scores (``2 · index_heads · index_head_dim`` per scored key: every entry of the source, or on
+    candidate-restricted layers at most ``candidate_topk_blocks · candidate_block_size``). Decode: ``batch`` rows at
+    position ``context − 1``; prefill: ``batch`` prompts of positions ``0 … context − 1`` (with ``ced``, the layers
+    from the CED boundary on only for each prompt's last `ced_rows` rows)."""
     layer_macs, head_macs = _layer_macs(cfg)
     pos = np.array([context - 1]) if mode == "decode" else np.arange(context)
     seen = pos + 1                                                       # tokens visible to each row
@@ -161,8 +161,8 @@ def _prefill_program(cfg, batch, context, block_tokens, parallel, mesh, params, 
 
 
 def plan_program(cfg: ModelConfig, mode: str, batch: int, context: int, parallel=None, *,
-                 block_tokens: int | None = None, ced: bool = False, device_memory_gb: float = 141.0, top_ops: int = 20,
-                 tile_bytes: int | None = None) -> dict:
+                 block_tokens: int | None = None, ced: bool = False, device_memory_gb: float = 141.0,
+                 top_ops: int = 20, tile_bytes: int | None = None) -> dict:
     """Compile the ``mode`` step (see the module docstring) and report its per-device structure. ``parallel``: a
     `v41cp.sharding.topology.ParallelConfig` (None: one device); ``block_tokens``: the cache page (default the model's,
     `ModelConfig.page_tokens`). ``top_ops``: how many source operations the

@@ -15,11 +15,11 @@ caches hold every CSA / HCA layer's entries (CSA's index keys too) and each comp
 import jax
 import numpy as np
 import pytest
-from helpers import decode_teacher_forcing, greedy_reference, perturbed, rel_err, run_recording_logits
+from helpers import decode_teacher_forcing, greedy_reference, greedy_rounds, perturbed, rel_err
 
 from v41cp import model
 from v41cp.config import preset
-from v41cp.serving.engine import Capacity, Engine, SamplingParams
+from v41cp.serving.engine import Capacity, Engine
 
 BLOCK = 8                                        # the ratios' LCM
 
@@ -67,15 +67,10 @@ def test_engine_greedy_equals_full_forward(v4, greedy, prefill):
     cap = Capacity(max_batch=3, max_tokens=64, block_tokens=BLOCK, span_prefill=prefill != "token-serial",
                    prefill_tokens=16 if prefill == "span-16-row-passes" else None)
     eng = Engine(params, cfg, cap, record_logits=True)
-    got, logits = {}, {}
-    for batch in (("r0", "r2"), ("hit", "branch")):
-        logits.update(run_recording_logits(eng, {rid: (prompts[rid], SamplingParams(max_new_tokens=NEW,
-                                                                                     stop_on_eos=False))
-                                                 for rid in batch}))
-        got.update({rid: eng.result(rid)["output_ids"] for rid in batch})
+    got, logits = greedy_rounds(eng, prompts, (("r0", "r2"), ("hit", "branch")), NEW)
     assert got == want
     for rid in prompts:
-        err = rel_err(np.stack(logits[rid]), want_logits[rid])
+        err = rel_err(logits[rid], want_logits[rid])
         assert err <= 1e-5, (rid, err)
     assert eng.result("hit")["cached_tokens"] == 40 and eng.result("branch")["cached_tokens"] == 0
     eng.check()

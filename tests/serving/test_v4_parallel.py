@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import decode_teacher_forcing, greedy_reference, perturbed, rel_err, run_recording_logits
+from helpers import decode_teacher_forcing, greedy_reference, greedy_rounds, perturbed, rel_err
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -28,7 +28,7 @@ from v41cp.config import preset
 from v41cp.layers.indexer import select_scored
 from v41cp.serving.attention import dcp
 from v41cp.serving.cache import paged as pc
-from v41cp.serving.engine import Capacity, Engine, SamplingParams
+from v41cp.serving.engine import Capacity, Engine
 from v41cp.sharding.mesh import CP
 from v41cp.sharding.topology import ParallelConfig
 
@@ -160,15 +160,10 @@ def test_sharded_engine_greedy_equals_full_forward(v4, greedy, name, prefill):
     cap = Capacity(max_batch=2, max_tokens=64, block_tokens=BLOCK, span_prefill=prefill != "token-serial",
                    prefill_tokens=16 if prefill == "span-16-row-passes" else None)
     eng = Engine(params, cfg, cap, parallel={**TOPOLOGIES, **PREFILL_TOPOLOGIES}[name], record_logits=True)
-    got, logits = {}, {}
-    for batch in (("r0", "r2"), ("hit", "short")):
-        logits.update(run_recording_logits(eng, {rid: (prompts[rid], SamplingParams(max_new_tokens=NEW,
-                                                                                     stop_on_eos=False))
-                                                 for rid in batch}))
-        got.update({rid: eng.result(rid)["output_ids"] for rid in batch})
+    got, logits = greedy_rounds(eng, prompts, (("r0", "r2"), ("hit", "short")), NEW)
     assert got == want
     for rid in prompts:
-        assert rel_err(np.stack(logits[rid]), want_logits[rid]) <= 1e-5, rid
+        assert rel_err(logits[rid], want_logits[rid]) <= 1e-5, rid
     assert eng.result("hit")["cached_tokens"] == 40
     eng.check()
 

@@ -36,14 +36,16 @@ PENALIZED = {"a": dict(frequency_penalty=0.8, repetition_penalty=1.3), "c": dict
 DECODE = ParallelConfig(tp_size=4, kv_parallel_size=2, decode_context_parallel_size=2)   # 2 TP replicas per owner
 
 
-def _drive(eng, prompts, check):
-    """The workload through ``eng`` (submissions at their steps); ``check(step, eng)`` after every step."""
+def _drive(eng, prompts, check, schedule=None, penalized=None):
+    """The workload through ``eng`` (submissions at their steps: ``schedule`` rid → (length, new tokens, step),
+    default `PROMPTS`, with `PENALIZED`'s penalties); ``check(step, eng)`` after every step."""
+    schedule, penalized = (PROMPTS, PENALIZED) if schedule is None else (schedule, penalized or {})
     step = 0
     while step == 0 or eng.pending:
-        for rid, (_, new, at) in PROMPTS.items():
+        for rid, (_, new, at) in schedule.items():
             if at == step:
                 eng.submit(rid, prompts[rid], SamplingParams(max_new_tokens=new, stop_on_eos=False,
-                                                             **PENALIZED.get(rid, {})))
+                                                             **penalized.get(rid, {})))
         eng.step()
         step += 1
         check(step, eng)
@@ -58,14 +60,17 @@ def aggregated(tiny_tp8):
     rng = np.random.default_rng(4)
     prompts = {rid: rng.integers(3, cfg.vocab_size, n).tolist() for rid, (n, _, _) in PROMPTS.items()}
     record = []
+    _drive(Engine(params, cfg, CAP, parallel=DECODE, record_logits=True), prompts, _recorder(record))
+    return prompts, record
 
+
+def _recorder(record: list):
+    """A per-step check that appends every request's output, status, last logits and (running) cache bytes."""
     def keep(step, eng):
         record.append({rid: (list(r.output), r.status, r.last_logits,
                              eng.request_state(rid) if r.status == "running" else None)
                        for rid, r in eng.requests.items()})
-
-    _drive(Engine(params, cfg, CAP, parallel=DECODE, record_logits=True), prompts, keep)
-    return prompts, record
+    return keep
 
 
 @pytest.mark.parametrize("prefill_kvp,transport", [(2, "copy"), (1, "copy"), (2, "collective"), (1, "collective")])
@@ -208,26 +213,8 @@ def _v4_aggregated(dtype: str):
     prompts = {rid: rng.integers(3, cfg.vocab_size, n).tolist() for rid, (n, _, _) in V4_PROMPTS.items()}
     cap = Capacity(max_batch=3, max_tokens=64, block_tokens=8, prefill_chunk=8)
     record = []
-
-    def keep(step, eng):
-        record.append({rid: (list(r.output), r.status, r.last_logits,
-                             eng.request_state(rid) if r.status == "running" else None)
-                       for rid, r in eng.requests.items()})
-
-    _drive_v4(Engine(params, cfg, cap, parallel=DECODE, record_logits=True), prompts, keep)
+    _drive(Engine(params, cfg, cap, parallel=DECODE, record_logits=True), prompts, _recorder(record), V4_PROMPTS)
     return cfg, params, cap, prompts, record
-
-
-def _drive_v4(eng, prompts, check):
-    step = 0
-    while step == 0 or eng.pending:
-        for rid, (_, new, at) in V4_PROMPTS.items():
-            if at == step:
-                eng.submit(rid, prompts[rid], SamplingParams(max_new_tokens=new, stop_on_eos=False))
-        eng.step()
-        step += 1
-        check(step, eng)
-    assert step < 20
 
 
 @pytest.mark.parametrize("dtype,prefill_kvp,transport", [("float32", 2, "collective"), ("float32", 1, "copy"),
@@ -259,7 +246,7 @@ def test_v4_disaggregated_equals_aggregated(dtype, prefill_kvp, transport):
             if state is not None and prefill_kvp == 2:
                 assert_same_request_state(eng.decode.request_state(rid), state, rid, cfg.sliding_window, cfg)
 
-    _drive_v4(pd, prompts, compare)
+    _drive(pd, prompts, compare, V4_PROMPTS)
     print(f"\n[v4 pd] prefill KVP {prefill_kvp} ({transport}): logits vs aggregated {worst:.2e}")
     assert worst <= 1e-5
     for x in pd.transfers:

@@ -50,7 +50,8 @@ from v41cp.sharding.mesh import ATTN_TP, CP
 from v41cp.sharding.ownership import owned_positions
 from v41cp.sharding.topology import ParallelConfig
 
-__all__ = ["DCPPlan", "select", "attend", "attend_visible", "gather_history", "gather_owned_records", "collective_plan", "KEPT_SHARE"]
+__all__ = ["DCPPlan", "select", "attend", "attend_visible", "gather_history", "gather_owned_records", "collective_plan",
+           "KEPT_SHARE"]
 
 # A rank's static capacity for the kept candidate entries it owns (Reindex layers), × an even share: page-cyclic
 # ownership spreads the contiguous runs the candidate blocks form evenly, so 1.5× leaves the data-dependent overflow

@@ -231,7 +231,7 @@ class PagedRows(CachedRows):
         if self.undo is not None:
             raise ValueError("DeepSeek-V4 compressor state records no undo yet: verification steps are not built")
         m, r = self.meta, role.ratio
-        n = r * (2 if role.overlapping else 1)
+        n = role.window_rows
         key = str(role.kv_source) + ("i" if part == "index" else "")
         b, rr = self.pos.shape
         width = c.shape[-1]

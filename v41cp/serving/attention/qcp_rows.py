@@ -178,13 +178,13 @@ class QCPRows(CachedRows):
 
     def compressor_windows(self, cache: PagedCache, role: LayerRole, c: jax.Array, z: jax.Array, part: str):
         """V4's compression windows of the local rows (`CachedRows.groups`): ``c / z [1,C,W]`` FP32 projections →
-        ``(cache, c [1,C,n,W], z [1,C,n,W], j, emits)``, row ``p``'s window = positions ``p − n + 1 … p`` (``n = r``;
-        CSA ``2r``) from the gathered span — complete rows, so a window that straddles a rank boundary is the one
+        ``(cache, c [1,C,n,W], z [1,C,n,W], j, emits)``, row ``p``'s window = positions ``p − n + 1 … p``
+        (``n = role.window_rows``) from the gathered span — complete rows, so a window that straddles a rank boundary is the one
         the one-device pass pools — or, before the pass, the slot's ring (`declare_cache`: ``open_kv`` /
         ``open_score`` ``[B, n·W]``; the indexer's under ``"<layer>i"``); positions before 0 empty (value 0, score
         −inf). Every rank writes the same ring rows: each request's last ``n`` positions of the pass."""
         r = role.ratio
-        n = r * (2 if role.overlapping else 1)
+        n = role.window_rows
         key = str(role.kv_source) + ("i" if part == "index" else "")
         width = c.shape[-1]
         start, end = self.starts, self.starts + self.lengths

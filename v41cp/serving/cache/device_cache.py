@@ -182,8 +182,8 @@ def declare_cache(cfg: ModelConfig, num_blocks: int, block_tokens: int, max_batc
         if cfg.is_v4:
             # V4: each compressor's ring of its last n rows' FP32 projections (flattened [B, n·width]): HCA n = r;
             # CSA n = 2r (the window before the open one), for the layer's compressor and its indexer's ("<g>i")
-            n = g.ratio * (2 if g.overlapping else 1)
-            rings = {src: n * d * (2 if g.overlapping else 1)}
+            n = g.window_rows
+            rings = {src: n * d * (2 if g.overlapping else 1)}       # CSA's compressor projects to 2·D
             if g.is_index_source:
                 ikey[src] = store("ikey", (num_blocks, epb), "mxfp4")
                 rings[src + "i"] = n * 2 * di

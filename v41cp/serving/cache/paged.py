@@ -6,9 +6,8 @@ KVP (owner-masked) variants and the kernels' in-place reads — goes through the
 and the page addressing are written once.
 
 A *store* is either an array of values (model dtype — BF16 as its 16-bit words, `as_values`; fake-quantized on
-write when ``cfg.fake_quant``) or the
-release's byte records ``{"q": payload uint8, "s": scale uint8}`` (`v41cp.serving.cache.records`; FP8 window rows,
-NVFP4 compressed KV, MXFP4 index keys). Reading a record store decodes to exactly the fake-quant values.
+write when ``cfg.fake_quant``) or the release's byte records ``{"q": payload uint8, "s": scale uint8}``
+(`v41cp.serving.cache.records`; FP8 window rows, NVFP4 compressed KV, MXFP4 index keys). Reading a record store decodes to exactly the fake-quant values.
 
 KVP: the global pools' ``pages`` axis is split over the mesh's ``cp`` axis; rank ``r`` holds virtual blocks
 ``l·N + r`` at its row ``l`` (`v41cp.sharding.ownership`). Inside a ``cp`` island a pool is the rank's rows; under
@@ -29,8 +28,9 @@ from v41cp.serving.cache.records import decode, encode
 from v41cp.sharding.mesh import CP
 from v41cp.sharding.ownership import is_owned, local_row, owner
 
-__all__ = ["write", "read", "as_values", "stored_values", "store_rows", "entries_per_block", "cache_slots", "take_raw", "put_raw",
-           "gather_pages", "entry_location", "page_rows", "write_entries", "read_pages", "write_owned", "restore_owned"]
+__all__ = ["write", "read", "as_values", "stored_values", "store_rows", "entries_per_block", "cache_slots", "take_raw",
+           "put_raw", "gather_pages", "entry_location", "page_rows", "write_entries", "read_pages", "write_owned",
+           "restore_owned"]
 
 
 # ---------------------------------------------------------------------------------------------- one store

@@ -63,6 +63,13 @@ class CacheSpec:
     block_tokens: int = 64
     quantized: bool = True
 
+    def __post_init__(self):
+        ratios = sorted({r.ratio for r in self.cfg.layer_roles if r.is_kv_source})
+        lcm = math.lcm(*ratios) if ratios else 1
+        if self.block_tokens <= 0 or self.block_tokens % lcm:
+            raise ValueError(f"block_tokens={self.block_tokens} must be a positive multiple of every compress "
+                             f"ratio (LCM {lcm})")
+
     def per_request(self, tokens: int, kvp: int = 1) -> dict:
         """One request of ``tokens`` tokens on one rank of a KVP group of ``kvp``: ``global`` (its pages, split
         page-cyclically: the busiest rank's share, ``⌈blocks / kvp⌉`` blocks), ``swa`` and ``compressor_state``
@@ -71,13 +78,6 @@ class CacheSpec:
                "compressor_state": self.compressor_state_bytes_per_request}
         out["total"] = sum(out.values())
         return out
-
-    def __post_init__(self):
-        ratios = sorted({r.ratio for r in self.cfg.layer_roles if r.is_kv_source})
-        lcm = math.lcm(*ratios) if ratios else 1
-        if self.block_tokens <= 0 or self.block_tokens % lcm:
-            raise ValueError(f"block_tokens={self.block_tokens} must be a positive multiple of every compress "
-                             f"ratio (LCM {lcm})")
 
     @property
     def _elem(self) -> int:
@@ -132,11 +132,11 @@ class CacheSpec:
         if not cfg.is_v4:
             return sum((g.ratio - 1) * 2 * cfg.head_dim * 4 for g in self.groups)
         total = 0
-        for r in cfg.layer_roles:
+        for r in cfg.layer_roles:           # [kv, score] FP32 rows of width D (CSA: 2·D and its indexer's 2·Di)
             if r.overlapping:
-                total += 2 * r.ratio * 2 * (cfg.head_dim + cfg.index_head_dim) * 2 * 4
+                total += r.window_rows * 2 * (cfg.head_dim + cfg.index_head_dim) * 2 * 4
             elif r.is_kv_source:
-                total += r.ratio * cfg.head_dim * 2 * 4
+                total += r.window_rows * cfg.head_dim * 2 * 4
         return total
 
     @property
