@@ -117,6 +117,31 @@ def cache_by_virtual_block(cache, kvp):
     return out
 
 
+def tables_at_finish(eng) -> dict:
+    """Each request's block table as it ends (pages are taken on demand, so two runs place a request's pages in
+    different blocks): filled in as the requests finish."""
+    tables, free = {}, eng.scheduler.free
+
+    def capture(req):
+        tables[req.rid] = list(eng.alloc.blocks(req.rid))
+        free(req)
+    eng.scheduler.free = capture
+    return tables
+
+
+def pages_in_table_order(cache, tables: dict, blocks: dict) -> dict:
+    """The cache leaves with each pool's pages gathered request by request in table order (the first
+    ``blocks[rid]`` of its table), the other leaves as they are."""
+    from v41cp.serving.cache.device_cache import POOLS
+
+    out = {}
+    for key, a in cache_by_virtual_block(cache, 1).items():
+        if any(key.startswith(f".{pool}[") for pool in POOLS):
+            a = np.concatenate([a[tables[rid][:blocks[rid]]] for rid in sorted(tables)])
+        out[key] = a
+    return out
+
+
 def assert_same_records(got: np.ndarray, want: np.ndarray, key: str) -> None:
     """Record bytes equal, except where the two paths' FP32 values (≤ 1e-5 apart: one is computed per token, the
     other per span) straddle a rounding boundary of the quantizer: then the codes are adjacent (one step of a

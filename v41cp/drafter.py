@@ -50,7 +50,11 @@ def target_features(cfg: ModelConfig, taps: dict, narrow=None) -> jax.Array:
     streams, mean over hc, ``[B, T, H]``: `v41cp.model.Block`) → ``[B, T, n · H]`` in
     ``dspark_target_layer_ids`` order. ``narrow``: in a CED-narrowed cached step, the map from all rows to the
     decoder rows (`PagedRows.ced_split`), applied to the taps of target layers before the CED boundary (which saw
-    every row; the later ones saw the decoder rows only)."""
+    every row; the later ones saw the decoder rows only). DeepSeek-V4 (its MTP layer's input): the last layer's
+    output streams ``[B, T, hc, H]`` flattened → ``[B, T, hc · H]``."""
+    if cfg.is_v4:
+        t = taps["mtp"][0]
+        return t.reshape(*t.shape[:2], -1)
     boundary = ced_boundary(cfg) if narrow is not None else None
     out = []
     for i in cfg.dspark_target_layer_ids:

@@ -150,6 +150,8 @@ class Transformer(nn.Module):
             _, _, _, cache = Block(cfg, last, self.shard, name=f"layers_{last}")(
                 streams, pre, state, engram_ids, rows, cache, cache_only=True)
             return jnp.zeros((b, s, cfg.vocab_size), jnp.float32), hidden, cache
+        if cfg.is_v4:                          # the MTP layer's target input: the last layer's output streams
+            self.sow("taps", "mtp", streams)
         final = HyperHead(cfg, name="hc_head")(streams) if cfg.is_v4 else collapse(streams, pre)
         h = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="norm")(final)
         self.sow("final", "hidden", h)         # every row's head input (kept only when "final" is mutable)

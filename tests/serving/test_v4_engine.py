@@ -8,7 +8,8 @@ caches hold every CSA / HCA layer's entries (CSA's index keys too) and each comp
 * the engine's greedy tokens equal the full forward's greedy continuation with the span prefill (one pass, and
   passes of 16 rows continuing over rounds: the rings carried across passes) and the token-serial reference, with
   no near-tie on any selection or greedy choice, prefix-cache hits included;
-* what is not built is refused by name: the kernel backends, MTP speculative decoding.
+* what is not built is refused by name: the kernel backends, the MTP drafter (verification with a host proposer:
+  `tests/serving/test_v4_speculative.py`).
   (Every topology: `tests/serving/test_v4_parallel.py`; PD: `tests/serving/pd/test_disaggregated.py`.)
 """
 
@@ -84,5 +85,5 @@ def test_what_is_not_built_is_refused_by_name(v4):
     cap = Capacity(max_batch=1, max_tokens=32, block_tokens=BLOCK)
     with pytest.raises(ValueError, match="XLA attention and indexer paths.*attention_backend"):
         Engine(params, cfg.replace(attention_backend="pallas"), cap)
-    with pytest.raises(ValueError, match="DeepSeek-V4 speculative decoding"):
-        Engine(params, cfg, cap, speculative=Speculative(None, 2, proposer=lambda *a: None))
+    with pytest.raises(ValueError, match="DeepSeek-V4 speculative decoding with its MTP layer is not built"):
+        Engine(params, cfg, cap, speculative=Speculative({}, 2))

@@ -47,13 +47,13 @@ __all__ = ["Capacity", "SamplingParams", "Engine", "EngineLike", "EngineFull", "
 
 def _check_v4_serving(cfg: ModelConfig, speculative) -> None:
     """DeepSeek-V4 is served with the XLA attention / indexer paths, on any topology (attention TP, KVP = DCP, QCP)
-    and disaggregated, without speculative decoding, for now: anything else is refused by name (the kernels' V4
-    paths and MTP are not built)."""
+    and disaggregated; speculative verification (with its rollback of the compressor rings) takes a host proposer:
+    anything else is refused by name (the kernels' V4 paths and the MTP drafter are not built)."""
     kernels = {n: getattr(cfg, n) for n in ("attention_backend", "indexer_backend") if getattr(cfg, n) != "xla"}
     if kernels:
         raise ValueError(f"DeepSeek-V4 serving runs the XLA attention and indexer paths for now; got {kernels}")
-    if speculative is not None:
-        raise ValueError("DeepSeek-V4 speculative decoding (its MTP layer) is not built")
+    if speculative is not None and speculative.proposer is None:
+        raise ValueError("DeepSeek-V4 speculative decoding with its MTP layer is not built (a host proposer is)")
 
 
 @runtime_checkable

@@ -18,12 +18,11 @@ import dataclasses
 
 import numpy as np
 import pytest
-from helpers import assert_same_records, cache_by_virtual_block, rel_err
+from helpers import assert_same_records, pages_in_table_order, rel_err, tables_at_finish
 
 from v41cp import model
 from v41cp.checkpoint import default_checkpoint, load, open_drafter
 from v41cp.drafter import Drafter
-from v41cp.serving.cache.device_cache import POOLS
 from v41cp.serving.engine import Capacity, Engine, SamplingParams
 from v41cp.serving.runner.speculative import Speculative
 from v41cp.sharding.topology import ParallelConfig
@@ -42,34 +41,11 @@ def setup():
     prompts = {f"p{n}": rng.integers(3, 256, n).tolist() for n in PROMPT_LENGTHS}
     sp = SamplingParams(max_new_tokens=NEW, stop_on_eos=False)
     plain = Engine(params, cfg, CAP)
-    plain.tables = _tables_at_finish(plain)
+    plain.tables = tables_at_finish(plain)
     for rid, p in prompts.items():
         plain.submit(rid, p, sp)
     want = {r["id"]: r["output_ids"] for r in plain.run()}
     return cfg, params, drafter, prompts, want, plain
-
-
-def _tables_at_finish(eng) -> dict:
-    """Each request's block table as it ends (pages are taken on demand, so two runs place a request's pages in
-    different blocks): filled in as the requests finish."""
-    tables, free = {}, eng.scheduler.free
-
-    def capture(req):
-        tables[req.rid] = list(eng.alloc.blocks(req.rid))
-        free(req)
-    eng.scheduler.free = capture
-    return tables
-
-
-def _pages_in_table_order(cache, tables: dict, blocks: dict) -> dict:
-    """The cache leaves with each pool's pages gathered request by request in table order (the first
-    ``blocks[rid]`` of its table), the other leaves as they are."""
-    out = {}
-    for key, a in cache_by_virtual_block(cache, 1).items():
-        if any(key.startswith(f".{pool}[") for pool in POOLS):
-            a = np.concatenate([a[tables[rid][:blocks[rid]]] for rid in sorted(tables)])
-        out[key] = a
-    return out
 
 
 def _run(engine, prompts, sp=SamplingParams(max_new_tokens=NEW, stop_on_eos=False)):
@@ -180,7 +156,7 @@ def test_every_acceptance_length_rolls_back_exactly(setup, j):
         return cont
 
     eng = Engine(params, cfg, CAP, speculative=Speculative(None, N, proposer=propose))
-    tables = _tables_at_finish(eng)
+    tables = tables_at_finish(eng)
     out = _run(eng, prompts)
     for rid in prompts:
         assert out[rid]["output_ids"] == want[rid], (j, rid)
@@ -191,7 +167,7 @@ def test_every_acceptance_length_rolls_back_exactly(setup, j):
     # every request ends in the same step of either run, so no page of one was reused by another (on demand, a
     # speculative request may hold one block more: its rejected rows' restored, unread contents)
     blocks = {rid: len(t) for rid, t in plain.tables.items()}
-    got, ref = _pages_in_table_order(eng.cache, tables, blocks), _pages_in_table_order(plain.cache, plain.tables, blocks)
+    got, ref = pages_in_table_order(eng.cache, tables, blocks), pages_in_table_order(plain.cache, plain.tables, blocks)
     for key in ref:
         if ref[key].dtype == np.uint8:
             assert_same_records(got[key], ref[key], key)

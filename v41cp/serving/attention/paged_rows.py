@@ -43,7 +43,7 @@ from v41cp.layers.rows_backend import CachedRows
 from v41cp.serving.attention import paged_paths
 from v41cp.serving.cache import paged as pc
 from v41cp.serving.cache.device_cache import PagedCache, kv_groups
-from v41cp.serving.cache.undo import EntriesUndo, OpenPairUndo, VerifyUndo
+from v41cp.serving.cache.undo import EntriesUndo, OpenPairUndo, RingUndo, VerifyUndo
 from v41cp.serving.step_batch import StepBatch
 from v41cp.sharding.rules import TP_RULES, ShardingContext
 
@@ -75,7 +75,7 @@ class PagedRows(CachedRows):
         self.num_blocks = pc.store_rows(first) if groups else 0
         if undo and meta.packed:
             raise ValueError("a packed-rows step records no undo (it is a prefill pass)")
-        self.undo = {"swa": {}, "open": {}, "entries": {}} if undo else None
+        self.undo = {"swa": {}, "open": {}, "entries": {}, "rings": {}} if undo else None
         self._bind(meta)
 
     def _bind(self, meta: StepBatch):
@@ -103,7 +103,7 @@ class PagedRows(CachedRows):
         """What the step overwrote (``undo=True``; call after the model ran): the input of ``commit_rows``."""
         m = self.meta
         return VerifyUndo(swa=self.undo["swa"], open=self.undo["open"], entries=self.undo["entries"],
-                          starts=m.starts, lengths=m.lengths, slots=m.slots)
+                          starts=m.starts, lengths=m.lengths, slots=m.slots, rings=self.undo["rings"])
 
     def _with_meta(self, meta: StepBatch) -> "PagedRows":
         other = copy.copy(self)
@@ -227,9 +227,8 @@ class PagedRows(CachedRows):
         positions ``p − n + 1 … p`` (``n = r``; CSA: ``2r``, the window before too) — from the step's own rows or
         the slot's ring of its last ``n`` rows (`declare_cache`: ``open_kv`` / ``open_score``, flattened ``[B,
         n·C]``; the indexer's under key ``"<layer>i"``), positions before 0 empty (value 0, score −inf). The
-        ring rows of each request's last ``n`` positions are written."""
-        if self.undo is not None:
-            raise ValueError("DeepSeek-V4 compressor state records no undo yet: verification steps are not built")
+        ring rows of each request's last ``n`` positions are written (with ``undo``, what each row's ring row held
+        is recorded: `RingUndo`)."""
         m, r = self.meta, role.ratio
         n = role.window_rows
         key = str(role.kv_source) + ("i" if part == "index" else "")
@@ -241,7 +240,7 @@ class PagedRows(CachedRows):
         # ring rows written: each request's fed rows among its last n of the step
         ok = self.valid & (self.unflat(self.row_local) >= self.by_row(m.lengths) - n)
         at = (jnp.where(ok, self.by_row(m.slots), self.n_slots), self.pos % n)
-        out, rings = [], {}
+        out, rings, old = [], {}, {}
         for name, values, fill in (("open_kv", c, 0.0), ("open_score", z, -jnp.inf)):
             ring = getattr(cache, name)[key].reshape(self.n_slots, n, width)
             held = self.by_row(ring[self.slot_r])                                   # [B|1, R|B·…, n, C] per row
@@ -252,8 +251,12 @@ class PagedRows(CachedRows):
                 step = values[jnp.arange(b)[:, None, None], jnp.clip(local, 0, rr - 1)]
             got = jnp.where((want >= start)[..., None], step, held)
             out.append(jnp.where((want >= 0)[..., None], got, fill))
+            if self.undo is not None:                       # (not packed) each row's own ring row before the step
+                old[name] = ring[self.slot_r[:, None], self.pos % n]
             rings[name] = {**getattr(cache, name), key: ring.at[at].set(values, mode="drop").reshape(self.n_slots, -1)}
         cache = cache.replace(**rings)
+        if self.undo is not None:
+            self.undo["rings"][key] = RingUndo(kv=old["open_kv"], score=old["open_score"], c=c, z=z)
         emits = self.valid & (self.pos % r == r - 1)
         return cache, out[0], out[1], self.pos // r, emits
 

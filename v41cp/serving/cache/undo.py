@@ -12,7 +12,7 @@ import dataclasses
 
 import jax
 
-__all__ = ["OpenPairUndo", "EntriesUndo", "VerifyUndo"]
+__all__ = ["OpenPairUndo", "RingUndo", "EntriesUndo", "VerifyUndo"]
 
 
 @jax.tree_util.register_dataclass
@@ -20,6 +20,19 @@ __all__ = ["OpenPairUndo", "EntriesUndo", "VerifyUndo"]
 class OpenPairUndo:
     """One ratio-2 source's open pair: ``kv / score [B, D]`` FP32 as they were in each request's slot before the
     step, and the step's compressor projections ``c / z [B, R, D]`` of every row (a kept row's pair comes from them)."""
+
+    kv: jax.Array
+    score: jax.Array
+    c: jax.Array
+    z: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RingUndo:
+    """One DeepSeek-V4 compressor ring (its last ``n`` rows' projections per slot, by position mod ``n``):
+    ``kv / score [B, R, C]`` FP32 what the ring held at each row's ring row before the step, and the step's own
+    projections ``c / z [B, R, C]`` (a kept row's ring row holds its projection)."""
 
     kv: jax.Array
     score: jax.Array
@@ -38,15 +51,15 @@ class EntriesUndo:
     row: jax.Array
     emits: jax.Array
     ckv: object
-    ikey: object
+    ikey: object = None                       # None: the source has no index keys (DeepSeek-V4 HCA)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class VerifyUndo:
     """The step's overwrites: ``swa {layer: raw [B, R, ·]}`` the ring rows of every row before the step, ``open
-    {source: OpenPairUndo}``, ``entries {source: EntriesUndo}``, and the step's ``starts / lengths / slots [B]``
-    int32."""
+    {source: OpenPairUndo}``, ``entries {source: EntriesUndo}``, ``rings {ring key: RingUndo}`` (DeepSeek-V4's
+    compressor rings), and the step's ``starts / lengths / slots [B]`` int32."""
 
     swa: dict
     open: dict
@@ -54,6 +67,7 @@ class VerifyUndo:
     starts: jax.Array
     lengths: jax.Array
     slots: jax.Array
+    rings: dict = dataclasses.field(default_factory=dict)
 
     @property
     def rows(self) -> int:

@@ -58,6 +58,12 @@ def check_speculative(cfg: ModelConfig, spec: Speculative) -> None:
     """Raise ValueError naming the offending setting of ``spec`` for ``cfg`` (its weights are not looked at)."""
     if spec.algorithm != "dspark":
         raise ValueError(f"speculative algorithm {spec.algorithm!r} is not supported (choose 'dspark')")
+    if spec.proposer is not None and spec.params is None:     # proposals from the host: no drafter to check
+        n = spec.num_draft_tokens
+        if type(n) is not int or not 1 <= n < cfg.sliding_window:
+            raise ValueError(f"speculative num_draft_tokens must be an integer in [1, sliding_window - 1="
+                             f"{cfg.sliding_window - 1}], got {n!r}")
+        return
     if not cfg.has_dspark:
         raise ValueError(f"speculative algorithm 'dspark' needs DSpark stages, but the checkpoint's config has "
                          f"num_nextn_predict_layers={cfg.num_nextn_predict_layers}, dspark_target_layer_ids="

@@ -142,7 +142,8 @@ def verify_and_accept(params: dict, cache: PagedCache, rows: StepBatch, sampling
 def commit_rows(cache: PagedCache, undo: VerifyUndo, accepted: jax.Array, cfg: ModelConfig, plan: DCPPlan | None = None):
     """Keep the first ``accepted [max_batch]`` rows of each request of a `verify_step` (clipped to its
     ``lengths``): the cache afterwards equals having fed only those tokens — the window-ring rows, the open
-    ratio-2 pair, the compressed entries and index keys of the rejected rows are put back as they were."""
+    ratio-2 pair (DeepSeek-V4: the compressor rings), the compressed entries and index keys of the rejected rows are
+    put back as they were."""
     n_slots = pc.cache_slots(cache)
     accepted = jnp.clip(accepted, 0, undo.lengths)
     layers = sorted(undo.swa)
@@ -168,9 +169,24 @@ def commit_rows(cache: PagedCache, undo: VerifyUndo, accepted: jax.Array, cfg: M
         cache = cache.replace(
             open_kv={**cache.open_kv, src: cache.open_kv[src].at[at].set(pick(o.c, o.kv), mode="drop")},
             open_score={**cache.open_score, src: cache.open_score[src].at[at].set(pick(o.z, o.score), mode="drop")})
+    for key, g in undo.rings.items():
+        # each rejected row's ring row (position mod n) holds the latest kept row of the step with the same residue,
+        # or what it held before the step
+        width = g.c.shape[-1]
+        n = cache.open_kv[key].shape[1] // width
+        back = i - n * ((i - accepted[:, None] + n) // n)                                    # [B,R] that kept row
+        at = (jnp.where(reject, undo.slots[:, None], n_slots), pos % n)
+        rows_b = jnp.arange(b)[:, None]
+        kept_value = lambda new, before: jnp.where((back >= 0)[..., None], new[rows_b, jnp.maximum(back, 0)], before)
+        cache = cache.replace(**{
+            name: {**getattr(cache, name), key: getattr(cache, name)[key].reshape(n_slots, n, width).at[at].set(
+                kept_value(new, before), mode="drop").reshape(n_slots, -1)}
+            for name, new, before in (("open_kv", g.c, g.kv), ("open_score", g.z, g.score))})
     for src, e in undo.entries.items():
         back = e.emits & reject
         for name in POOLS:
+            if src not in cache.pool(name):         # DeepSeek-V4 HCA: no index keys
+                continue
             pool, old = cache.pool(name)[src], getattr(e, name)
             if plan is not None and not plan.replicated_pages:
                 flat = lambda a: a.reshape(-1)
