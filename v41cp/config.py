@@ -186,6 +186,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny-v4": _TINY_V4,
     # the other order of kinds: CSA first (its indexer before any HCA), an HCA between, SWA last; one hash layer
     "tiny-v4-csa-first": {**_TINY_V4, "compress_ratios": (4, 8, 4, 0), "num_hash_layers": 1},
+    # tiny-v4 with the MTP layer (compress_ratios' trailing 0 is its)
+    "tiny-v4-mtp": {**_TINY_V4, "compress_ratios": (0, 8, 4, 4, 0), "num_nextn_predict_layers": 1},
     # the oracle's tiny model, sparse selection (top-4 of the compressed entries, 2 candidate blocks)
     "tiny": _TINY,
     # same shape, selection complete (every visible entry selected): no top-k tie effects
@@ -562,6 +564,12 @@ class ModelConfig:
                                   f"indexer; no Engram, no DSpark), got {list(getattr(self, name))}")
         if self.candidate_source_layer_id != -1:
             raise ConfigError(f"candidate_source_layer_id must be -1 for V4, got {self.candidate_source_layer_id!r}")
+        k, n = self.num_nextn_predict_layers, self.num_hidden_layers
+        if k not in (0, 1):
+            raise ConfigError(f"num_nextn_predict_layers must be 0 or 1 for V4 (one MTP layer, mtp.0), got {k!r}")
+        if k and len(self.compress_ratios) > n and self.compress_ratios[n] != 0:
+            raise ConfigError(f"compress_ratios[{n}] (the MTP layer's) must be 0 (SWA-only), got "
+                              f"{self.compress_ratios[n]!r}")
         if self.fake_quant:
             raise ConfigError("fake_quant: the DeepSeek-V4 cache formats (FP8 main entries, FP4 index keys) are not "
                               "built yet; set fake_quant=false")
@@ -649,6 +657,16 @@ class ModelConfig:
     def has_dspark(self) -> bool:
         """The config describes DSpark stages (``num_nextn_predict_layers > 0`` with target layers)."""
         return self.num_nextn_predict_layers > 0 and len(self.dspark_target_layer_ids) > 0
+
+    @property
+    def has_mtp(self) -> bool:
+        """The config describes DeepSeek-V4's MTP layer (``num_nextn_predict_layers = 1``; `v41cp.mtp`)."""
+        return self.is_v4 and self.num_nextn_predict_layers > 0
+
+    @property
+    def has_drafter(self) -> bool:
+        """The checkpoint holds a drafter (``mtp.*``): DSpark stages (V4.1) or the MTP layer (V4)."""
+        return self.has_dspark or self.has_mtp
 
     def draft_stage_config(self) -> "ModelConfig":
         """The config a DSpark stage runs its MoE and mHC with: the backbone's, with the drafter's experts."""

@@ -39,9 +39,10 @@ from v41cp.layers.common import RMSNorm, declare, dtype_of, weight_for
 from v41cp.layers.mhc import HyperConnection, collapse, mhc_layer
 from v41cp.layers.moe import MoE
 from v41cp.layers.rope import rope_angles
+from v41cp.mtp import abstract_mtp_params
 from v41cp.quant import fp8_block32
 
-__all__ = ["Drafter", "target_features", "init_drafter_params", "abstract_drafter_params", "draft_logits",
+__all__ = ["Drafter", "target_features", "drafter_rows", "init_drafter_params", "abstract_drafter_params", "draft_logits",
            "draft_from_features"]
 
 
@@ -61,6 +62,17 @@ def target_features(cfg: ModelConfig, taps: dict, narrow=None) -> jax.Array:
         t = taps[f"layers_{i}"]["dspark"][0]
         out.append(narrow(t) if boundary is not None and i < boundary else t)
     return jnp.concatenate(out, axis=-1)
+
+
+def drafter_rows(cfg: ModelConfig, rows, taps: dict, tokens: jax.Array, count: int):
+    """What a cached pass hands the drafter's context write: each request's last ``count`` rows of the pass
+    (``rows``: its rows backend's `last_rows`) — ``(features [B, count, ·], positions [B, count], valid [B,
+    count], tokens [B, count])``, the rows' own token ids from the pass's ``tokens`` (DeepSeek-V4's MTP keys need
+    the token after each row; zeros for DSpark, whose keys do not)."""
+    narrow = rows.ced_split()[2] if rows.narrows else None
+    feats, pos, ok = rows.last_rows(target_features(cfg, taps, narrow), count)
+    own = rows.last_rows(tokens[..., None], count)[0][..., 0] if cfg.is_v4 else jnp.zeros_like(pos)
+    return feats, pos, ok, own
 
 
 class DraftAttention(nn.Module):
@@ -219,7 +231,9 @@ def _dummy(cfg: ModelConfig):
 
 
 def abstract_drafter_params(cfg: ModelConfig) -> Any:
-    """Boxed abstract drafter parameter tree (no allocation)."""
+    """Boxed abstract drafter parameter tree (no allocation): the DSpark stages, or DeepSeek-V4's MTP layer."""
+    if cfg.is_v4:
+        return abstract_mtp_params(cfg)
     if not cfg.has_dspark:
         raise ValueError("the config has no DSpark stages (num_nextn_predict_layers = 0 or no "
                          "dspark_target_layer_ids)")

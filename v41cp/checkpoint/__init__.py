@@ -7,7 +7,7 @@ the name mapping to the model's tree, conversion to orbax, and sharded restore.
 * `params_from_released` — a mapping of released names to unquantized arrays → parameter tree;
 * `convert` / `load` — orbax checkpoint in the model's own tree, restored onto a mesh;
 * `open_checkpoint` — either layout, weights as stored; `stores_quantized_at` — whether they are FP4 / FP8;
-* `open_drafter` — the DSpark drafter's parameters (``mtp.*``) of either layout;
+* `open_drafter` — the drafter's parameters (``mtp.*``: DSpark, or DeepSeek-V4's MTP layer) of either layout;
 * `write_released` — write a parameter-name mapping in the release's quantized layout.
 """
 
@@ -58,8 +58,8 @@ def stores_quantized_at(path) -> bool:
 
 
 def open_drafter(path, cfg):
-    """The DSpark drafter's parameter tree (`v41cp.drafter`, host arrays, dequantized) of a converted checkpoint or
-    a released-layout directory; `CheckpointError` when it has no ``mtp.*`` tensors."""
+    """The drafter's parameter tree (DSpark `v41cp.drafter` or V4's MTP `v41cp.mtp`, host arrays, dequantized) of a
+    converted checkpoint or a released-layout directory; `CheckpointError` when it has no ``mtp.*`` tensors."""
     if (Path(path) / "manifest.json").exists():
         return load_drafter(path, cfg)
     return ReleasedCheckpoint(path, cfg).drafter_params()

@@ -68,9 +68,22 @@ def released_to_tree(cfg: ModelConfig) -> dict[tuple[str, ...], Source]:
 
 
 def drafter_to_tree(cfg: ModelConfig) -> dict[tuple[str, ...], Source]:
-    """The DSpark drafter's parameter paths (`v41cp.drafter.Drafter`) → their `Source` in the release
-    (``mtp.{k}.*``: each stage named as a SWA-only backbone layer with the drafter's experts, plus
-    ``mtp.0.main_proj`` / ``main_norm`` and the last stage's ``norm``, Markov and confidence heads)."""
+    """The drafter's parameter paths → their `Source` in the release. DSpark (`v41cp.drafter.Drafter`,
+    ``mtp.{k}.*``): each stage named as a SWA-only backbone layer with the drafter's experts, plus
+    ``mtp.0.main_proj`` / ``main_norm`` and the last stage's ``norm``, Markov and confidence heads. DeepSeek-V4's
+    MTP layer (`v41cp.mtp`, ``mtp.0.*``): a SWA-only V4 layer (routed MoE) plus ``e_proj`` / ``h_proj``,
+    ``enorm`` / ``hnorm`` / ``norm`` and ``hc_head_{fn,base,scale}``."""
+    if cfg.is_v4:
+        role = LayerRole(index=cfg.num_hidden_layers, ratio=0, kind="swa", kv_source=-1, index_source=-1,
+                         candidate_source=False, uses_candidates=False, engram_slot=-1)
+        m = _layer_sources(cfg, role, "mtp_0", "mtp.0")
+        for name, fn in (("e_proj", Transposed()), ("h_proj", Transposed())):
+            m[("mtp_0", name)] = Source((f"mtp.0.{name}.weight",), fn)
+        for name in ("enorm", "hnorm", "norm"):
+            m[("mtp_0", name, "weight")] = Source((f"mtp.0.{name}.weight",), Same())
+        for part in ("fn", "base", "scale"):
+            m[("mtp_0", "hc_head", part)] = Source((f"mtp.0.hc_head_{part}",), Same())
+        return m
     stage_cfg = cfg.draft_stage_config()
     m: dict[tuple[str, ...], Source] = {}
     last = cfg.num_nextn_predict_layers - 1
@@ -169,11 +182,11 @@ def params_from_released(cfg: ModelConfig, tensors: Mapping[str, Any]) -> dict:
 
 
 def drafter_params_from_released(cfg: ModelConfig, tensors: Mapping[str, Any]) -> dict:
-    """The DSpark drafter's parameter tree (`v41cp.drafter.Drafter`) from released-name tensors (``mtp.*``;
-    every other tensor is the target's and is passed over). Errors as `params_from_released`; a config without
-    DSpark stages is an error naming ``num_nextn_predict_layers``."""
-    if not cfg.has_dspark:
-        raise CheckpointError(f"the config has no DSpark stages (num_nextn_predict_layers="
+    """The drafter's parameter tree (DSpark: `v41cp.drafter.Drafter`; DeepSeek-V4: the MTP layer, `v41cp.mtp`) from
+    released-name tensors (``mtp.*``; every other tensor is the target's and is passed over). Errors as
+    `params_from_released`; a config without a drafter is an error naming ``num_nextn_predict_layers``."""
+    if not cfg.has_drafter:
+        raise CheckpointError(f"the config has no drafter (num_nextn_predict_layers="
                               f"{cfg.num_nextn_predict_layers}, dspark_target_layer_ids="
                               f"{list(cfg.dspark_target_layer_ids)})")
     others = tuple({k.split(".")[0] + "." for k in tensors if not k.startswith("mtp.")})

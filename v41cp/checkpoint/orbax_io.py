@@ -217,12 +217,12 @@ def _abstract_subtrees(cfg: ModelConfig, mesh: Mesh | None, rules: AxisRules) ->
 
 
 def load_drafter(path: str | os.PathLike, cfg: ModelConfig) -> dict:
-    """The DSpark drafter's parameter tree (`v41cp.drafter`, host NumPy) of a converted checkpoint: its
-    ``params/dspark`` tensors (stored as released) decoded."""
+    """The drafter's parameter tree (DSpark `v41cp.drafter`, or DeepSeek-V4's MTP layer `v41cp.mtp`; host NumPy)
+    of a converted checkpoint: its ``params/dspark`` tensors (the release's ``mtp.*``, stored as released) decoded."""
     where = Path(path) / "params" / "dspark"
     if not where.exists():
-        raise CheckpointError(f"{str(path)!r} holds no DSpark tensors (mtp.*): speculative decoding with 'dspark' "
-                              f"needs them")
+        raise CheckpointError(f"{str(path)!r} holds no drafter tensors (mtp.*): speculative decoding with its "
+                              f"drafter ('dspark' / 'mtp') needs them")
     flat: dict[str, np.ndarray] = {}
 
     def walk(node, prefix):

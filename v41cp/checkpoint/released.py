@@ -233,11 +233,12 @@ class ReleasedCheckpoint:
                              self.cfg.weight_block_size)
 
     def drafter_params(self) -> dict:
-        """The DSpark drafter's parameter tree (`v41cp.drafter`) from the ``mtp.*`` tensors, decoded (host)."""
+        """The drafter's parameter tree (DSpark `v41cp.drafter`, or DeepSeek-V4's MTP layer `v41cp.mtp`) from the
+        ``mtp.*`` tensors, decoded (host)."""
         keys = [k for k in self.files if k.startswith("mtp.") and not k.endswith(".scale")]
         if not keys:
-            raise CheckpointError(f"{str(self.path)!r} holds no DSpark tensors (mtp.*): speculative decoding "
-                                  f"with 'dspark' needs them")
+            raise CheckpointError(f"{str(self.path)!r} holds no drafter tensors (mtp.*): speculative decoding "
+                                  f"with its drafter ('dspark' / 'mtp') needs them")
         return drafter_params_from_released(self.cfg.replace(keep_quantized=False), {k: self.read(k) for k in keys})
 
     @property

@@ -387,24 +387,26 @@ class BackendFlags(_Group):
 
 @dataclass(frozen=True)
 class SpeculativeFlags(_Group):
-    """Speculative decoding with the checkpoint's DSpark drafter."""
+    """Speculative decoding with the checkpoint's drafter (V4.1: DSpark; DeepSeek-V4: its MTP layer)."""
 
     speculative_algorithm: str | None = flag(
-        "--speculative-algorithm", choices=("dspark",),
-        help="speculative decoding with the checkpoint's DSpark drafter (mtp.*): exact (greedy tokens as without "
-             "it; sampling lossless)")
+        "--speculative-algorithm", choices=("dspark", "mtp"),
+        help="speculative decoding with the checkpoint's drafter (mtp.*): dspark (V4.1) or mtp (DeepSeek-V4); "
+             "exact (greedy tokens as without it; sampling lossless)")
     speculative_num_draft_tokens: int | None = flag(
         "--speculative-num-draft-tokens", type=int,
-        help="drafts verified per step, 1 … dspark_block_size (default: the block size)")
+        help="drafts verified per step: dspark 1 … dspark_block_size (default: the block size); mtp 1 … "
+             "sliding_window - 1 chained MTP rows (default 1, the layer as trained)")
 
     def speculative(self, cfg: ModelConfig, checkpoint: str) -> Speculative | None:
         """The `Speculative` settings (None: off), the drafter's weights from ``checkpoint``'s ``mtp.*`` tensors."""
         if self.speculative_algorithm is None:
             if self.speculative_num_draft_tokens is not None:
-                raise ValueError("--speculative-num-draft-tokens needs --speculative-algorithm dspark")
+                raise ValueError("--speculative-num-draft-tokens needs --speculative-algorithm (dspark or mtp)")
             return None
         n = self.speculative_num_draft_tokens
-        spec = Speculative(None, cfg.dspark_block_size if n is None else n, self.speculative_algorithm)
+        default = 1 if self.speculative_algorithm == "mtp" else cfg.dspark_block_size
+        spec = Speculative(None, default if n is None else n, self.speculative_algorithm)
         check_speculative(cfg, spec)                  # the settings first: a clear error before any weight is read
         return Speculative(open_drafter(checkpoint, cfg), spec.num_draft_tokens, self.speculative_algorithm)
 

@@ -15,9 +15,9 @@ record_logits=False)`:
   steps (`v41cp.serving.runner.sampling`): only token ids come to the host (``record_logits=True`` also keeps the
   FP32 logits of each request's latest token in ``Request.last_logits``, for tests); a request stops on EOS
   (unless disabled) or after ``max_new_tokens``; `cancel` frees it at once;
-* with ``speculative`` (`v41cp.serving.runner.speculative`: the DSpark drafter, or injected proposals) a decode
-  round drafts ``n`` tokens per request, verifies them in one ``n + 1``-row step and keeps the accepted ones
-  (greedy tokens as without it; sampling lossless);
+* with ``speculative`` (`v41cp.serving.runner.speculative`: V4.1's DSpark drafter, DeepSeek-V4's MTP layer, or
+  injected proposals) a decode round drafts ``n`` tokens per request, verifies them in one ``n + 1``-row step and
+  keeps the accepted ones (greedy tokens as without it; sampling lossless);
 * prefix caching (on by default, ``Capacity.prefix_caching``): a prompt that starts with cached whole blocks reuses
   their pages and the slot state stored at the deepest of them and prefills only the rest
   (`v41cp.serving.cache.prefix`), on every prefill path and layout (tested equal to a cold prefill);
@@ -45,15 +45,12 @@ from v41cp.sharding.topology import ParallelConfig
 __all__ = ["Capacity", "SamplingParams", "Engine", "EngineLike", "EngineFull", "RequestError"]
 
 
-def _check_v4_serving(cfg: ModelConfig, speculative) -> None:
-    """DeepSeek-V4 is served with the XLA attention / indexer paths, on any topology (attention TP, KVP = DCP, QCP)
-    and disaggregated; speculative verification (with its rollback of the compressor rings) takes a host proposer:
-    anything else is refused by name (the kernels' V4 paths and the MTP drafter are not built)."""
+def _check_v4_serving(cfg: ModelConfig) -> None:
+    """DeepSeek-V4 is served with the XLA attention / indexer paths, on any topology (attention TP, KVP = DCP, QCP),
+    disaggregated and with MTP speculative decoding: the kernels' V4 paths are refused by name (not built)."""
     kernels = {n: getattr(cfg, n) for n in ("attention_backend", "indexer_backend") if getattr(cfg, n) != "xla"}
     if kernels:
         raise ValueError(f"DeepSeek-V4 serving runs the XLA attention and indexer paths for now; got {kernels}")
-    if speculative is not None and speculative.proposer is None:
-        raise ValueError("DeepSeek-V4 speculative decoding with its MTP layer is not built (a host proposer is)")
 
 
 @runtime_checkable
@@ -110,7 +107,7 @@ class Engine:
         if role not in ROLES:
             raise ValueError(f"engine role must be 'both', 'prefill' or 'decode', got {role!r}")
         if cfg.is_v4:
-            _check_v4_serving(cfg, speculative)
+            _check_v4_serving(cfg)
         if speculative is not None:
             check_speculative(cfg, speculative)
             if speculative.params is None and speculative.proposer is None:

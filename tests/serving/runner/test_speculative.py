@@ -223,7 +223,7 @@ def test_bad_speculative_settings_name_the_value(setup, tmp_path):
     cfg, params, drafter, _, _, _ = setup
     shutil.copytree(default_checkpoint(), tmp_path / "ckpt")
     shutil.rmtree(tmp_path / "ckpt" / "params" / "dspark")                    # a checkpoint without mtp.* tensors
-    with pytest.raises(CheckpointError, match="holds no DSpark tensors"):
+    with pytest.raises(CheckpointError, match="holds no drafter tensors"):
         open_drafter(tmp_path / "ckpt", cfg)
     for n in (0, cfg.dspark_block_size + 1):
         with pytest.raises(ValueError, match=f"num_draft_tokens must be an integer in \\[1, dspark_block_size=4\\], "

@@ -122,16 +122,25 @@ SLOT_FIELDS = PagedCache.slot_fields()                                          
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class DraftCache(_Declared):
-    """The DSpark drafter's context windows: row ``t mod W`` of a slot holds the key of the target feature at
-    position ``t``, per drafter stage. Replicated (the drafter runs replicated)."""
+    """The drafter's context windows: row ``t mod W`` of a slot holds, per drafter stage, the key of position ``t``
+    (DSpark: of the target feature there; V4's MTP layer: of its input there, from the target's streams and the
+    next token). ``last``: V4's MTP only, the target's output streams at each slot's last fed position (the next
+    draft's first row; ``[B, 0]`` for DSpark) and ``fed``, the position after it (``[B, 1]`` int32; 0: nothing
+    fed). Replicated (the drafter runs replicated)."""
 
     keys: Any = _axes("stages", "slots", "window", "channels")          # [K, B, W, D] model dtype
+    last: Any = _axes("slots", "channels")                              # [B, hc·H] model dtype (MTP) | [B, 0]
+    fed: Any = _axes("slots", "channels")                               # [B, 1] int32 (MTP) | [B, 0]
 
 
 def declare_draft_cache(cfg: ModelConfig, max_batch: int) -> DraftCache:
     """The drafter's cache for ``max_batch`` slots, as `ArrayDecl` leaves."""
     shape = (cfg.num_nextn_predict_layers, max_batch, cfg.sliding_window, cfg.head_dim)
-    return DraftCache(keys=ArrayDecl(shape, dtype_of(cfg.dtype), DraftCache.axes_of("keys")))
+    mtp = cfg.has_mtp
+    return DraftCache(keys=ArrayDecl(shape, dtype_of(cfg.dtype), DraftCache.axes_of("keys")),
+                      last=ArrayDecl((max_batch, cfg.hc_mult * cfg.hidden_size if mtp else 0), dtype_of(cfg.dtype),
+                                     DraftCache.axes_of("last")),
+                      fed=ArrayDecl((max_batch, int(mtp)), jnp.int32, DraftCache.axes_of("fed")))
 
 
 def _initial(decl):

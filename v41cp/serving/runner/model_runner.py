@@ -40,6 +40,7 @@ from v41cp.serving.capacity import Capacity
 from v41cp.serving.multihost.fetch import fetch
 from v41cp.serving.runner.grammar import GrammarError, Grammars, no_masks
 from v41cp.serving.runner.logprobs import TokenLogprobs, chunk_logprobs, entries
+from v41cp.serving.runner.mtp_draft import mtp_draft_step, write_mtp_context
 from v41cp.serving.runner.penalties import TokenCounts, reset_slot
 from v41cp.serving.runner.sampling import ReplicateOn, SamplingRows, sample_tokens
 from v41cp.serving.runner.span_batch import build_span_batch
@@ -193,7 +194,7 @@ class ModelRunner:
                                                           self.step_plan, features=True)
                 pos = jnp.asarray(np.arange(a, a + c)[None], jnp.int32)          # the chunk's last W rows only
                 self._write_context(np.array([slot]), jnp.swapaxes(feats, 0, 1), pos,
-                                    (pos < end) & (pos >= end - cfg.sliding_window))
+                                    (pos < end) & (pos >= end - cfg.sliding_window), jnp.asarray(tok.T))
             else:
                 logits, self.cache = prefill_chunk(self.params, self.cache, metas, cfg, encoder_only, self.step_plan)
             if not encoder_only:
@@ -303,8 +304,7 @@ class ModelRunner:
         out = prefill_span(self.params, self.cache, batch, self.cfg, self.span_layout, features=features, **score)
         logits, self.cache = out[:2]
         if features:
-            feats, pos, ok = out[2]
-            self._write_context(np.asarray(slots), feats, pos, ok)
+            self._write_context(np.asarray(slots), *out[2])
         return logits, out[-1] if score else None
 
     def _targets(self, reqs, starts, ends, batch: StepBatch):
@@ -430,10 +430,16 @@ class ModelRunner:
     def _idle_speculative(self) -> None:
         self.decode_speculative([], [], np.zeros((0, self.capacity.max_blocks), np.int32), lambda req: None)
 
-    def _write_context(self, slots, features, positions, keep) -> None:
-        if self.dparams is not None:
-            self.dcache = write_draft_context(self.dparams, self.cfg, self.dcache, jnp.asarray(slots, jnp.int32),
-                                              features, positions, keep)
+    def _write_context(self, slots, features, positions, keep, tokens) -> None:
+        """The drafter's context of fed rows (``[B, F, ·]`` features, positions, keep, their own tokens)."""
+        if self.dparams is None:
+            return
+        slots = jnp.asarray(slots, jnp.int32)
+        if self.cfg.has_mtp:
+            self.dcache = write_mtp_context(self.dparams, embedding_and_head(self.params)[0], self.cfg, self.dcache,
+                                            slots, features, positions, keep, tokens)
+        else:
+            self.dcache = write_draft_context(self.dparams, self.cfg, self.dcache, slots, features, positions, keep)
 
     # ------------------------------------------------------------------ decode
     def decode(self, rows: list[Request], slots: list[int], tables: np.ndarray, done: Done) -> None:
@@ -472,8 +478,11 @@ class ModelRunner:
             hist = req.history
             anchors[i], pos[i], slot_ids[i] = hist[-1], len(hist) - 1, slots[i]
         if spec.proposer is None:
-            drafts, _ = draft_step(self.dparams, *embedding_and_head(self.params), cfg, self.dcache,
-                                   *(jnp.asarray(a, jnp.int32) for a in (slot_ids, anchors, pos)), n)
+            at = tuple(jnp.asarray(a, jnp.int32) for a in (slot_ids, anchors, pos))
+            if cfg.has_mtp:
+                drafts = mtp_draft_step(self.dparams, *embedding_and_head(self.params), cfg, self.dcache, *at, n)
+            else:
+                drafts, _ = draft_step(self.dparams, *embedding_and_head(self.params), cfg, self.dcache, *at, n)
             drafts = fetch(drafts)
         else:
             drafts = np.zeros((b, n), np.int32)
@@ -486,7 +495,7 @@ class ModelRunner:
         meta = StepBatch.verify(cfg, [req.history for req in rows], drafts, lengths, slots, tables, b, mb, r)
         sampling = self._rows(rows, b, slots=slots, masks=masks)
         self._sync_counts(rows, slots)
-        emitted, accepted, lp, logits, self.cache, self.counts, undo, (feats, fpos, fok) = verify_and_accept(
+        emitted, accepted, lp, logits, self.cache, self.counts, undo, (feats, fpos, fok, ftok) = verify_and_accept(
             self.params, self.cache, meta, sampling, self.counts, cfg, self.step_plan, features=True,
             logprobs=self.capacity.max_logprobs)
         self.cache = commit_rows(self.cache, undo, accepted + 1, cfg, self.step_plan)   # the anchor and the kept
@@ -510,7 +519,7 @@ class ModelRunner:
                 if req.status != "running":
                     break
         if self.dparams is not None:
-            self._write_context(slot_ids, feats, fpos, fok & (fpos < jnp.asarray(pos + kept)[:, None]))
+            self._write_context(slot_ids, feats, fpos, fok & (fpos < jnp.asarray(pos + kept)[:, None]), ftok)
         self.stats["decode_steps"] += 1
         self.stats["spec_steps"] += len(rows)                  # target steps of requests (rows of the rounds)
         self.stats["drafts_proposed"] += int(np.maximum(lengths - 1, 0).sum())
@@ -617,4 +626,4 @@ class ModelRunner:
         verification width — expected; the span prefill also once more for continuing passes)."""
         return {"decode_step": decode_and_sample._cache_size(), "prefill_chunk": prefill_chunk._cache_size(),
                 "prefill_span": span_compile_count(), "verify_step": verify_and_accept._cache_size(),
-                "draft_step": draft_step._cache_size()}
+                "draft_step": draft_step._cache_size() + mtp_draft_step._cache_size()}

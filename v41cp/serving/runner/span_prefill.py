@@ -44,7 +44,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from v41cp.config import ModelConfig
-from v41cp.drafter import target_features
+from v41cp.drafter import drafter_rows
 from v41cp.kernels import interpret_mode
 from v41cp.layers.tiled_select import ROW_TILE_BYTES
 from v41cp.model import Transformer, abstract_params, embedding_and_head
@@ -106,7 +106,7 @@ class SpanLayout:
 def _qcp_body(params, cache, batch: StepBatch, scored, cfg: ModelConfig, layout: SpanLayout, features: int = 0,
               score: bool = False):
     """The one model over this rank's rows (inside the map): ``(logits [B, vocab/N], cache)``, with ``features``
-    the DSpark target features of each request's last ``features`` rows in span order (`QCPRows.last_rows`), and
+    the drafter's rows of each request's last ``features`` rows in span order (`drafter_rows`), and
     with ``score`` (an unnarrowed pass) every rank's head inputs ``[N·C, H]`` all-gathered in rank order — when the
     replicated ``scored`` says some row is scored (else zeros: the gather is skipped)."""
     grp = RowGroup(layout.mesh, layout.axes, chunk_bytes=16 * layout.tile_bytes)
@@ -117,8 +117,7 @@ def _qcp_body(params, cache, batch: StepBatch, scored, cfg: ModelConfig, layout:
     (logits, _, cache), sown = out if mutable else (out, {})
     result = (logits[:, 0], cache)
     if features:
-        narrow = rows.ced_split()[2] if rows.narrows else None
-        result += (rows.last_rows(target_features(cfg, sown["taps"], narrow), features),)
+        result += (drafter_rows(cfg, rows, sown["taps"], batch.tokens, features),)
     if score:
         h = sown["final"]["hidden"][0][0]                                                     # [C, H]
         zeros = jnp.zeros((grp.n * h.shape[0], h.shape[1]), h.dtype)
@@ -151,7 +150,7 @@ def _run(params, cache, batch: StepBatch, cfg: ModelConfig, layout: SpanLayout, 
         body = partial(_qcp_body, cfg=cfg, layout=layout, features=features, score=score)
         # as in the DCP islands: JAX's Pallas interpreter trips its own varying-axes check (CPU only)
         check = not (cfg.indexer_backend == "pallas" and interpret_mode())
-        out_specs = ((P(None, *hspec[1:]), cspec) + (((P(), P(), P()),) if features else ())
+        out_specs = ((P(None, *hspec[1:]), cspec) + (((P(), P(), P(), P()),) if features else ())
                      + ((P(),) if score else ()))
         return jax.shard_map(body, mesh=layout.mesh, in_specs=(pspec, cspec, bspec, P()), out_specs=out_specs,
                              check_vma=check)(params, cache, batch, jnp.bool_(False) if scored is None else scored)
@@ -191,9 +190,9 @@ def prefill_span(params, cache: PagedCache, batch: StepBatch, cfg: ModelConfig, 
                  features: int = 0, targets=None, score: int = 0):
     """Prefill the prompt chunks of ``batch`` (`build_span_batch`) in one pass: ``(logits [B, vocab] FP32 of each
     prompt's last row — zeros for an empty row or a pass without it —, updated cache)``. See the module
-    docstring. ``features > 0``: also the DSpark target features of each request's last ``features`` rows of the
-    pass (``([B, F, n·H], positions [B, F], valid [B, F])``, replicated; under model-wide QCP gathered back to
-    span order from the ranks that own the rows). ``score = n > 0`` (packed rows, no CED narrowing): also each
+    docstring. ``features > 0``: also the drafter's rows of each request's last ``features`` rows of the pass
+    (`v41cp.drafter.drafter_rows`: ``(features [B, F, ·], positions [B, F], valid [B, F], tokens [B, F])``,
+    replicated; under model-wide QCP gathered back to span order from the ranks that own the rows). ``score = n > 0`` (packed rows, no CED narrowing): also each
     row's prompt log-probability of ``targets [1, rows]`` (its next prompt token; −1: none) with the top ``n``
     (`v41cp.serving.runner.logprobs.row_logprobs`, computed only when a target is set), last in the tuple. The rows
     are those of the pass: packed (``rows`` = the batch's row capacity), or under model-wide QCP the ranks' local

@@ -39,30 +39,46 @@ from v41cp.config import ModelConfig
 from v41cp.drafter import Drafter, draft_logits
 from v41cp.serving.cache.device_cache import DraftCache
 
-__all__ = ["Speculative", "draft_step", "write_draft_context", "check_speculative"]
+__all__ = ["Speculative", "draft_step", "write_draft_context", "check_speculative", "speculative_algorithm"]
 
 
 @dataclass(frozen=True)
 class Speculative:
-    """Speculative decoding settings of an `v41cp.serving.engine.Engine`: ``algorithm`` ``"dspark"`` with the
-    drafter's parameters ``params`` (`v41cp.drafter`), ``num_draft_tokens`` drafts per step (1 … the block
-    size). ``proposer(rid, history, n) → n token ids``: proposals from the host instead of the drafter."""
+    """Speculative decoding settings of an `v41cp.serving.engine.Engine`: the drafter's parameters ``params`` —
+    ``algorithm`` ``"dspark"`` (V4.1's DSpark stages, `v41cp.drafter`; ``num_draft_tokens`` 1 … the block size)
+    or ``"mtp"`` (DeepSeek-V4's MTP layer, `v41cp.mtp`; 1 … ``sliding_window − 1`` chained rows); None: the
+    model's own. ``proposer(rid, history, n) → n token ids``: proposals from the host instead of the drafter."""
 
     params: Any = None
     num_draft_tokens: int = 4
-    algorithm: str = "dspark"
+    algorithm: str | None = None
     proposer: Callable[[Any, list, int], list] | None = None
+
+
+def speculative_algorithm(cfg: ModelConfig, spec: Speculative) -> str:
+    """The drafter ``spec`` runs: its ``algorithm``, or the model's own (``"mtp"`` for DeepSeek-V4, else
+    ``"dspark"``)."""
+    return spec.algorithm or ("mtp" if cfg.is_v4 else "dspark")
 
 
 def check_speculative(cfg: ModelConfig, spec: Speculative) -> None:
     """Raise ValueError naming the offending setting of ``spec`` for ``cfg`` (its weights are not looked at)."""
-    if spec.algorithm != "dspark":
-        raise ValueError(f"speculative algorithm {spec.algorithm!r} is not supported (choose 'dspark')")
-    if spec.proposer is not None and spec.params is None:     # proposals from the host: no drafter to check
-        n = spec.num_draft_tokens
+    algorithm = speculative_algorithm(cfg, spec)
+    if algorithm not in ("dspark", "mtp"):
+        raise ValueError(f"speculative algorithm {algorithm!r} is not supported (choose 'dspark' or 'mtp')")
+    own = "mtp" if cfg.is_v4 else "dspark"
+    if algorithm != own:
+        raise ValueError(f"speculative algorithm {algorithm!r} does not fit model_type={cfg.model_type!r}: its "
+                         f"drafter is {own!r}")
+    n = spec.num_draft_tokens
+    if spec.proposer is not None and spec.params is None or algorithm == "mtp":
+        # proposals from the host (no drafter to check), or the MTP layer chained n times
         if type(n) is not int or not 1 <= n < cfg.sliding_window:
             raise ValueError(f"speculative num_draft_tokens must be an integer in [1, sliding_window - 1="
                              f"{cfg.sliding_window - 1}], got {n!r}")
+        if algorithm == "mtp" and spec.proposer is None and not cfg.has_mtp:
+            raise ValueError(f"speculative algorithm 'mtp' needs the MTP layer, but the checkpoint's config has "
+                             f"num_nextn_predict_layers={cfg.num_nextn_predict_layers}")
         return
     if not cfg.has_dspark:
         raise ValueError(f"speculative algorithm 'dspark' needs DSpark stages, but the checkpoint's config has "

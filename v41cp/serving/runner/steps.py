@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from v41cp.ced import ced_boundary, ced_rows
 from v41cp.config import ModelConfig
-from v41cp.drafter import target_features
+from v41cp.drafter import drafter_rows
 from v41cp.model import Transformer
 from v41cp.serving.attention.dcp import DCPPlan
 from v41cp.serving.attention.paged_rows import PagedRows
@@ -55,8 +55,8 @@ def _forward_rows(params: dict, cache: PagedCache, meta: StepBatch, cfg: ModelCo
                   hidden: bool = False):
     """The model over cached rows: ``(logits [B,R,vocab] FP32 — ``[B,1,vocab]`` at ``logits_at`` —, cache, undo
     record or None, features, hidden)``. ``operator``: operator-local QCP settings (`PagedRows`). ``features > 0``:
-    the DSpark target features of each request's last ``features`` rows (`PagedRows.last_rows`: ``([B, F, n·H],
-    positions [B, F], valid [B, F])``), else None. ``hidden``: every row's head input ``[B, R, hidden]`` (else
+    the drafter's rows of each request's last ``features`` rows (`v41cp.drafter.drafter_rows`: ``(features [B, F,
+    ·], positions [B, F], valid [B, F], tokens [B, F])``), else None. ``hidden``: every row's head input ``[B, R, hidden]`` (else
     None)."""
     with jax.default_matmul_precision("highest" if cfg.dtype == "float32" else "default"):
         rows = PagedRows(cfg, meta, cache, plan, undo, operator)
@@ -67,8 +67,7 @@ def _forward_rows(params: dict, cache: PagedCache, meta: StepBatch, cfg: ModelCo
         if mutable:
             (logits, _, cache), sown = call(mutable=mutable)
             if features:
-                narrow = rows.ced_split()[2] if rows.narrows else None
-                feats = rows.last_rows(target_features(cfg, sown["taps"], narrow), features)
+                feats = drafter_rows(cfg, rows, sown["taps"], meta.tokens, features)
             if hidden:
                 final = sown["final"]["hidden"][0]
         else:

@@ -1,0 +1,149 @@
+"""DeepSeek-V4 MTP speculative decoding (`v41cp.mtp`, `v41cp.serving.runner.mtp_draft`) on `tiny-v4-mtp` (SWA | HCA
+ratio 8 | CSA | CSA + the MTP layer, window 8), against the full-sequence MTP layer (`mtp_reference`) over the
+target's full forward and against plain greedy decoding.
+
+* after every engine round (span prefill, a prefix-cache hit continuing from the stored slot state, speculative
+  rounds whose drafts are rejected): each running request's draft cache holds the MTP keys of the positions in its
+  window, the target's streams at its last fed position and that position, as the full sequences give them; the
+  draft step's logits of row 0 (from the target's streams and the anchor) and of row 1 (chained from row 0's
+  output streams and draft 1) equal the full-sequence layer's;
+* greedy MTP speculative decoding equals plain greedy (the full forward's continuation, no near-tie) on one device
+  (a prompt that hits the prefix cache too), under KVP = DCP 2 and after a model-wide QCP 2 prefill (the draft
+  cache checked as above after every round: its rows come back from the ranks that own them);
+* the released names (``mtp.0.*``) load into the layer's tree; bad settings are refused naming the value.
+
+The MTP weights are random: its drafts are rejected (acceptance lengths are covered by injected proposals,
+`tests/serving/test_v4_speculative.py`).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import greedy_reference, perturbed, rel_err
+
+from v41cp import model
+from v41cp.config import preset
+from v41cp.model import embedding_and_head
+from v41cp.mtp import init_mtp_params, mtp_reference
+from v41cp.serving.engine import Capacity, Engine, SamplingParams
+from v41cp.serving.runner.mtp_draft import mtp_draft_step
+from v41cp.serving.runner.speculative import Speculative
+from v41cp.sharding.topology import ParallelConfig
+
+CAP = Capacity(max_batch=3, max_tokens=48, block_tokens=8)
+N = 2                                                         # chained MTP rows per step
+NEW = 12
+LENGTH = 48                                                   # the full forwards' padded length (one compile)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = preset("tiny-v4-mtp")
+    params = perturbed(model.init_params(cfg, jax.random.key(0)))
+    layer = init_mtp_params(cfg, jax.random.key(1))
+    rng = np.random.default_rng(5)
+    prompts = {f"p{n}": rng.integers(3, cfg.vocab_size, n).tolist() for n in (6, 15, 29)}
+    prompts["hit"] = prompts["p29"][:24] + rng.integers(3, cfg.vocab_size, 5).tolist()   # p29 stored its state at 24
+    want, _ = greedy_reference(cfg, params, prompts, NEW, LENGTH)
+    return cfg, params, layer, prompts, want
+
+
+def _submit(eng, prompts, ids):
+    for rid in ids:
+        eng.submit(rid, prompts[rid], SamplingParams(max_new_tokens=NEW, stop_on_eos=False))
+
+
+def _check_draft_state(eng, cfg, params, layer, req, slot):
+    """The draft cache of ``req`` (anchor = its last token, at position q = len(history) − 1) against the
+    full-sequence MTP layer; the draft step's two rows' logits against it too."""
+    hist = list(req.history)
+    q, w = len(hist) - 1, cfg.sliding_window
+    padded = np.zeros((1, LENGTH), np.int32)
+    padded[0, :len(hist)] = hist
+    _, feats = model.forward_with_features(params, cfg, padded)                  # [1, S, hc·H] (causal)
+    embed, head = embedding_and_head(params)
+    nxt = jnp.asarray(np.append(padded[0, 1:], 0)[None], jnp.int32)
+    ref = mtp_reference(layer, embed, head, cfg, feats, nxt)
+    dc = eng.runner.dcache
+    assert int(dc.fed[slot, 0]) == q, (req.rid, int(dc.fed[slot, 0]), q)
+    assert rel_err(dc.last[slot], feats[0, q - 1]) <= 1e-5
+    pos = np.arange(max(0, q - w + 1), q - 1)                                   # the ring's positions in row 0's window
+    if len(pos):
+        err = rel_err(np.asarray(dc.keys[0, slot, pos % w]), np.asarray(ref["keys"][0, pos]))
+        assert err <= 1e-5, (req.rid, q, err)
+    drafts, logits = mtp_draft_step(layer, embed, head, cfg, dc, *(jnp.asarray([v], jnp.int32) for v in
+                                                                    (slot, hist[-1], q)), N, with_logits=True)
+    assert rel_err(logits[0, 0], ref["logits"][0, q - 1]) <= 1e-5, (req.rid, q)
+    # row 1: the layer at q from row 0's output streams and draft 1
+    chained = feats.at[0, q].set(ref["streams"][0, q - 1].reshape(-1))
+    ref1 = mtp_reference(layer, embed, head, cfg, chained, nxt.at[0, q].set(drafts[0, 0]))
+    assert rel_err(logits[0, 1], ref1["logits"][0, q]) <= 1e-5, (req.rid, q)
+
+
+def test_cached_mtp_equals_the_full_sequence_layer(setup):
+    cfg, params, layer, prompts, want = setup
+    eng = Engine(params, cfg, CAP, speculative=Speculative(layer, N))
+    checked = set()
+    for ids in (("p6", "p15", "p29"), ("hit",)):
+        _submit(eng, prompts, ids)
+        while eng.pending:
+            eng.step()
+            for rid in ids:
+                req = eng.requests.get(rid)
+                if req is not None and req.status == "running":
+                    _check_draft_state(eng, cfg, params, layer, req, eng.alloc.slot(rid))
+                    checked.add((rid, len(req.history)))
+        for rid in ids:
+            assert eng.result(rid)["output_ids"] == want[rid], rid
+    assert eng.result("hit")["cached_tokens"] == 24
+    assert len(checked) > 20 and eng.speculative_stats()["drafts_proposed"] > 0
+
+
+@pytest.mark.parametrize("name", ["kvp2", "qcp2-kvp2"])
+def test_sharded_mtp_speculative_equals_plain_greedy(setup, name):
+    topology = {"kvp2": ParallelConfig(tp_size=2, kv_parallel_size=2, decode_context_parallel_size=2),
+                "qcp2-kvp2": ParallelConfig(tp_size=2, query_context_parallel_size=2, kv_parallel_size=2,
+                                            decode_context_parallel_size=2)}[name]
+    cfg, params, layer, prompts, want = setup
+    eng = Engine(params, cfg, CAP, parallel=topology, speculative=Speculative(layer, N))
+    ids = ("p6", "p15", "p29")
+    _submit(eng, prompts, ids)
+    while eng.pending:
+        eng.step()
+        for rid in ids:                     # the draft context written from the sharded passes' rows
+            req = eng.requests.get(rid)
+            if req is not None and req.status == "running":
+                _check_draft_state(eng, cfg, params, layer, req, eng.alloc.slot(rid))
+    assert {rid: eng.result(rid)["output_ids"] for rid in ids} == {rid: want[rid] for rid in ids}
+
+
+def test_released_mtp_names_load(setup):
+    from v41cp.checkpoint.names import drafter_params_from_released, drafter_to_tree
+
+    cfg, _, layer, _, _ = setup
+    mapping = drafter_to_tree(cfg)
+    keys = sorted({k for src in mapping.values() for k in src.keys})
+    assert {"mtp.0.e_proj.weight", "mtp.0.h_proj.weight", "mtp.0.enorm.weight", "mtp.0.hnorm.weight",
+            "mtp.0.norm.weight", "mtp.0.hc_head_fn", "mtp.0.attn.wkv.weight", "mtp.0.hc_attn_fn"} <= set(keys)
+    assert not any(k.startswith("mtp.0.attn.compressor") or k.startswith("mtp.0.attn.indexer") for k in keys)
+    # every leaf of the layer's tree has its released source; tensors of the wrong shape are refused by name
+    rng = np.random.default_rng(0)
+    tensors = {}
+    flat = {tuple(p.key for p in path): np.asarray(v) for path, v in jax.tree_util.tree_flatten_with_path(layer)[0]}
+    for path, src in mapping.items():
+        tensors.update({k: rng.standard_normal(1) for k in src.keys})
+    assert set(flat) == set(mapping), set(flat) ^ set(mapping)
+    with pytest.raises(Exception, match="mtp.0"):
+        drafter_params_from_released(cfg, tensors)                              # wrong shapes: named
+
+
+def test_bad_mtp_settings_name_the_value(setup):
+    cfg, params, layer, _, _ = setup
+    with pytest.raises(ValueError, match=r"num_draft_tokens must be an integer in \[1, sliding_window - 1=7\], got 8"):
+        Engine(params, cfg, CAP, speculative=Speculative(layer, 8))
+    with pytest.raises(ValueError, match="algorithm 'dspark' does not fit model_type='deepseek_v4': its drafter is "
+                                         "'mtp'"):
+        Engine(params, cfg, CAP, speculative=Speculative(layer, 2, algorithm="dspark"))
+    with pytest.raises(ValueError, match="'mtp' needs the MTP layer.*num_nextn_predict_layers=0"):
+        Engine(params, cfg.replace(num_nextn_predict_layers=0), CAP, speculative=Speculative(layer, 2))
