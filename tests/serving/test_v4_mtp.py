@@ -9,8 +9,10 @@ target's full forward and against plain greedy decoding.
   output streams and draft 1) equal the full-sequence layer's;
 * greedy MTP speculative decoding equals plain greedy (the full forward's continuation, no near-tie) on one device
   (a prompt that hits the prefix cache too), under KVP = DCP 2 and after a model-wide QCP 2 prefill (the draft
-  cache checked as above after every round: its rows come back from the ranks that own them);
-* the released names (``mtp.0.*``) load into the layer's tree; bad settings are refused naming the value.
+  cache checked as above after every round: its rows come back from the ranks that own them), and disaggregated
+  (the prefill role writes the prompt's MTP context, the PD transfer carries it);
+* the released names and formats (``mtp.0.*``) write, convert and load into the layer's tree; bad settings are
+  refused naming the value.
 
 The MTP weights are random: its drafts are rejected (acceptance lengths are covered by injected proposals,
 `tests/serving/test_v4_speculative.py`).
@@ -118,6 +120,28 @@ def test_sharded_mtp_speculative_equals_plain_greedy(setup, name):
     assert {rid: eng.result(rid)["output_ids"] for rid in ids} == {rid: want[rid] for rid in ids}
 
 
+def test_disaggregated_mtp_carries_the_draft_state(setup):
+    """PD (prefill KVP 2 → decode KVP = DCP 2, the collective transfer): the prefill role writes the MTP context of
+    the prompt, the transfer carries it with the slot state (keys, last streams, fed position) and the bytes moved
+    equal the plan's; the decode role's draft state equals the full-sequence layer's after every round and the
+    tokens plain greedy's."""
+    from v41cp.serving.pd.engines import DisaggregatedEngine
+
+    cfg, params, layer, prompts, want = setup
+    kvp2 = ParallelConfig(tp_size=2, kv_parallel_size=2, decode_context_parallel_size=2)
+    pd = DisaggregatedEngine(params, cfg, CAP, kvp2, kvp2, transport="collective", speculative=Speculative(layer, N))
+    ids = ("p6", "p15", "p29")
+    _submit(pd, prompts, ids)
+    while pd.pending:
+        pd.step()
+        for rid in ids:
+            req = pd.decode.requests.get(rid)
+            if req is not None and req.status == "running":
+                _check_draft_state(pd.decode, cfg, params, layer, req, pd.decode.alloc.slot(rid))
+    assert {rid: pd.result(rid)["output_ids"] for rid in ids} == {rid: want[rid] for rid in ids}
+    assert len(pd.transfers) == 3 and all(x["bytes"] == x["planned_bytes"] > 0 for x in pd.transfers)
+
+
 def test_released_mtp_names_load(setup):
     from v41cp.checkpoint.names import drafter_params_from_released, drafter_to_tree
 
@@ -136,6 +160,37 @@ def test_released_mtp_names_load(setup):
     assert set(flat) == set(mapping), set(flat) ^ set(mapping)
     with pytest.raises(Exception, match="mtp.0"):
         drafter_params_from_released(cfg, tensors)                              # wrong shapes: named
+
+
+def test_released_layout_mtp_writes_converts_and_loads(setup, tmp_path):
+    """Random tensors under the release's names (``mtp.0.*`` included: FP8 ``e_proj`` / ``h_proj`` and attention,
+    FP4 routed experts, FP32 ``hc_head_*``), written in the release's formats: the layer's tree decodes from the
+    released layout and from its orbax conversion alike, and drafts as the tree it came from."""
+    from v41cp.checkpoint import convert, open_drafter
+    from v41cp.checkpoint.writer import release_storage, released_shapes, write_released
+
+    cfg, params, _, prompts, _ = setup
+    shapes = released_shapes(cfg)
+    assert release_storage("mtp.0.e_proj.weight") == "fp8" and release_storage("mtp.0.hc_head_fn") == "fp32"
+    assert {"mtp.0.e_proj.weight", "mtp.0.hc_head_scale", "mtp.0.ffn.experts.3.w2.weight"} <= set(shapes)
+    rng = np.random.default_rng(0)
+    tensors = {k: (rng.integers(0, cfg.n_routed_experts, shape) if k.endswith("tid2eid")
+                   else rng.normal(0, 0.05, shape).astype(np.float32)) for k, shape in shapes.items()}
+    write_released(tmp_path / "r", cfg, tensors)
+    released = open_drafter(tmp_path / "r", cfg)
+    convert(tmp_path / "r", tmp_path / "o", dtype="fp32", progress=False, keep_quantized=False)
+    converted = open_drafter(tmp_path / "o", cfg)
+    flat = lambda t: {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(t)[0]}
+    got, want = flat(converted), flat(released)
+    assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
+    # FP8 e_proj decoded within its blocks' quantization step of the random values
+    e_proj = np.asarray(released["mtp_0"]["e_proj"])
+    np.testing.assert_allclose(e_proj, tensors["mtp.0.e_proj.weight"].T, atol=0.02)
+    eng = Engine(params, cfg, CAP, speculative=Speculative(released, N))
+    _submit(eng, prompts, ("p15",))
+    while eng.pending:
+        eng.step()
+    assert eng.speculative_stats()["drafts_proposed"] > 0
 
 
 def test_bad_mtp_settings_name_the_value(setup):

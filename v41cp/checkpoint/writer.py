@@ -5,11 +5,11 @@ Used to build release-format checkpoints from unquantized weights: the embedded 
 Storage per tensor (`release_storage`):
 
 * ``fp8``  — dense projections (``wq_a wq_b wkv wo_a wo_b``, ``indexer.wq_b``, shared experts,
-  ``engram.wkv``, DSpark's ``main_proj``): e4m3 + e8m0 scales over the config's ``weight_block_size``² blocks
+  ``engram.wkv``, DSpark's ``main_proj``, V4 MTP's ``e_proj`` / ``h_proj``): e4m3 + e8m0 scales over the config's ``weight_block_size``² blocks
   (V4.1 32, V4 128);
 * ``fp4``  — routed experts: packed e2m1 + per-row / 32-column e8m0 scales;
 * ``fp8_rows`` — Engram tables: e4m3 + per-row / 32-column e8m0 scales;
-* ``fp32`` — ``hc_*``, ``attn_sink``, gate biases, compressor weights (V4: the indexer's compressor and the
+* ``fp32`` — ``hc_*`` (V4 MTP's ``hc_head_*`` too), ``attn_sink``, gate biases, compressor weights (V4: the indexer's compressor and the
   position biases ``ape`` too), ``head``, DSpark's confidence head;
 * ``int``  — V4's hash-routing tables ``ffn.gate.tid2eid`` (int32);
 * ``bf16`` — everything else (embedding, norms, indexer ``wk`` / ``weights_proj``, router weight, …).
@@ -32,15 +32,16 @@ import numpy as np
 
 from v41cp.checkpoint.formats import quant_fp4_rows, quant_fp8_blocks, quant_fp8_rows
 from v41cp.checkpoint.safetensors_io import write_safetensors
-from v41cp.config import ModelConfig
+from v41cp.config import LayerRole, ModelConfig
 
 __all__ = ["release_storage", "released_shapes", "write_released"]
 
-_FP8 = re.compile(r".*\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]|engram\.wkv"
-                  r"|main_proj)\.weight$")
+_FP8 = re.compile(r"(^mtp\.0\.[eh]_proj\.weight$)|(.*\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)"
+                  r"|ffn\.shared_experts\.w[123]|engram\.wkv|main_proj)\.weight$)")
 _FP4 = re.compile(r".*\.ffn\.experts\.\d+\.w[123]\.weight$")
-_FP32 = re.compile(r"(^head\.weight$)|(^hc_head_(fn|base|scale)$)|(.*\.(hc_(attn|ffn)_(fn|base|scale)|attn\.attn_sink"
-                   r"|ffn\.gate\.bias(_vl)?|attn\.(indexer\.)?compressor\..*|confidence_head\.proj\.weight)$)")
+_FP32 = re.compile(r"(^head\.weight$)|(^(mtp\.0\.)?hc_head_(fn|base|scale)$)"
+                   r"|(.*\.(hc_(attn|ffn)_(fn|base|scale)|attn\.attn_sink|ffn\.gate\.bias(_vl)?"
+                   r"|attn\.(indexer\.)?compressor\..*|confidence_head\.proj\.weight)$)")
 
 
 def release_storage(name: str) -> str:
@@ -59,55 +60,71 @@ def release_storage(name: str) -> str:
 
 
 def released_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every backbone tensor's released name → its logical (unquantized) shape, from the config."""
-    h, nh, d, g = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.o_groups
-    ih, idim, e, i_ = cfg.index_n_heads, cfg.index_head_dim, cfg.n_routed_experts, cfg.moe_intermediate_size
-    hc = cfg.hc_mult
+    """Every backbone tensor's released name → its logical (unquantized) shape, from the config; with DeepSeek-V4's
+    MTP layer (``cfg.has_mtp``) its ``mtp.0.*`` tensors too."""
+    h, hc = cfg.hidden_size, cfg.hc_mult
     out: dict[str, tuple[int, ...]] = {"embed.weight": (cfg.vocab_size, h), "head.weight": (cfg.vocab_size, h),
                                        "norm.weight": (h,)}
     if cfg.is_v4:
         out.update({"hc_head_fn": (hc, hc * h), "hc_head_base": (hc,), "hc_head_scale": (1,)})
     for role in cfg.layer_roles:
-        p = f"layers.{role.index}."
-        out.update({p + "attn_norm.weight": (h,), p + "ffn_norm.weight": (h,)})
-        for site in ("attn", "ffn"):
-            out.update({p + f"hc_{site}_fn": (cfg.hc_mix_width, hc * h), p + f"hc_{site}_base": (cfg.hc_mix_width,),
-                        p + f"hc_{site}_scale": (3,)})
-        out.update({p + "attn.wq_a.weight": (cfg.q_lora_rank, h), p + "attn.q_norm.weight": (cfg.q_lora_rank,),
-                    p + "attn.wq_b.weight": (nh * d, cfg.q_lora_rank), p + "attn.wkv.weight": (d, h),
-                    p + "attn.kv_norm.weight": (d,), p + "attn.wo_a.weight": (g * cfg.o_lora_rank, nh * d // g),
-                    p + "attn.wo_b.weight": (h, g * cfg.o_lora_rank), p + "attn.attn_sink": (nh,)})
-        def compressor(name: str, dim: int, overlap: bool) -> None:
-            width = dim * (2 if overlap else 1)
-            out.update({p + f"{name}.wkv.weight": (width, h), p + f"{name}.norm.weight": (dim,)})
-            if role.ratio > 1:
-                out[p + f"{name}.wgate.weight"] = (width, h)
-            if cfg.is_v4:
-                out[p + f"{name}.ape"] = (role.ratio, width)
+        out.update(_layer_shapes(cfg, role, f"layers.{role.index}."))
+    if cfg.has_mtp:
+        role = LayerRole(index=cfg.num_hidden_layers, ratio=0, kind="swa", kv_source=-1, index_source=-1,
+                         candidate_source=False, uses_candidates=False, engram_slot=-1)
+        out.update(_layer_shapes(cfg, role, "mtp.0."))
+        out.update({"mtp.0.e_proj.weight": (h, h), "mtp.0.h_proj.weight": (h, h), "mtp.0.enorm.weight": (h,),
+                    "mtp.0.hnorm.weight": (h,), "mtp.0.norm.weight": (h,), "mtp.0.hc_head_fn": (hc, hc * h),
+                    "mtp.0.hc_head_base": (hc,), "mtp.0.hc_head_scale": (1,)})
+    return out
 
-        if role.is_kv_source:
-            compressor("attn.compressor", d, role.overlapping)
-            if not cfg.is_v4:
-                out.update({p + "attn.indexer.wk.weight": (idim, d), p + "attn.indexer.k_norm.weight": (idim,)})
-        if role.is_index_source:
-            out.update({p + "attn.indexer.wq_b.weight": (ih * idim, cfg.q_lora_rank),
-                        p + "attn.indexer.weights_proj.weight": (ih, h)})
-            if cfg.is_v4:
-                compressor("attn.indexer.compressor", idim, True)
-        out[p + "ffn.gate.weight"] = (e, h)
-        if cfg.hash_routed(role.index):
-            out[p + "ffn.gate.tid2eid"] = (cfg.vocab_size, cfg.num_experts_per_tok)
-        else:
-            out[p + "ffn.gate.bias"] = (e,)
+
+def _layer_shapes(cfg: ModelConfig, role: LayerRole, p: str) -> dict[str, tuple[int, ...]]:
+    """One layer's released tensors under prefix ``p`` → their logical shapes."""
+    h, nh, d, g = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.o_groups
+    ih, idim, e, i_ = cfg.index_n_heads, cfg.index_head_dim, cfg.n_routed_experts, cfg.moe_intermediate_size
+    hc = cfg.hc_mult
+    out: dict[str, tuple[int, ...]] = {}
+    out.update({p + "attn_norm.weight": (h,), p + "ffn_norm.weight": (h,)})
+    for site in ("attn", "ffn"):
+        out.update({p + f"hc_{site}_fn": (cfg.hc_mix_width, hc * h), p + f"hc_{site}_base": (cfg.hc_mix_width,),
+                    p + f"hc_{site}_scale": (3,)})
+    out.update({p + "attn.wq_a.weight": (cfg.q_lora_rank, h), p + "attn.q_norm.weight": (cfg.q_lora_rank,),
+                p + "attn.wq_b.weight": (nh * d, cfg.q_lora_rank), p + "attn.wkv.weight": (d, h),
+                p + "attn.kv_norm.weight": (d,), p + "attn.wo_a.weight": (g * cfg.o_lora_rank, nh * d // g),
+                p + "attn.wo_b.weight": (h, g * cfg.o_lora_rank), p + "attn.attn_sink": (nh,)})
+
+    def compressor(name: str, dim: int, overlap: bool) -> None:
+        width = dim * (2 if overlap else 1)
+        out.update({p + f"{name}.wkv.weight": (width, h), p + f"{name}.norm.weight": (dim,)})
+        if role.ratio > 1:
+            out[p + f"{name}.wgate.weight"] = (width, h)
+        if cfg.is_v4:
+            out[p + f"{name}.ape"] = (role.ratio, width)
+
+    if role.is_kv_source:
+        compressor("attn.compressor", d, role.overlapping)
         if not cfg.is_v4:
-            out[p + "ffn.gate.bias_vl"] = (e,)
-        for w, shape in (("w1", (i_, h)), ("w3", (i_, h)), ("w2", (h, i_))):
-            out[p + f"ffn.shared_experts.{w}.weight"] = shape
-            out.update({p + f"ffn.experts.{x}.{w}.weight": shape for x in range(e)})
-        if role.engram_slot >= 0:
-            out.update({p + "engram.embed.weight": (cfg.engram_num_embeddings[role.engram_slot], cfg.engram_head_dim),
-                        p + "engram.wkv.weight": ((hc + 1) * h, cfg.engram_hash_heads * cfg.engram_head_dim),
-                        p + "engram.q_weight": (hc, h), p + "engram.k_weight": (hc, h)})
+            out.update({p + "attn.indexer.wk.weight": (idim, d), p + "attn.indexer.k_norm.weight": (idim,)})
+    if role.is_index_source:
+        out.update({p + "attn.indexer.wq_b.weight": (ih * idim, cfg.q_lora_rank),
+                    p + "attn.indexer.weights_proj.weight": (ih, h)})
+        if cfg.is_v4:
+            compressor("attn.indexer.compressor", idim, True)
+    out[p + "ffn.gate.weight"] = (e, h)
+    if cfg.hash_routed(role.index):
+        out[p + "ffn.gate.tid2eid"] = (cfg.vocab_size, cfg.num_experts_per_tok)
+    else:
+        out[p + "ffn.gate.bias"] = (e,)
+    if not cfg.is_v4:
+        out[p + "ffn.gate.bias_vl"] = (e,)
+    for w, shape in (("w1", (i_, h)), ("w3", (i_, h)), ("w2", (h, i_))):
+        out[p + f"ffn.shared_experts.{w}.weight"] = shape
+        out.update({p + f"ffn.experts.{x}.{w}.weight": shape for x in range(e)})
+    if role.engram_slot >= 0:
+        out.update({p + "engram.embed.weight": (cfg.engram_num_embeddings[role.engram_slot], cfg.engram_head_dim),
+                    p + "engram.wkv.weight": ((hc + 1) * h, cfg.engram_hash_heads * cfg.engram_head_dim),
+                    p + "engram.q_weight": (hc, h), p + "engram.k_weight": (hc, h)})
     return out
 
 
