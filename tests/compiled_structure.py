@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -124,9 +123,9 @@ def main() -> None:
     p.add_argument("names", nargs="*", help="programs to measure (default: all)")
     a = p.parse_args()
     # the flags of the test run (tests/conftest.py): figures are compared between programs compiled alike
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
-                               " --xla_force_host_platform_device_count=8").strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from xla_test_flags import set_test_xla_flags
+
+    set_test_xla_flags()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import jax
 

@@ -19,12 +19,9 @@ import os
 import shutil
 import tempfile
 
-# LLVM's backend optimization off (XLA's HLO passes still run): the tiny test programs compile ~15 % faster
-# (measured on test_decode.py: 71 s vs 85 s) and run fast enough; every comparison in the suite is between programs
-# compiled alike. Children (CLI, server, notebooks) inherit it.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
-                           " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from xla_test_flags import set_test_xla_flags
+
+set_test_xla_flags()               # before jax is imported (tests/xla_test_flags.py)
 # cache every compiled program (default: only those that took over 1 s), so the run's other processes reuse them
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 _OWN_COMPILE_CACHE = None

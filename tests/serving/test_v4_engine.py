@@ -7,9 +7,10 @@ caches hold every CSA / HCA layer's entries (CSA's index keys too) and each comp
   forward (teacher forcing), one compile;
 * the engine's greedy tokens equal the full forward's greedy continuation with the span prefill (one pass, and
   passes of 16 rows continuing over rounds: the rings carried across passes) and the token-serial reference, with
-  no near-tie on any selection or greedy choice, prefix-cache hits included;
-* what is not built is refused by name: the kernel backends, the MTP drafter (verification with a host proposer:
-  `tests/serving/test_v4_speculative.py`).
+  no near-tie on any selection or greedy choice, prefix-cache hits included — bit-identical to a cold prefill
+  (logits and every cache byte) with every prefill path;
+* what is not built is refused by name: the kernel backends; MTP speculative decoding without the MTP layer
+  (MTP: `tests/serving/test_v4_mtp.py`; verification with a host proposer: `tests/serving/test_v4_speculative.py`).
   (Every topology: `tests/serving/test_v4_parallel.py`; PD: `tests/serving/pd/test_disaggregated.py`.)
 """
 
@@ -20,7 +21,7 @@ from helpers import decode_teacher_forcing, greedy_reference, greedy_rounds, per
 
 from v41cp import model
 from v41cp.config import preset
-from v41cp.serving.engine import Capacity, Engine
+from v41cp.serving.engine import Capacity, Engine, SamplingParams
 
 BLOCK = 8                                        # the ratios' LCM
 
@@ -61,8 +62,8 @@ NEW = 4
 def test_engine_greedy_equals_full_forward(v4, greedy, prefill):
     """Prefix caching on (the default): a later prompt reuses the second's cached blocks and the state stored with
     them — the window rings and every compressor's ring — and still gives the full forward's tokens, and every
-    output token's logits equal the full forward's to 1e-5. (Not bit-identical to a cold prefill: this model's rows
-    round differently on XLA:CPU in passes of other sizes, ~2e-7; `docs/architecture.md` §8.)"""
+    output token's logits equal the full forward's to 1e-5 (a cold prefill's bit for bit:
+    `test_prefix_hit_is_bit_identical_to_a_cold_prefill`)."""
     cfg, params = v4
     prompts, want, want_logits = greedy
     cap = Capacity(max_batch=3, max_tokens=64, block_tokens=BLOCK, span_prefill=prefill != "token-serial",
@@ -78,6 +79,39 @@ def test_engine_greedy_equals_full_forward(v4, greedy, prefill):
     assert eng.alloc.free_blocks + eng.prefix_stats()["cached_blocks"] == eng.num_blocks
 
 
+@pytest.mark.parametrize("prefill", ["span", "span-16-row-passes", "token-serial"])
+def test_prefix_hit_is_bit_identical_to_a_cold_prefill(v4, greedy, prefill):
+    """The hit (40 of its 45 tokens cached, after two other prompts shared their passes) against the same prompt
+    prefilled cold in an engine of its own: its first token's logits bit for bit and every byte of its cache —
+    pages, window rings, every compressor's ring (`Engine.request_state`)."""
+    cfg, params = v4
+    prompts = greedy[0]
+    cap = Capacity(max_batch=3, max_tokens=64, block_tokens=BLOCK, span_prefill=prefill != "token-serial",
+                   prefill_tokens=16 if prefill == "span-16-row-passes" else None)
+    sp = SamplingParams(max_new_tokens=NEW, stop_on_eos=False)
+
+    def first_token(eng, rid):
+        eng.submit(rid, prompts[rid], sp)
+        while not eng.requests[rid].output:
+            eng.step()
+        return eng.requests[rid].last_logits, eng.request_state(rid)
+
+    hot = Engine(params, cfg, cap, record_logits=True)
+    for rid in ("r0", "r2"):
+        hot.submit(rid, prompts[rid], sp)
+    while hot.pending:
+        hot.step()
+    got = first_token(hot, "hit")
+    assert hot.result("hit")["cached_tokens"] == 40
+    want = first_token(Engine(params, cfg, cap, record_logits=True), "hit")
+    np.testing.assert_array_equal(got[0], want[0])
+    flat = lambda t: {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(t)[0]}
+    a, b = flat(got[1]), flat(want[1])
+    assert a.keys() == b.keys() and any("open_kv" in k for k in a)
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
 def test_what_is_not_built_is_refused_by_name(v4):
     from v41cp.serving.runner.speculative import Speculative
 
@@ -85,5 +119,5 @@ def test_what_is_not_built_is_refused_by_name(v4):
     cap = Capacity(max_batch=1, max_tokens=32, block_tokens=BLOCK)
     with pytest.raises(ValueError, match="XLA attention and indexer paths.*attention_backend"):
         Engine(params, cfg.replace(attention_backend="pallas"), cap)
-    with pytest.raises(ValueError, match="DeepSeek-V4 speculative decoding with its MTP layer is not built"):
-        Engine(params, cfg, cap, speculative=Speculative({}, 2))
+    with pytest.raises(ValueError, match="'mtp' needs the MTP layer.*num_nextn_predict_layers=0"):
+        Engine(params, cfg, cap, speculative=Speculative({}, 2))               # tiny-v4 has none
