@@ -1,5 +1,6 @@
 """One model for every forward mode: no module outside the model's own layer modules (``v41cp/layers/``,
-``v41cp/model.py``, the DSpark drafter's model ``v41cp/drafter.py``) and the checkpoint name mapping
+``v41cp/model.py``, the DSpark drafter's model ``v41cp/drafter.py``, DeepSeek-V4's
+MTP layer ``v41cp/mtp.py``) and the checkpoint name mapping
 (``v41cp/checkpoint/``) reads a layer weight.
 
 A static scan of the package's source: any subscript or ``.get`` with a parameter leaf name of the model (stored
@@ -19,7 +20,7 @@ from v41cp.config import preset
 pytestmark = pytest.mark.fast           # the developer tier (`pytest -m fast`)
 
 PACKAGE = Path(__file__).resolve().parents[1] / "v41cp"
-OWNERS = ("layers/", "model.py", "drafter.py", "checkpoint/")
+OWNERS = ("layers/", "model.py", "drafter.py", "mtp.py", "checkpoint/")
 
 
 def _leaf_names() -> set[str]:

@@ -22,9 +22,16 @@ NO_YNN = "--xla_cpu_experimental_ynn_fusion_type="
 def set_test_xla_flags() -> None:
     """Append the test run's flags to ``XLA_FLAGS`` (and default ``JAX_PLATFORMS`` to cpu)."""
     if "V41CP_TEST_NO_YNN" not in os.environ:
-        probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], capture_output=True, timeout=300,
-                               env={**os.environ, "XLA_FLAGS": NO_YNN, "JAX_PLATFORMS": "cpu"})
-        os.environ["V41CP_TEST_NO_YNN"] = NO_YNN if probe.returncode == 0 else ""
+        try:
+            env = {**os.environ, "XLA_FLAGS": NO_YNN, "JAX_PLATFORMS": "cpu"}
+            probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], capture_output=True,
+                                   text=True, timeout=300, env=env)
+            why = "" if probe.returncode == 0 else probe.stderr.strip().splitlines()[-1:]
+        except (OSError, subprocess.TimeoutExpired) as e:
+            why = repr(e)
+        if why:          # the batch-invariance tests (prefix hits bit-identical) may then fail in the last bits
+            print(f"tests/xla_test_flags.py: YNNPACK fusions stay on, {NO_YNN} refused: {why}", file=sys.stderr)
+        os.environ["V41CP_TEST_NO_YNN"] = "" if why else NO_YNN
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
                                " --xla_force_host_platform_device_count=8 " + os.environ["V41CP_TEST_NO_YNN"]).strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -72,6 +72,12 @@ class LayerRole:
     uses_candidates: bool
     engram_slot: int
 
+    @classmethod
+    def swa_only(cls, index: int) -> "LayerRole":
+        """A sliding-window-only layer at ``index`` (the drafters' layers: DSpark stages, V4's MTP layer)."""
+        return cls(index=index, ratio=0, kind="swa", kv_source=-1, index_source=-1, candidate_source=False,
+                   uses_candidates=False, engram_slot=-1)
+
     @property
     def is_kv_source(self) -> bool:
         """The layer compresses its own rows into entries (V4.1 Full; every V4 compressed layer)."""

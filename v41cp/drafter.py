@@ -39,11 +39,11 @@ from v41cp.layers.common import RMSNorm, declare, dtype_of, weight_for
 from v41cp.layers.mhc import HyperConnection, collapse, mhc_layer
 from v41cp.layers.moe import MoE
 from v41cp.layers.rope import rope_angles
-from v41cp.mtp import abstract_mtp_params
+from v41cp.mtp import abstract_mtp_params, init_mtp_params
 from v41cp.quant import fp8_block32
 
-__all__ = ["Drafter", "target_features", "drafter_rows", "init_drafter_params", "abstract_drafter_params", "draft_logits",
-           "draft_from_features"]
+__all__ = ["Drafter", "target_features", "drafter_rows", "init_drafter_params", "abstract_drafter_params",
+           "draft_logits", "draft_from_features"]
 
 
 def target_features(cfg: ModelConfig, taps: dict, narrow=None) -> jax.Array:
@@ -241,6 +241,9 @@ def abstract_drafter_params(cfg: ModelConfig) -> Any:
 
 
 def init_drafter_params(cfg: ModelConfig, key: jax.Array) -> Any:
-    """Random drafter parameters (std 0.02 weights, unit norms, zero biases / sinks)."""
+    """Random drafter parameters (std 0.02 weights, unit norms, zero biases / sinks): the DSpark stages, or
+    DeepSeek-V4's MTP layer."""
+    if cfg.is_v4:
+        return init_mtp_params(cfg, key)
     abstract_drafter_params(cfg)
     return jax.jit(lambda k: nn.unbox(Drafter(cfg).init(k, method=_dummy(cfg))["params"]))(key)

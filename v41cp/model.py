@@ -9,7 +9,7 @@ Public entry points (all pure; ``params`` is the unboxed parameter tree):
 
 * `forward(params, cfg, tokens)` → logits ``[B,S,vocab]`` FP32;
 * `forward_with_hidden(params, cfg, tokens)` → (logits, block inputs ``[L,B,S,hc,H]``);
-* `forward_with_features(params, cfg, tokens)` → (logits, DSpark target features ``[B,S,n·H]``);
+* `forward_with_features(params, cfg, tokens)` → (logits, the drafter's target features ``[B,S,·]``);
 * `forward_debug(...)` → also every layer's selection (``topk``), index scores and MoE routing scores;
 * `init_params(cfg, key, mesh=None)` / `abstract_params(cfg)`.
 
@@ -217,7 +217,8 @@ def forward_with_hidden(params, cfg: ModelConfig, tokens, *, shard: ShardingCont
 
 
 def forward_with_features(params, cfg: ModelConfig, tokens, *, shard: ShardingContext | None = None):
-    """(logits, the DSpark target features ``[B,S,n·H]``: `v41cp.drafter.target_features`)."""
+    """(logits, the drafter's target features: DSpark's ``[B,S,n·H]``, V4 MTP's ``[B,S,hc·H]``;
+    `v41cp.drafter.target_features`)."""
     return _apply(params, jnp.asarray(tokens, jnp.int32), engram_inputs(cfg, tokens), cfg, shard, "features")
 
 

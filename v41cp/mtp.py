@@ -1,8 +1,9 @@
-"""DeepSeek-V4's MTP layer (stored as ``mtp.0``): one more V4 block, SWA-only, that predicts the token after next.
+"""DeepSeek-V4's MTP layer (stored as ``mtp.0``): one more V4 block, SWA-only, predicting the token after next.
 
-* **Input** — at position ``t``: the target's last-layer output streams ``h_t [hc, H]`` (`v41cp.drafter.target_features`
-  for V4, flattened ``[hc · H]``) and the token ``t + 1``: ``x = e_proj(enorm(embed(token)))`` broadcast over the
-  streams ``+ h_proj(hnorm(h_t))`` (each stream normed and projected) → ``[hc, H]``.
+* **Input** — at position ``t``: the target's last-layer output streams ``h_t [hc, H]``
+  (`v41cp.drafter.target_features` for V4, flattened ``[hc · H]``) and the token ``t + 1``: ``x =
+  e_proj(enorm(embed(token)))`` broadcast over the streams ``+ h_proj(hnorm(h_t))`` (each stream normed and
+  projected) → ``[hc, H]``.
 * **Block** — a V4 layer of compress ratio 0 (the release's trailing ``compress_ratios`` entry): the per-site mHC
   (``hc_attn`` / ``hc_ffn``), attention over the layer's own window of ``W`` keys (its inputs' keys at positions
   ``t − W + 1 … t``, causal) with the per-head query norm and the sink, a routed MoE (not hash-routed).
@@ -37,7 +38,7 @@ from v41cp.layers.mhc import HyperConnection, HyperHead, collapse, expand
 from v41cp.layers.moe import MoE
 from v41cp.layers.rope import rope_angles
 
-__all__ = ["MTP", "mtp_reference", "init_mtp_params", "abstract_mtp_params", "mtp_logits"]
+__all__ = ["MTP", "mtp_reference", "init_mtp_params", "abstract_mtp_params", "mtp_logits", "call_mtp"]
 
 
 class MTPLayer(nn.Module):

@@ -7,8 +7,10 @@ anchor and the accepted drafts and puts back what the rejected rows overwrote (`
   draft j), prompts and outputs crossing the window, ratio-4, ratio-8 and page boundaries, so rejected rows
   complete entries and wrap rings: the tokens equal the full forward's greedy continuation (no near-tie) and the
   caches after the run equal plain decoding's — every page in table order, every compressor ring and window ring;
-* the same under KVP = DCP 2 (the entries of rejected rows restored on their owners) and after a model-wide QCP
-  prefill.
+* a verification wider than the rings (window 16, 9 drafts: 10 rows over CSA's 8-row rings, so a rejected row
+  shares its ring row with a kept one): the caches equal plain decoding's too;
+* greedy tokens equal under KVP = DCP 2 (the entries of rejected rows restored on their owners) and after a
+  model-wide QCP prefill.
 """
 
 import jax
@@ -86,3 +88,24 @@ def test_sharded_verification_equals_plain_greedy(setup, name):
                  speculative=Speculative(None, N, proposer=_proposer(cfg, prompts, want, 1)))
     assert _run(eng, prompts) == want
     assert eng.speculative_stats()["drafts_accepted"] > 0
+
+
+def test_verification_wider_than_the_rings_rolls_back(setup):
+    """Window 16, 9 drafts with draft 5 wrong: 10 verification rows over CSA's 8-row rings (rows 8 and 9 share ring
+    rows with rows 0 and 1), so each rejected row's ring row goes back to the kept row of its residue or to the
+    ring before the step; tokens and caches equal plain decoding's."""
+    _, params, prompts, _, _ = setup
+    cfg = preset("tiny-v4", sliding_window=16)
+    want, _ = greedy_reference(cfg, params, prompts, NEW, 48)
+    plain = Engine(params, cfg, CAP)
+    plain.tables = tables_at_finish(plain)
+    assert _run(plain, prompts) == want
+    eng = Engine(params, cfg, CAP, speculative=Speculative(None, 9, proposer=_proposer(cfg, prompts, want, 5)))
+    tables = tables_at_finish(eng)
+    assert _run(eng, prompts) == want
+    assert eng.speculative_stats()["drafts_accepted"] >= 5 * len(prompts)
+    blocks = {rid: len(t) for rid, t in plain.tables.items()}
+    got = pages_in_table_order(eng.cache, tables, blocks)
+    ref = pages_in_table_order(plain.cache, plain.tables, blocks)
+    for key in ref:
+        assert rel_err(got[key], ref[key]) <= 1e-5, (key, rel_err(got[key], ref[key]))

@@ -74,9 +74,7 @@ def drafter_to_tree(cfg: ModelConfig) -> dict[tuple[str, ...], Source]:
     MTP layer (`v41cp.mtp`, ``mtp.0.*``): a SWA-only V4 layer (routed MoE) plus ``e_proj`` / ``h_proj``,
     ``enorm`` / ``hnorm`` / ``norm`` and ``hc_head_{fn,base,scale}``."""
     if cfg.is_v4:
-        role = LayerRole(index=cfg.num_hidden_layers, ratio=0, kind="swa", kv_source=-1, index_source=-1,
-                         candidate_source=False, uses_candidates=False, engram_slot=-1)
-        m = _layer_sources(cfg, role, "mtp_0", "mtp.0")
+        m = _layer_sources(cfg, LayerRole.swa_only(cfg.num_hidden_layers), "mtp_0", "mtp.0")
         for name, fn in (("e_proj", Transposed()), ("h_proj", Transposed())):
             m[("mtp_0", name)] = Source((f"mtp.0.{name}.weight",), fn)
         for name in ("enorm", "hnorm", "norm"):
@@ -88,10 +86,8 @@ def drafter_to_tree(cfg: ModelConfig) -> dict[tuple[str, ...], Source]:
     m: dict[tuple[str, ...], Source] = {}
     last = cfg.num_nextn_predict_layers - 1
     for k in range(cfg.num_nextn_predict_layers):
-        role = LayerRole(index=cfg.num_hidden_layers + k, ratio=0, kind="swa", kv_source=-1, index_source=-1,
-                         candidate_source=False, uses_candidates=False, engram_slot=-1)
         L, R = f"mtp_{k}", f"mtp.{k}"
-        m.update(_layer_sources(stage_cfg, role, L, R))
+        m.update(_layer_sources(stage_cfg, LayerRole.swa_only(cfg.num_hidden_layers + k), L, R))
         extra = []
         if k == 0:
             extra += [(("main_proj",), "main_proj.weight", Transposed()),

@@ -5,12 +5,12 @@ Used to build release-format checkpoints from unquantized weights: the embedded 
 Storage per tensor (`release_storage`):
 
 * ``fp8``  — dense projections (``wq_a wq_b wkv wo_a wo_b``, ``indexer.wq_b``, shared experts,
-  ``engram.wkv``, DSpark's ``main_proj``, V4 MTP's ``e_proj`` / ``h_proj``): e4m3 + e8m0 scales over the config's ``weight_block_size``² blocks
-  (V4.1 32, V4 128);
+  ``engram.wkv``, DSpark's ``main_proj``, V4 MTP's ``e_proj`` / ``h_proj``): e4m3 + e8m0 scales over the
+  config's ``weight_block_size``² blocks (V4.1 32, V4 128);
 * ``fp4``  — routed experts: packed e2m1 + per-row / 32-column e8m0 scales;
 * ``fp8_rows`` — Engram tables: e4m3 + per-row / 32-column e8m0 scales;
-* ``fp32`` — ``hc_*`` (V4 MTP's ``hc_head_*`` too), ``attn_sink``, gate biases, compressor weights (V4: the indexer's compressor and the
-  position biases ``ape`` too), ``head``, DSpark's confidence head;
+* ``fp32`` — ``hc_*`` (V4 MTP's ``hc_head_*`` too), ``attn_sink``, gate biases, compressor weights (V4: the
+  indexer's compressor and the position biases ``ape`` too), ``head``, DSpark's confidence head;
 * ``int``  — V4's hash-routing tables ``ffn.gate.tid2eid`` (int32);
 * ``bf16`` — everything else (embedding, norms, indexer ``wk`` / ``weights_proj``, router weight, …).
 
@@ -70,9 +70,7 @@ def released_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     for role in cfg.layer_roles:
         out.update(_layer_shapes(cfg, role, f"layers.{role.index}."))
     if cfg.has_mtp:
-        role = LayerRole(index=cfg.num_hidden_layers, ratio=0, kind="swa", kv_source=-1, index_source=-1,
-                         candidate_source=False, uses_candidates=False, engram_slot=-1)
-        out.update(_layer_shapes(cfg, role, "mtp.0."))
+        out.update(_layer_shapes(cfg, LayerRole.swa_only(cfg.num_hidden_layers), "mtp.0."))
         out.update({"mtp.0.e_proj.weight": (h, h), "mtp.0.h_proj.weight": (h, h), "mtp.0.enorm.weight": (h,),
                     "mtp.0.hnorm.weight": (h,), "mtp.0.norm.weight": (h,), "mtp.0.hc_head_fn": (hc, hc * h),
                     "mtp.0.hc_head_base": (hc,), "mtp.0.hc_head_scale": (1,)})

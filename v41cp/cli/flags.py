@@ -34,7 +34,7 @@ import jax
 from v41cp.checkpoint import default_checkpoint, open_drafter, stores_quantized_at
 from v41cp.config import ModelConfig, preset
 from v41cp.serving.engine import Capacity
-from v41cp.serving.runner.speculative import Speculative, check_speculative
+from v41cp.serving.runner.speculative import Speculative, resolved
 from v41cp.sharding.topology import DCP_MERGES, DCP_Q_MODES, ParallelConfig
 
 
@@ -405,10 +405,8 @@ class SpeculativeFlags(_Group):
                 raise ValueError("--speculative-num-draft-tokens needs --speculative-algorithm (dspark or mtp)")
             return None
         n = self.speculative_num_draft_tokens
-        default = 1 if self.speculative_algorithm == "mtp" else cfg.dspark_block_size
-        spec = Speculative(None, default if n is None else n, self.speculative_algorithm)
-        check_speculative(cfg, spec)                  # the settings first: a clear error before any weight is read
-        return Speculative(open_drafter(checkpoint, cfg), spec.num_draft_tokens, self.speculative_algorithm)
+        spec = resolved(cfg, Speculative(None, n, self.speculative_algorithm))   # a clear error before any weight
+        return Speculative(open_drafter(checkpoint, cfg), spec.num_draft_tokens, spec.algorithm)
 
 
 @dataclass(frozen=True)

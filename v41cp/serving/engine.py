@@ -37,7 +37,7 @@ from v41cp.config import ModelConfig
 from v41cp.serving.capacity import Capacity
 from v41cp.serving.runner.grammar import GrammarError, Grammars
 from v41cp.serving.runner.model_runner import ModelRunner
-from v41cp.serving.runner.speculative import Speculative, check_speculative
+from v41cp.serving.runner.speculative import Speculative, resolved
 from v41cp.serving.scheduler.request import EngineFull, Request, RequestError, SamplingParams
 from v41cp.serving.scheduler.scheduler import ROLES, Scheduler
 from v41cp.sharding.topology import ParallelConfig
@@ -109,7 +109,7 @@ class Engine:
         if cfg.is_v4:
             _check_v4_serving(cfg)
         if speculative is not None:
-            check_speculative(cfg, speculative)
+            speculative = resolved(cfg, speculative)            # its algorithm and draft count for cfg
             if speculative.params is None and speculative.proposer is None:
                 raise ValueError("speculative decoding needs the drafter's parameters (v41cp.checkpoint.open_drafter) "
                                  "or a proposer")

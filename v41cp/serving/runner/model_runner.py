@@ -435,7 +435,7 @@ class ModelRunner:
         if self.dparams is None:
             return
         slots = jnp.asarray(slots, jnp.int32)
-        if self.cfg.has_mtp:
+        if self.speculative.algorithm == "mtp":
             self.dcache = write_mtp_context(self.dparams, embedding_and_head(self.params)[0], self.cfg, self.dcache,
                                             slots, features, positions, keep, tokens)
         else:
@@ -479,7 +479,7 @@ class ModelRunner:
             anchors[i], pos[i], slot_ids[i] = hist[-1], len(hist) - 1, slots[i]
         if spec.proposer is None:
             at = tuple(jnp.asarray(a, jnp.int32) for a in (slot_ids, anchors, pos))
-            if cfg.has_mtp:
+            if spec.algorithm == "mtp":
                 drafts = mtp_draft_step(self.dparams, *embedding_and_head(self.params), cfg, self.dcache, *at, n)
             else:
                 drafts, _ = draft_step(self.dparams, *embedding_and_head(self.params), cfg, self.dcache, *at, n)

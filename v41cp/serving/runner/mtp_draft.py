@@ -38,9 +38,9 @@ __all__ = ["mtp_draft_step", "write_mtp_context"]
 def write_mtp_context(params: dict, embed: jax.Array, cfg: ModelConfig, dcache: DraftCache, slots: jax.Array,
                       features: jax.Array, positions: jax.Array, keep: jax.Array, tokens: jax.Array) -> DraftCache:
     """Write the context of new fed rows: ``features [B, F, hc·H]`` (the target's output streams) of the rows at
-    ``positions [B, F]`` with their own tokens ``tokens [B, F]``; ``keep [B, F]`` marks one run of consecutive
-    positions per request (at most ``W``; others ignored), in batch slots ``slots [B]`` (see the module
-    docstring)."""
+    ``positions [B, F]`` with their own tokens ``tokens [B, F]``; ``keep [B, F]`` must mark one run of
+    consecutive positions per request (at most ``W``; a request with none is left as it is: every caller's rows are
+    `drafter_rows` masked by a prefix), in batch slots ``slots [B]`` (see the module docstring)."""
     w = cfg.sliding_window
     b, f = keep.shape
     n_slots = dcache.keys.shape[1]

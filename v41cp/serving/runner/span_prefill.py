@@ -192,9 +192,10 @@ def prefill_span(params, cache: PagedCache, batch: StepBatch, cfg: ModelConfig, 
     prompt's last row — zeros for an empty row or a pass without it —, updated cache)``. See the module
     docstring. ``features > 0``: also the drafter's rows of each request's last ``features`` rows of the pass
     (`v41cp.drafter.drafter_rows`: ``(features [B, F, ·], positions [B, F], valid [B, F], tokens [B, F])``,
-    replicated; under model-wide QCP gathered back to span order from the ranks that own the rows). ``score = n > 0`` (packed rows, no CED narrowing): also each
-    row's prompt log-probability of ``targets [1, rows]`` (its next prompt token; −1: none) with the top ``n``
-    (`v41cp.serving.runner.logprobs.row_logprobs`, computed only when a target is set), last in the tuple. The rows
+    replicated; under model-wide QCP gathered back to span order from the ranks that own the rows). ``score = n >
+    0`` (packed rows, no CED narrowing): also each row's prompt log-probability of ``targets [1, rows]`` (its next
+    prompt token; −1: none) with the top ``n`` (`v41cp.serving.runner.logprobs.row_logprobs`, computed only when a
+    target is set), last in the tuple. The rows
     are those of the pass: packed (``rows`` = the batch's row capacity), or under model-wide QCP the ranks' local
     rows in rank order (``rows`` = N · the per-rank capacity; `StepBatch.qcp.span_index` says which row is which).
     A scored pass is not CED-narrowed (its scored rows need the decoder)."""

@@ -1,4 +1,6 @@
-"""DSpark speculative decoding over the cached steps: draft, verify, accept, commit.
+"""Speculative decoding over the cached steps — the settings (`Speculative`) and V4.1's DSpark drafter: draft,
+verify, accept, commit (DeepSeek-V4's MTP drafter: `v41cp.serving.runner.mtp_draft`; the same verification,
+acceptance and commit).
 
 One engine step of a request at anchor position ``p`` (the last output token, not yet fed):
 
@@ -17,9 +19,9 @@ One engine step of a request at anchor position ``p`` (the last output token, no
    token is drawn from ``p`` without ``d`` (renormalised), and after ``m`` kept drafts the bonus token is drawn
    from the target at row ``m``. Every emitted token is then distributed exactly as the target's own sampling
    (lossless); draws use per-request keys (seed, output index, stream), identical on every process;
-4. **commit**: `commit_rows` keeps the anchor and the ``m`` accepted rows (window ring, open pair, compressed
-   entries, index keys of the rejected rows put back) and `write_draft_context` writes the draft cache from the
-   features of the kept rows only.
+4. **commit**: `commit_rows` keeps the anchor and the ``m`` accepted rows (window ring, open pair — DeepSeek-V4:
+   every compressor ring —, compressed entries, index keys of the rejected rows put back) and `write_draft_context`
+   (MTP: `write_mtp_context`) writes the draft cache from the features of the kept rows only.
 
 Static shapes: the draft step compiles once per batch bucket, the verification once per (bucket, ``n + 1``); the
 accepted counts are data. ``Speculative.proposer`` replaces the drafter by a host function (proposals injected
@@ -28,6 +30,7 @@ by tests, or another drafter).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
@@ -39,18 +42,21 @@ from v41cp.config import ModelConfig
 from v41cp.drafter import Drafter, draft_logits
 from v41cp.serving.cache.device_cache import DraftCache
 
-__all__ = ["Speculative", "draft_step", "write_draft_context", "check_speculative", "speculative_algorithm"]
+__all__ = ["Speculative", "draft_step", "write_draft_context", "check_speculative", "speculative_algorithm",
+           "resolved"]
 
 
 @dataclass(frozen=True)
 class Speculative:
-    """Speculative decoding settings of an `v41cp.serving.engine.Engine`: the drafter's parameters ``params`` —
-    ``algorithm`` ``"dspark"`` (V4.1's DSpark stages, `v41cp.drafter`; ``num_draft_tokens`` 1 … the block size)
-    or ``"mtp"`` (DeepSeek-V4's MTP layer, `v41cp.mtp`; 1 … ``sliding_window − 1`` chained rows); None: the
-    model's own. ``proposer(rid, history, n) → n token ids``: proposals from the host instead of the drafter."""
+    """Speculative decoding settings of an `v41cp.serving.engine.Engine`: the drafter's parameters ``params`` and
+    its ``algorithm`` — ``"dspark"`` (V4.1's DSpark stages, `v41cp.drafter`: ``num_draft_tokens`` 1 … the block
+    size, default the block size) or ``"mtp"`` (DeepSeek-V4's MTP layer, `v41cp.mtp`: 1 … ``sliding_window − 1``
+    chained rows, default 1, the layer as trained); None: the model's own. ``proposer(rid, history, n) → n token
+    ids``: proposals from the host instead of the drafter (1 … ``sliding_window − 1``; with ``params`` too, the
+    drafter's context is still written)."""
 
     params: Any = None
-    num_draft_tokens: int = 4
+    num_draft_tokens: int | None = None
     algorithm: str | None = None
     proposer: Callable[[Any, list, int], list] | None = None
 
@@ -59,6 +65,17 @@ def speculative_algorithm(cfg: ModelConfig, spec: Speculative) -> str:
     """The drafter ``spec`` runs: its ``algorithm``, or the model's own (``"mtp"`` for DeepSeek-V4, else
     ``"dspark"``)."""
     return spec.algorithm or ("mtp" if cfg.is_v4 else "dspark")
+
+
+def resolved(cfg: ModelConfig, spec: Speculative) -> Speculative:
+    """``spec`` checked (`check_speculative`) with its algorithm and draft count resolved for ``cfg``."""
+    algorithm = speculative_algorithm(cfg, spec)
+    n = spec.num_draft_tokens
+    if n is None:
+        n = 1 if algorithm == "mtp" else cfg.dspark_block_size
+    spec = dataclasses.replace(spec, algorithm=algorithm, num_draft_tokens=n)
+    check_speculative(cfg, spec)
+    return spec
 
 
 def check_speculative(cfg: ModelConfig, spec: Speculative) -> None:
@@ -71,20 +88,18 @@ def check_speculative(cfg: ModelConfig, spec: Speculative) -> None:
         raise ValueError(f"speculative algorithm {algorithm!r} does not fit model_type={cfg.model_type!r}: its "
                          f"drafter is {own!r}")
     n = spec.num_draft_tokens
-    if spec.proposer is not None and spec.params is None or algorithm == "mtp":
+    has = cfg.has_mtp if algorithm == "mtp" else cfg.has_dspark
+    if (spec.params is not None or spec.proposer is None) and not has:         # the drafter runs: it must exist
+        what = "the MTP layer" if algorithm == "mtp" else "DSpark stages"
+        raise ValueError(f"speculative algorithm {algorithm!r} needs {what}, but the checkpoint's config has "
+                         f"num_nextn_predict_layers={cfg.num_nextn_predict_layers}, dspark_target_layer_ids="
+                         f"{list(cfg.dspark_target_layer_ids)}")
+    if (spec.proposer is not None and spec.params is None) or algorithm == "mtp":
         # proposals from the host (no drafter to check), or the MTP layer chained n times
         if type(n) is not int or not 1 <= n < cfg.sliding_window:
             raise ValueError(f"speculative num_draft_tokens must be an integer in [1, sliding_window - 1="
                              f"{cfg.sliding_window - 1}], got {n!r}")
-        if algorithm == "mtp" and spec.proposer is None and not cfg.has_mtp:
-            raise ValueError(f"speculative algorithm 'mtp' needs the MTP layer, but the checkpoint's config has "
-                             f"num_nextn_predict_layers={cfg.num_nextn_predict_layers}")
         return
-    if not cfg.has_dspark:
-        raise ValueError(f"speculative algorithm 'dspark' needs DSpark stages, but the checkpoint's config has "
-                         f"num_nextn_predict_layers={cfg.num_nextn_predict_layers}, dspark_target_layer_ids="
-                         f"{list(cfg.dspark_target_layer_ids)}")
-    n = spec.num_draft_tokens
     if type(n) is not int or not 1 <= n <= cfg.dspark_block_size:
         raise ValueError(f"speculative num_draft_tokens must be an integer in [1, dspark_block_size="
                          f"{cfg.dspark_block_size}], got {n!r}")

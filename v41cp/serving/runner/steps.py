@@ -56,8 +56,8 @@ def _forward_rows(params: dict, cache: PagedCache, meta: StepBatch, cfg: ModelCo
     """The model over cached rows: ``(logits [B,R,vocab] FP32 — ``[B,1,vocab]`` at ``logits_at`` —, cache, undo
     record or None, features, hidden)``. ``operator``: operator-local QCP settings (`PagedRows`). ``features > 0``:
     the drafter's rows of each request's last ``features`` rows (`v41cp.drafter.drafter_rows`: ``(features [B, F,
-    ·], positions [B, F], valid [B, F], tokens [B, F])``), else None. ``hidden``: every row's head input ``[B, R, hidden]`` (else
-    None)."""
+    ·], positions [B, F], valid [B, F], tokens [B, F])``), else None. ``hidden``: every row's head input ``[B, R,
+    hidden]`` (else None)."""
     with jax.default_matmul_precision("highest" if cfg.dtype == "float32" else "default"):
         rows = PagedRows(cfg, meta, cache, plan, undo, operator)
         call = partial(Transformer(cfg).apply, {"params": params}, meta.tokens, meta.engram_ids, rows=rows,
@@ -110,7 +110,7 @@ def verify_step(params: dict, cache: PagedCache, rows: StepBatch, cfg: ModelConf
     feeding the same tokens one at a time (`decode_step`), under DCP too. ``undo`` records what the step
     overwrote: pass it to `commit_rows` to keep only a prefix of each request's rows. Needs ``k ≤`` the
     sliding window (a rejected row must not have overwritten the ring row of an accepted one). ``features``: also
-    return the DSpark target features of every row (`_forward_rows`; the commit keeps those of accepted rows)."""
+    return the drafter's target features of every row (`_forward_rows`; the commit keeps those of accepted rows)."""
     if rows.rows > cfg.sliding_window:
         raise ValueError(f"verify_step: rows={rows.rows} exceeds sliding_window={cfg.sliding_window}")
     logits, cache, undo, feats, _ = _forward_rows(params, cache, rows, cfg, plan, undo=True,
@@ -205,7 +205,8 @@ def prefill_chunk(params: dict, cache: PagedCache, metas: StepBatch, cfg: ModelC
     may split pages and compression groups anywhere.
     ``encoder_only`` (CED narrowing): run the layers before the CED boundary and the boundary layer's
     cache-only prepass (its global KV and index keys), skipping the decoder; logits are then zeros.
-    ``features``: also return every chunk position's DSpark target features ``[chunk, max_batch, n·H]``."""
+    ``features``: also return every chunk position's drafter target features ``[chunk, max_batch, ·]``
+    (`v41cp.drafter.target_features`)."""
     def body(c, m):
         logits, c, _, feats, _ = _forward_rows(params, c, m, cfg, plan, encoder_only,
                                             features=1 if features else 0)
