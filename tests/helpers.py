@@ -13,6 +13,7 @@ from v41cp.checkpoint import params_from_released
 from v41cp.config import ModelConfig
 from v41cp.engram_hash import compressed_token_map
 from v41cp.serving.cache.device_cache import POOLS
+from v41cp.sharding.topology import ParallelConfig
 
 REPO = Path(__file__).resolve().parents[1]          # the repository root
 
@@ -117,6 +118,29 @@ def cache_by_virtual_block(cache, kvp):
     return out
 
 
+# the V4 speculative tests' sharded topologies: KVP = DCP 2 decode; a model-wide QCP 2 prefill over KVP 2 pages
+SPECULATIVE_TOPOLOGIES = {
+    "kvp2": ParallelConfig(tp_size=2, kv_parallel_size=2, decode_context_parallel_size=2),
+    "qcp2-kvp2": ParallelConfig(tp_size=2, query_context_parallel_size=2, kv_parallel_size=2,
+                                decode_context_parallel_size=2),
+}
+
+
+def continuation_proposer(cfg, prompts: dict, continuations: dict, wrong: int):
+    """A speculative ``proposer`` (`Speculative.proposer`) proposing each request's known continuation (prompt +
+    ``continuations[id]``, then token 3 past its end) with draft ``wrong`` replaced by another token: exactly
+    ``wrong`` drafts are kept per full step (none wrong when ``wrong ≥ n``)."""
+    truth = {rid: list(prompts[rid]) + list(continuations[rid]) for rid in prompts}
+
+    def propose(rid, history, n):
+        cont = truth[rid][len(history):len(history) + n]
+        cont += [3] * (n - len(cont))
+        if wrong < n:
+            cont[wrong] = (cont[wrong] + 1) % cfg.vocab_size
+        return cont
+    return propose
+
+
 def tables_at_finish(eng) -> dict:
     """Each request's block table as it ends (pages are taken on demand, so two runs place a request's pages in
     different blocks): filled in as the requests finish."""
@@ -132,8 +156,6 @@ def tables_at_finish(eng) -> dict:
 def pages_in_table_order(cache, tables: dict, blocks: dict) -> dict:
     """The cache leaves with each pool's pages gathered request by request in table order (the first
     ``blocks[rid]`` of its table), the other leaves as they are."""
-    from v41cp.serving.cache.device_cache import POOLS
-
     out = {}
     for key, a in cache_by_virtual_block(cache, 1).items():
         if any(key.startswith(f".{pool}[") for pool in POOLS):

@@ -39,7 +39,6 @@ from v41cp.layers.common import RMSNorm, declare, dtype_of, weight_for
 from v41cp.layers.mhc import HyperConnection, collapse, mhc_layer
 from v41cp.layers.moe import MoE
 from v41cp.layers.rope import rope_angles
-from v41cp.mtp import abstract_mtp_params, init_mtp_params
 from v41cp.quant import fp8_block32
 
 __all__ = ["Drafter", "target_features", "drafter_rows", "init_drafter_params", "abstract_drafter_params",
@@ -231,9 +230,7 @@ def _dummy(cfg: ModelConfig):
 
 
 def abstract_drafter_params(cfg: ModelConfig) -> Any:
-    """Boxed abstract drafter parameter tree (no allocation): the DSpark stages, or DeepSeek-V4's MTP layer."""
-    if cfg.is_v4:
-        return abstract_mtp_params(cfg)
+    """Boxed abstract DSpark parameter tree (no allocation; DeepSeek-V4's MTP layer: `v41cp.mtp`)."""
     if not cfg.has_dspark:
         raise ValueError("the config has no DSpark stages (num_nextn_predict_layers = 0 or no "
                          "dspark_target_layer_ids)")
@@ -241,9 +238,7 @@ def abstract_drafter_params(cfg: ModelConfig) -> Any:
 
 
 def init_drafter_params(cfg: ModelConfig, key: jax.Array) -> Any:
-    """Random drafter parameters (std 0.02 weights, unit norms, zero biases / sinks): the DSpark stages, or
-    DeepSeek-V4's MTP layer."""
-    if cfg.is_v4:
-        return init_mtp_params(cfg, key)
+    """Random DSpark parameters (std 0.02 weights, unit norms, zero biases / sinks; the MTP layer's:
+    `v41cp.mtp.init_mtp_params`)."""
     abstract_drafter_params(cfg)
     return jax.jit(lambda k: nn.unbox(Drafter(cfg).init(k, method=_dummy(cfg))["params"]))(key)

@@ -31,8 +31,9 @@ import jax
 import jax.numpy as jnp
 
 from v41cp.config import ModelConfig
+from v41cp.drafter import DraftAttention
 from v41cp.kernels.sparse_attention.reference import sink_attention
-from v41cp.layers.attention import attention_weights, output_projection, query_projection, window_kv
+from v41cp.layers.attention import output_projection, query_projection
 from v41cp.layers.common import RMSNorm, declare, dtype_of, weight_for
 from v41cp.layers.mhc import HyperConnection, HyperHead, collapse, expand
 from v41cp.layers.moe import MoE
@@ -97,20 +98,9 @@ class MTPLayer(nn.Module):
         return self.norm(self.hc_head(streams))
 
 
-class MTPAttention(nn.Module):
-    """The MTP layer's SWA-only attention (the backbone attention's parameters, no compressor / indexer)."""
-
-    cfg: ModelConfig
-
-    def setup(self):
-        cfg, dt = self.cfg, dtype_of(self.cfg.dtype)
-        self.w = attention_weights(self, cfg)
-        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dt)
-        self.kv_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dt)
-
-    def keys(self, a: jax.Array, positions: jax.Array) -> jax.Array:
-        """Window keys of attention inputs ``a [..., H]`` at ``positions [...]`` → ``[..., D]``."""
-        return window_kv(self.w["wkv"], self.kv_norm, a, rope_angles(self.cfg, positions, False))
+class MTPAttention(DraftAttention):
+    """The MTP layer's SWA-only attention: the DSpark stage's parameters and window keys (V4: no cache
+    fake-quant), with V4's per-head query norm and causal rows."""
 
     def __call__(self, a: jax.Array, positions: jax.Array, ctx_keys: jax.Array, valid: jax.Array) -> jax.Array:
         """Attention inputs ``a [B, N, H]`` over ``ctx_keys [B, C, D]`` and the rows' own keys (``valid [B, N, C +

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import greedy_reference, perturbed, rel_err
+from helpers import SPECULATIVE_TOPOLOGIES, continuation_proposer, greedy_reference, perturbed, rel_err
 
 from v41cp import model
 from v41cp.config import preset
@@ -31,7 +31,6 @@ from v41cp.mtp import init_mtp_params, mtp_reference
 from v41cp.serving.engine import Capacity, Engine, SamplingParams
 from v41cp.serving.runner.mtp_draft import mtp_draft_step
 from v41cp.serving.runner.speculative import Speculative
-from v41cp.sharding.topology import ParallelConfig
 
 CAP = Capacity(max_batch=3, max_tokens=48, block_tokens=8)
 N = 2                                                         # chained MTP rows per step
@@ -89,14 +88,7 @@ def test_cached_mtp_equals_the_full_sequence_layer(setup, drafts):
     (the target's continuation, draft 2 wrong) beside the layer, so each commit keeps two rows and the context write
     takes several rows at once."""
     cfg, params, layer, prompts, want = setup
-    proposer = None
-    if drafts != "mtp":
-        truth = {rid: prompts[rid] + want[rid] for rid in prompts}
-
-        def proposer(rid, history, n):
-            cont = (truth[rid][len(history):len(history) + n] + [3] * n)[:n]
-            cont[1] = (cont[1] + 1) % cfg.vocab_size
-            return cont
+    proposer = None if drafts == "mtp" else continuation_proposer(cfg, prompts, want, 1)
     eng = Engine(params, cfg, CAP, speculative=Speculative(layer, N, proposer=proposer))
     checked = set()
     for ids in (("p6", "p15", "p29"), ("hit",)):
@@ -116,13 +108,10 @@ def test_cached_mtp_equals_the_full_sequence_layer(setup, drafts):
     assert (stats["drafts_accepted"] > 0) == (drafts != "mtp"), stats
 
 
-@pytest.mark.parametrize("name", ["kvp2", "qcp2-kvp2"])
+@pytest.mark.parametrize("name", list(SPECULATIVE_TOPOLOGIES))
 def test_sharded_mtp_speculative_equals_plain_greedy(setup, name):
-    topology = {"kvp2": ParallelConfig(tp_size=2, kv_parallel_size=2, decode_context_parallel_size=2),
-                "qcp2-kvp2": ParallelConfig(tp_size=2, query_context_parallel_size=2, kv_parallel_size=2,
-                                            decode_context_parallel_size=2)}[name]
     cfg, params, layer, prompts, want = setup
-    eng = Engine(params, cfg, CAP, parallel=topology, speculative=Speculative(layer, N))
+    eng = Engine(params, cfg, CAP, parallel=SPECULATIVE_TOPOLOGIES[name], speculative=Speculative(layer, N))
     ids = ("p6", "p15", "p29")
     _submit(eng, prompts, ids)
     while eng.pending:
@@ -142,7 +131,7 @@ def test_disaggregated_mtp_carries_the_draft_state(setup):
     from v41cp.serving.pd.engines import DisaggregatedEngine
 
     cfg, params, layer, prompts, want = setup
-    kvp2 = ParallelConfig(tp_size=2, kv_parallel_size=2, decode_context_parallel_size=2)
+    kvp2 = SPECULATIVE_TOPOLOGIES["kvp2"]
     pd = DisaggregatedEngine(params, cfg, CAP, kvp2, kvp2, transport="collective", speculative=Speculative(layer, N))
     ids = ("p6", "p15", "p29")
     _submit(pd, prompts, ids)

@@ -16,13 +16,20 @@ anchor and the accepted drafts and puts back what the rejected rows overwrote (`
 import jax
 import numpy as np
 import pytest
-from helpers import greedy_reference, pages_in_table_order, perturbed, rel_err, tables_at_finish
+from helpers import (
+    SPECULATIVE_TOPOLOGIES,
+    continuation_proposer,
+    greedy_reference,
+    pages_in_table_order,
+    perturbed,
+    rel_err,
+    tables_at_finish,
+)
 
 from v41cp import model
 from v41cp.config import preset
 from v41cp.serving.engine import Capacity, Engine, SamplingParams
 from v41cp.serving.runner.speculative import Speculative
-from v41cp.sharding.topology import ParallelConfig
 
 CAP = Capacity(max_batch=3, max_tokens=48, block_tokens=8)
 N = 3                                                         # drafts per step
@@ -49,22 +56,10 @@ def _run(engine, prompts) -> dict:
     return {r["id"]: r["output_ids"] for r in engine.run()}
 
 
-def _proposer(cfg, prompts, want, j):
-    truth = {rid: prompts[rid] + want[rid] for rid in prompts}
-
-    def propose(rid, history, n):
-        cont = truth[rid][len(history):len(history) + n]
-        cont += [3] * (n - len(cont))
-        if j < n:
-            cont[j] = (cont[j] + 1) % cfg.vocab_size                   # a wrong token at draft j
-        return cont
-    return propose
-
-
 @pytest.mark.parametrize("j", range(N + 1))
 def test_every_acceptance_length_rolls_back_every_ring(setup, j):
     cfg, params, prompts, want, plain = setup
-    eng = Engine(params, cfg, CAP, speculative=Speculative(None, N, proposer=_proposer(cfg, prompts, want, j)))
+    eng = Engine(params, cfg, CAP, speculative=Speculative(None, N, proposer=continuation_proposer(cfg, prompts, want, j)))
     tables = tables_at_finish(eng)
     assert _run(eng, prompts) == want
     for rid in prompts:
@@ -78,14 +73,11 @@ def test_every_acceptance_length_rolls_back_every_ring(setup, j):
         assert rel_err(got[key], ref[key]) <= 1e-5, (j, key, rel_err(got[key], ref[key]))
 
 
-@pytest.mark.parametrize("name", ["kvp2", "qcp2-kvp2"])
+@pytest.mark.parametrize("name", list(SPECULATIVE_TOPOLOGIES))
 def test_sharded_verification_equals_plain_greedy(setup, name):
-    topology = {"kvp2": ParallelConfig(tp_size=2, kv_parallel_size=2, decode_context_parallel_size=2),
-                "qcp2-kvp2": ParallelConfig(tp_size=2, query_context_parallel_size=2, kv_parallel_size=2,
-                                            decode_context_parallel_size=2)}[name]
     cfg, params, prompts, want, _ = setup
-    eng = Engine(params, cfg, CAP, parallel=topology,
-                 speculative=Speculative(None, N, proposer=_proposer(cfg, prompts, want, 1)))
+    eng = Engine(params, cfg, CAP, parallel=SPECULATIVE_TOPOLOGIES[name],
+                 speculative=Speculative(None, N, proposer=continuation_proposer(cfg, prompts, want, 1)))
     assert _run(eng, prompts) == want
     assert eng.speculative_stats()["drafts_accepted"] > 0
 
@@ -100,7 +92,7 @@ def test_verification_wider_than_the_rings_rolls_back(setup):
     plain = Engine(params, cfg, CAP)
     plain.tables = tables_at_finish(plain)
     assert _run(plain, prompts) == want
-    eng = Engine(params, cfg, CAP, speculative=Speculative(None, 9, proposer=_proposer(cfg, prompts, want, 5)))
+    eng = Engine(params, cfg, CAP, speculative=Speculative(None, 9, proposer=continuation_proposer(cfg, prompts, want, 5)))
     tables = tables_at_finish(eng)
     assert _run(eng, prompts) == want
     assert eng.speculative_stats()["drafts_accepted"] >= 5 * len(prompts)

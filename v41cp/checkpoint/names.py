@@ -30,6 +30,7 @@ from v41cp.checkpoint.layouts import (
 from v41cp.config import LayerRole, ModelConfig
 from v41cp.drafter import abstract_drafter_params
 from v41cp.model import abstract_params
+from v41cp.mtp import abstract_mtp_params
 
 __all__ = ["CheckpointError", "Source", "params_from_released", "released_to_tree", "drafter_to_tree",
            "drafter_params_from_released", "IGNORED_PREFIXES", "insert", "check_expert_table"]
@@ -186,7 +187,8 @@ def drafter_params_from_released(cfg: ModelConfig, tensors: Mapping[str, Any]) -
                               f"{cfg.num_nextn_predict_layers}, dspark_target_layer_ids="
                               f"{list(cfg.dspark_target_layer_ids)})")
     others = tuple({k.split(".")[0] + "." for k in tensors if not k.startswith("mtp.")})
-    return _tree_from(cfg, drafter_to_tree(cfg), abstract_drafter_params(cfg), tensors, others)
+    abstract = abstract_mtp_params(cfg) if cfg.is_v4 else abstract_drafter_params(cfg)
+    return _tree_from(cfg, drafter_to_tree(cfg), abstract, tensors, others)
 
 
 def _tree_from(cfg: ModelConfig, mapping: dict, abstract, tensors: Mapping[str, Any], ignored: tuple) -> dict:

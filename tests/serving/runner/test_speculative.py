@@ -18,7 +18,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from helpers import assert_same_records, pages_in_table_order, rel_err, tables_at_finish
+from helpers import assert_same_records, continuation_proposer, pages_in_table_order, rel_err, tables_at_finish
 
 from v41cp import model
 from v41cp.checkpoint import default_checkpoint, load, open_drafter
@@ -146,15 +146,7 @@ def test_every_acceptance_length_rolls_back_exactly(setup, j):
     tokens equal plain greedy and the caches after the run equal plain decoding's (the rejected rows' ring rows,
     open pairs, compressed entries and index keys were put back)."""
     cfg, params, _, prompts, want, plain = setup
-    truth = {rid: prompts[rid] + want[rid] for rid in prompts}
-
-    def propose(rid, history, n):
-        cont = truth[rid][len(history):len(history) + n]
-        cont += [3] * (n - len(cont))
-        if j < n:
-            cont[j] = (cont[j] + 1) % cfg.vocab_size                   # a wrong token at draft j
-        return cont
-
+    propose = continuation_proposer(cfg, prompts, want, j)                # a wrong token at draft j
     eng = Engine(params, cfg, CAP, speculative=Speculative(None, N, proposer=propose))
     tables = tables_at_finish(eng)
     out = _run(eng, prompts)
