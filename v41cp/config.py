@@ -28,11 +28,11 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import numpy as np
 
-__all__ = ["ConfigError", "ModelConfig", "LayerRole", "PRESETS", "preset", "ENGRAM_ROW_ALIGN"]
+__all__ = ["CacheFormats", "ConfigError", "ModelConfig", "LayerRole", "PRESETS", "preset", "ENGRAM_ROW_ALIGN"]
 
 ENGRAM_ROW_ALIGN = 64
 # fields that describe how to run the model, not the model: never written to a checkpoint's config
@@ -42,6 +42,15 @@ MODEL_TYPES = {"deepseek_v41": "deepseek_v41", "deepseek_v41_text": "deepseek_v4
 V4_SCHEDULE_DEFAULTS = dict(kv_source_layer_ids=(), index_source_layer_ids=(), candidate_source_layer_id=-1,
                             candidate_topk_blocks=0, candidate_block_size=1, weight_block_size=128,
                             rms_norm_eps=1e-6)
+
+
+class CacheFormats(NamedTuple):
+    """A model's cache formats (`ModelConfig.cache_formats`): the window rows', the compressed entries', the index
+    keys' (names of `v41cp.quant.CACHE_FORMATS`)."""
+
+    window: str
+    entries: str
+    index: str
 
 
 class ConfigError(ValueError):
@@ -161,7 +170,7 @@ _V4_FLASH: dict[str, Any] = dict(
     moe_intermediate_size=2048, scoring_func="sqrtsoftplus", topk_method="noaux_tc", norm_topk_prob=True,
     routed_scaling_factor=1.5, swiglu_limit=10.0, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-6,
     num_hash_layers=3, num_nextn_predict_layers=1, bos_token_id=0, eos_token_id=1, dtype="bfloat16",
-    fake_quant=False, weight_block_size=128,
+    fake_quant=True, weight_block_size=128,
 )
 # V4-Pro: routed_scaling_factor 2.5 is from a secondary source (v41-architecture.md §1.3 marks it unverified); the
 # plans do not depend on it
@@ -217,8 +226,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 class ModelConfig:
     """Validated DeepSeek-V4.1 text config (field names follow the released ``config.json``).
 
-    ``fake_quant`` switches the release's cache fake-quantisation (FP8 window KV, NVFP4
-    compressed KV, MXFP4 indexer Q/K) on or off. ``dtype`` is the activation/weight dtype of
+    ``fake_quant`` switches the release's cache fake-quantisation (`cache_formats`: V4.1 FP8 window KV, NVFP4
+    compressed KV, MXFP4 indexer Q/K; V4 its 584 B records' FP8 + BF16 window rows and entries, Hadamard-rotated
+    MXFP4 indexer Q/K) on or off. ``dtype`` is the activation/weight dtype of
     the backbone (``float32`` or ``bfloat16``); FP32-critical parts (mHC, sink, router, compressor
     pooling, logits) are always FP32.
     """
@@ -337,7 +347,6 @@ class ModelConfig:
                 raise ConfigError(f"model_type {kind!r} is not supported; expected one of {sorted(MODEL_TYPES)}")
             kwargs["model_type"] = MODEL_TYPES[kind]
             if kwargs["model_type"] == "deepseek_v4":
-                kwargs["fake_quant"] = False          # V4's cache formats are not built (the validation says so)
                 kwargs.update(V4_SCHEDULE_DEFAULTS)   # no sharing fields in a V4 config.json
         for key, value in text.items():
             if key == "torch_dtype" and "dtype" not in text:
@@ -559,8 +568,9 @@ class ModelConfig:
             raise ConfigError(f"head_dim={self.head_dim} must be a multiple of 16 for NVFP4 compressed KV")
 
     def _validate_v4_schedule(self) -> None:
-        """V4: ratios 0 (SWA), 4 (CSA) or more (HCA); no sharing, CED, Engram or DSpark fields; no cache
-        fake-quant yet (the release's V4 cache records are not built)."""
+        """V4: ratios 0 (SWA), 4 (CSA) or more (HCA); no sharing, CED, Engram or DSpark fields; under the cache
+        fake-quant, the release's record shapes (whole FP8 blocks of 64 without RoPE, MXFP4 blocks of 32 and a
+        power-of-two index head for the Hadamard rotation)."""
         for i, r in enumerate(self.compress_ratios[:self.num_hidden_layers]):
             if type(r) is not int or not (r == 0 or r >= 4):
                 raise ConfigError(f"compress_ratios[{i}] must be 0 (SWA), 4 (CSA) or above 4 (HCA) for V4, got {r!r}")
@@ -577,8 +587,14 @@ class ModelConfig:
             raise ConfigError(f"compress_ratios[{n}] (the MTP layer's) must be 0 (SWA-only), got "
                               f"{self.compress_ratios[n]!r}")
         if self.fake_quant:
-            raise ConfigError("fake_quant: the DeepSeek-V4 cache formats (FP8 main entries, FP4 index keys) are not "
-                              "built yet; set fake_quant=false")
+            nope = self.head_dim - self.qk_rope_head_dim
+            if nope % 64:
+                raise ConfigError(f"head_dim - qk_rope_head_dim = {nope} must be a multiple of 64 for V4's FP8 "
+                                  f"entries (a scale per 64 channels; or set fake_quant=false)")
+            di = self.index_head_dim
+            if di % 32 or di & (di - 1):
+                raise ConfigError(f"index_head_dim={di} must be a power of two and a multiple of 32 for V4's "
+                                  f"Hadamard-rotated MXFP4 index keys (or set fake_quant=false)")
 
     def _validate_engram(self) -> None:
         if len(self.engram_layer_ids) != len(self.engram_num_embeddings):
@@ -646,6 +662,15 @@ class ModelConfig:
     def hash_routed(self, layer: int) -> bool:
         """Layer ``layer``'s MoE picks its experts from the token id (``tid2eid``), not the router's top-k."""
         return layer < self.num_hash_layers
+
+    @property
+    def cache_formats(self) -> CacheFormats:
+        """The cache formats (`v41cp.quant.CACHE_FORMATS`) of the window rows, compressed entries and index keys:
+        V4.1 FP8 / NVFP4 / MXFP4; DeepSeek-V4 its 584 B record (``fp8_ds_mla``) for window rows and entries alike,
+        MXFP4 index keys. The stores hold them as byte records or fake-quantized values under ``fake_quant``."""
+        if self.is_v4:
+            return CacheFormats(window="fp8_ds_mla", entries="fp8_ds_mla", index="mxfp4")
+        return CacheFormats(window="fp8", entries="nvfp4", index="mxfp4")
 
     @property
     def page_tokens(self) -> int:

@@ -39,7 +39,7 @@ from v41cp.layers.common import RMSNorm, declare, dtype_of, weight_for
 from v41cp.layers.mhc import HyperConnection, collapse, mhc_layer
 from v41cp.layers.moe import MoE
 from v41cp.layers.rope import rope_angles
-from v41cp.quant import fp8_block32
+from v41cp.quant import quantize_as
 
 __all__ = ["Drafter", "target_features", "drafter_rows", "init_drafter_params", "abstract_drafter_params",
            "draft_logits", "draft_from_features"]
@@ -86,9 +86,11 @@ class DraftAttention(nn.Module):
         self.kv_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dt)
 
     def keys(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        """Window keys of rows ``x [..., H]`` at ``positions [...]`` → ``[..., D]`` (FP8 under ``fake_quant``)."""
-        kv = window_kv(self.w["wkv"], self.kv_norm, x, rope_angles(self.cfg, positions, False))
-        return fp8_block32(kv) if self.cfg.fake_quant else kv
+        """Window keys of rows ``x [..., H]`` at ``positions [...]`` → ``[..., D]`` (in the window rows' cache format
+        under ``fake_quant``: V4.1 FP8, V4 its 584 B record's FP8 + BF16)."""
+        cfg = self.cfg
+        kv = window_kv(self.w["wkv"], self.kv_norm, x, rope_angles(cfg, positions, False))
+        return quantize_as(kv, cfg.cache_formats.window, cfg.qk_rope_head_dim) if cfg.fake_quant else kv
 
     def __call__(self, x: jax.Array, positions: jax.Array, ctx_keys: jax.Array, ctx_valid: jax.Array) -> jax.Array:
         """Block rows ``x [B, N, H]`` at ``positions [B, N]`` over the context keys ``ctx_keys [B, C, D]``

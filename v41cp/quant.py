@@ -6,6 +6,12 @@ docs/architecture.md:
             ``q = e4m3(clip(x/sc, ±448))`` (round to nearest even).
 * ``nvfp4`` compressed KV, block 16: ``sc = e4m3(max(amax, 6·2⁻⁹) / 6)``; e2m1 grid.
 * ``mxfp4`` indexer Q/K, block 32: ``sc = pow2ceil(max(amax, 6·2⁻¹²⁶) · (1/6))``; e2m1 grid.
+* ``fp8_ds_mla`` DeepSeek-V4's window rows and compressed entries (the 584 B record): the ``C − rope`` channels
+  without RoPE FP8 as ``fp8`` but one scale per 64 channels, the ``rope`` RoPE channels rounded to BF16.
+
+DeepSeek-V4's indexer rotates its queries and keys by a Hadamard transform before their MXFP4 fake-quant
+(`hadamard_rotate`): an orthonormal map, so it leaves the unquantized scores unchanged and moves only where the
+quantization error falls.
 
 The e2m1 grid is {0, .5, 1, 1.5, 2, 3, 4, 6}; a value exactly between two grid points rounds
 to the one with the even code (0.25→0, 0.75→1, 1.25→1, 1.75→2, 2.5→2, 3.5→4, 5→4).
@@ -18,8 +24,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import scipy.linalg
 
-__all__ = ["round_through", "pow2ceil", "e2m1_magnitude_code", "fake_quant", "fp8_block32", "nvfp4_block16", "mxfp4_block32", "FAKE_QUANT",
+__all__ = ["round_through", "pow2ceil", "e2m1_magnitude_code", "fake_quant", "fp8_block32", "nvfp4_block16",
+           "mxfp4_block32", "fp8_ds_mla", "quantize_as", "hadamard_rotate", "FAKE_QUANT", "CACHE_FORMATS",
            "E2M1_LEVELS", "FP4_TABLE"]
 
 E2M1_LEVELS = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
@@ -110,3 +118,37 @@ def mxfp4_block32(x: jax.Array) -> jax.Array:
 
 # cache format name → its fake-quant (the window ring, compressed KV, index keys)
 FAKE_QUANT = {"fp8": fp8_block32, "nvfp4": nvfp4_block16, "mxfp4": mxfp4_block32}
+
+
+def fp8_ds_mla(x: jax.Array, rope: int) -> jax.Array:
+    """DeepSeek-V4's main-entry / window-row format of ``x [..., C]``: channels ``[0, C − rope)`` FP8 e4m3 with a
+    ue8m0 scale per 64 (as the release's ``act_quant(kv[..., :-rope], 64)``), the last ``rope`` channels as BF16."""
+    nope = x.shape[-1] - rope
+    head = fake_quant(x[..., :nope], "fp8", 64)
+    tail = round_through(x[..., nope:].astype(jnp.float32), jnp.bfloat16).astype(x.dtype)
+    return jnp.concatenate([head, tail], axis=-1)
+
+
+# every cache format of v41cp's stores: V4.1's window (fp8), compressed KV (nvfp4) and index keys (mxfp4); V4's
+# window rows and main entries (fp8_ds_mla) and index keys (mxfp4)
+CACHE_FORMATS = ("fp8", "nvfp4", "mxfp4", "fp8_ds_mla")
+
+
+def quantize_as(x: jax.Array, fmt: str, rope: int = 0) -> jax.Array:
+    """``x [..., C]`` as a store of cache format ``fmt`` holds it (``rope``: the RoPE channels, for ``fp8_ds_mla``)."""
+    if fmt == "fp8_ds_mla":
+        return fp8_ds_mla(x, rope)
+    if fmt not in FAKE_QUANT:
+        raise ValueError(f"unknown cache format {fmt!r}; expected one of {CACHE_FORMATS}")
+    return FAKE_QUANT[fmt](x)
+
+
+def hadamard_rotate(x: jax.Array) -> jax.Array:
+    """``x [..., C]`` (C a power of two) times the orthonormal Sylvester Hadamard matrix ``H_C · C^-1/2`` (symmetric:
+    the order of ``fast_hadamard_transform`` with ``scale = C^-1/2``), computed in FP32, returned in ``x``'s dtype."""
+    c = x.shape[-1]
+    if c & (c - 1):
+        raise ValueError(f"a Hadamard rotation needs a power-of-two channel count, got {c}")
+    h = jnp.asarray(scipy.linalg.hadamard(c).astype(np.float32) * np.float32(c ** -0.5))
+    y = jnp.einsum("...c,cd->...d", x.astype(jnp.float32), h, precision=jax.lax.Precision.HIGHEST)
+    return y.astype(x.dtype)

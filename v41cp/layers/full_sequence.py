@@ -2,11 +2,12 @@
 path is compared with). The rows ``x [B,S,·]`` are positions ``0 … S−1`` of each sequence and every key is one of
 the sequence's own rows; nothing persists past the call.
 
-* `window` — each row's window positions ``[S, W]`` into the sequence's window KV ``[B,S,D]`` (FP8 under fake-quant);
+* `window` — each row's window positions ``[S, W]`` into the sequence's window KV ``[B,S,D]`` (in its cache format
+  under fake-quant, `ModelConfig.cache_formats`);
 * `groups` — the sequence's complete compression groups: ``S // r`` runs of ``r`` consecutive rows (an incomplete last
   group has no entry yet);
-* `write_entries` / `history` — the sequence's entries of each KV source (NVFP4 compressed KV and MXFP4 index keys
-  under fake-quant), kept in this backend's cache: a dict by source layer, built during the forward;
+* `write_entries` / `history` — the sequence's entries of each KV source (V4.1 NVFP4 compressed KV, V4 its FP8 + BF16
+  record, MXFP4 index keys under fake-quant), kept in this backend's cache: a dict by source layer, built during the forward;
 * `select` — every row scores the entries complete at its position and selects: XLA (the scores materialized,
   which `v41cp.model.forward_debug` returns), the indexer kernels, or operator-local indexer QCP
   (`v41cp.layers.indexer.query_parallel_select`: each rank projects and scores its interleaved rows);
@@ -32,7 +33,7 @@ from v41cp.layers.attention import (
 from v41cp.layers.compressor import with_previous_window
 from v41cp.layers.indexer import IndexQuery, every_visible_entry, query_parallel_select, select_scored
 from v41cp.layers.rows_backend import RowsBackend
-from v41cp.quant import fp8_block32, mxfp4_block32, nvfp4_block16
+from v41cp.quant import quantize_as
 from v41cp.sharding.operator_qcp import attention_query_parallel_applies, indexer_query_parallel_applies
 from v41cp.sharding.rules import ShardingContext
 
@@ -70,9 +71,10 @@ class FullSequence(RowsBackend):
 
     def window(self, cache, layer: int, kv: jax.Array):
         """``(cache, (window KV [B,S,D], positions [S,W]), valid [S,W])``."""
-        if self.cfg.fake_quant:
-            kv = fp8_block32(kv)
-        widx, wvalid = window_indices(self.length, self.cfg.sliding_window)
+        cfg = self.cfg
+        if cfg.fake_quant:
+            kv = quantize_as(kv, cfg.cache_formats.window, cfg.qk_rope_head_dim)
+        widx, wvalid = window_indices(self.length, cfg.sliding_window)
         return cache, (kv, widx), wvalid
 
     def groups(self, cache, role: LayerRole, c: jax.Array, z: jax.Array, part: str = "main"):
@@ -88,8 +90,12 @@ class FullSequence(RowsBackend):
 
     def write_entries(self, cache, role: LayerRole, ckv: jax.Array, ik: jax.Array, j: jax.Array, emits: jax.Array):
         """The source's entries (every group complete, in order), in the cache formats' precision under fake-quant."""
-        fq = self.cfg.fake_quant
-        entries = CSAState(ckv=nvfp4_block16(ckv) if fq else ckv, ikeys=mxfp4_block32(ik) if fq else ik)
+        cfg = self.cfg
+        if cfg.fake_quant:
+            fmt = cfg.cache_formats
+            ckv = quantize_as(ckv, fmt.entries, cfg.qk_rope_head_dim)
+            ik = quantize_as(ik, fmt.index) if ik.shape[-1] else ik          # (V4 HCA: no index keys)
+        entries = CSAState(ckv=ckv, ikeys=ik)
         return {**(cache or {}), str(role.index): entries}
 
     def history(self, cache, role: LayerRole) -> CSAState:

@@ -22,7 +22,7 @@ from v41cp.layers.common import RMSNorm, declare, dtype_of, weight_for
 from v41cp.layers.compressor import Compressor
 from v41cp.layers.rope import apply_rope
 from v41cp.layers.tiled_select import select_rows
-from v41cp.quant import mxfp4_block32
+from v41cp.quant import hadamard_rotate, mxfp4_block32
 from v41cp.sharding.operator_qcp import interleaved_island
 
 __all__ = ["Indexer", "IndexQuery", "index_query", "kept_candidate_entries", "every_visible_entry",
@@ -73,11 +73,12 @@ def topk_select(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
 
 def index_query(cfg: ModelConfig, wq_b, w_proj, x, qr, angles) -> tuple[jax.Array, jax.Array]:
-    """Index queries ``[B,S,index_heads,index_head_dim]`` (rotated; MXFP4 under fake-quant) and the per-head
-    score weights ``[B,S,index_heads]`` (scaled by ``index_head_dim^-1/2 · index_heads^-1/2``)."""
+    """Index queries ``[B,S,index_heads,index_head_dim]`` (rotated; MXFP4 under fake-quant, V4 first turned by the
+    Hadamard transform as its keys are, `compressed_keys`) and the per-head score weights ``[B,S,index_heads]``
+    (scaled by ``index_head_dim^-1/2 · index_heads^-1/2``)."""
     q = apply_rope(jnp.einsum("bsr,rhe->bshe", qr, weight_for(wq_b, qr)), angles)
     if cfg.fake_quant:
-        q = mxfp4_block32(q)
+        q = mxfp4_block32(hadamard_rotate(q) if cfg.is_v4 else q)
     weights = jnp.einsum("bsh,hn->bsn", x, weight_for(w_proj, x)) * (
         cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
     return q, weights
@@ -233,9 +234,12 @@ class Indexer(nn.Module):
     def compressed_keys(self, rows, cache, x: jax.Array, compressed_angles: jax.Array):
         """V4: ``(cache, index keys [B, G, index_head_dim])`` of the rows' complete windows (``rows.groups`` of the
         ``"index"`` part: its own state), pooled by this indexer's own compressor and rotated at their entries'
-        ``compressed_angles``."""
+        ``compressed_angles``; under fake-quant then turned by the Hadamard transform, as the release does before
+        their MXFP4 (the cache's format: the store quantizes). The transform is orthonormal and turns the queries
+        too (`index_query`), so without the fake-quant it would leave every score as it is: it is skipped there."""
         cache, c, z, _, _ = rows.groups(cache, self.role, *self.compressor.project(x), part="index")
-        return cache, apply_rope(self.compressor.finish(self.compressor.pool(c, z), x.dtype), compressed_angles)
+        k = apply_rope(self.compressor.finish(self.compressor.pool(c, z), x.dtype), compressed_angles)
+        return cache, hadamard_rotate(k) if self.cfg.fake_quant else k
 
     def query(self, x: jax.Array, qr: jax.Array, angles: jax.Array) -> IndexQuery:
         """The index query of rows ``x [B,R,H]``, ``qr [B,R,q_lora]`` at ``angles [B,R,P]`` (`IndexQuery`: projected

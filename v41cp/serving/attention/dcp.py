@@ -445,7 +445,7 @@ def collective_plan(cfg: ModelConfig, plan: DCPPlan, max_batch: int, max_blocks:
     item = jnp.dtype(cfg.dtype).itemsize
     hg = cfg.num_attention_heads // plan.mesh.shape["tp"] if plan.heads_sharded else cfg.num_attention_heads
     out = {"q_gather": 0, "topk_candidates": 0, "block_candidates": 0, "merge": 0}
-    record = record_bytes("nvfp4", d) if cfg.fake_quant else d * item
+    record = record_bytes(cfg.cache_formats.entries, d, cfg.qk_rope_head_dim) if cfg.fake_quant else d * item
     for role in cfg.layer_roles:
         if role.ratio == 0:
             continue

@@ -76,7 +76,7 @@ class OwnedPagesSelection:
         self.plan = plan
 
     def select(self, rows, cache: PagedCache, role: LayerRole, q, weights, state: CSAState):
-        read = lambda a, f: pc.read(a, "mxfp4", rows.dtype, f)
+        read = lambda a, f: pc.read(a, rows.cfg.cache_formats.index, rows.dtype, f)
         topk, cand = dcp.select(self.plan, rows.cfg, role, read, cache.ikey[str(role.kv_source)], rows.flat(q),
                                 rows.flat(weights), rows.row_tables, rows.flat(rows.pos), state.candidates)
         return rows.unflat(topk), cand
@@ -118,7 +118,7 @@ class GatheredAttention:
         the (replicated) pool through the rows' block tables → ``[N, K, D]``."""
         blk, row, _ = pc.entry_location(rows.row_tables, jnp.maximum(topk, 0), pc.entries_per_block(pool))
         page = jnp.where((topk >= 0) & (blk >= 0), blk, 0)
-        return pc.read(pool, "nvfp4", rows.dtype, lambda a: a[page, row])
+        return pc.read(pool, rows.cfg.cache_formats.entries, rows.dtype, lambda a: a[page, row])
 
 
 class KernelAttention:
@@ -156,7 +156,7 @@ class OwnedPagesAttention:
     def attend(self, rows, cache: PagedCache, role: LayerRole, q, keys, valid, state: CSAState, sink):
         if role.ratio == 0:
             return self.local.attend(rows, cache, role, q, keys, valid, state, sink)
-        read = lambda a, f: pc.read(a, "nvfp4", rows.dtype, f)
+        read = lambda a, f: pc.read(a, rows.cfg.cache_formats.entries, rows.dtype, f)
         if role.dense_history:          # V4 HCA: every visible entry each rank owns (its selection is implied)
             o = dcp.attend_visible(self.plan, read, rows.flat(q), rows.flat(keys), rows.flat(valid),
                                    cache.ckv[str(role.kv_source)], rows.row_tables, rows.flat(rows.pos), role.ratio,

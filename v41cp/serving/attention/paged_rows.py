@@ -176,8 +176,9 @@ class PagedRows(CachedRows):
         swa = cache.swa
         start = self.by_row(m.starts)[..., None]
         held = self.pos[..., None] - ((self.pos[..., None] - jnp.arange(w)) % w)           # [B,R,W]
-        ring = pc.read(swa, "fp8", self.dtype, lambda a: a[layer][self.slot_r])            # [B,W,D] before the step
-        new = pc.stored_values(cfg, kv, "fp8", self.dtype)                                # as the ring will hold it
+        fmt = cfg.cache_formats.window
+        ring = pc.read(swa, fmt, self.dtype, lambda a: a[layer][self.slot_r])            # [B,W,D] before the step
+        new = pc.stored_values(cfg, kv, fmt, self.dtype)                                # as the ring will hold it
         from_step = held >= start
         if m.packed:                   # each row's request's rows: from its offset
             step_rows = self.flat(new)[self._flat_row(self.unflat(self.row_req)[..., None], held - start)]
@@ -189,7 +190,7 @@ class PagedRows(CachedRows):
         at = (layer, jnp.where(ok, self.by_row(m.slots), self.n_slots), self.pos % w)
         if self.undo is not None:
             self.undo["swa"][layer] = pc.take_raw(swa, (layer, self.slot_r[:, None], self.pos % w))
-        cache = cache.replace(swa=pc.write(cfg, swa, at, kv, "fp8"))
+        cache = cache.replace(swa=pc.write(cfg, swa, at, kv, fmt))
         return cache, keys, held >= 0
 
     # ------------------------------------------------------------------------------------ compressor
@@ -281,7 +282,8 @@ class PagedRows(CachedRows):
         emits = emits & (blk >= 0) & inside
         undo = {"blk": blk, "row": row, "emits": emits} if self.undo is not None else None
         out = {}
-        for name, values, fmt in (("ckv", ckv, "nvfp4"), ("ikey", ik, "mxfp4")):
+        formats = self.cfg.cache_formats
+        for name, values, fmt in (("ckv", ckv, formats.entries), ("ikey", ik, formats.index)):
             if src not in cache.pool(name):         # V4 HCA: no index keys
                 continue
             pool = cache.pool(name)[src]
@@ -309,8 +311,9 @@ class PagedRows(CachedRows):
             return CSAState()
         src = str(role.kv_source)
         gather = lambda a: pc.gather_pages(a, self.meta.block_tables)
-        ikeys = pc.read(cache.ikey[src], "mxfp4", self.dtype, gather) if src in cache.ikey else None
-        return CSAState(ckv=pc.read(cache.ckv[src], "nvfp4", self.dtype, gather), ikeys=ikeys)
+        formats = self.cfg.cache_formats
+        ikeys = pc.read(cache.ikey[src], formats.index, self.dtype, gather) if src in cache.ikey else None
+        return CSAState(ckv=pc.read(cache.ckv[src], formats.entries, self.dtype, gather), ikeys=ikeys)
 
     def select_queries(self, cache: PagedCache, role: LayerRole, q: jax.Array, weights: jax.Array,
                        state: CSAState):

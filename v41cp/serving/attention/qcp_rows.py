@@ -135,11 +135,12 @@ class QCPRows(CachedRows):
         cfg, w = self.cfg, self.cfg.sliding_window
         raw = self._span(kv)                                                            # [B,S,D]
         b, s = raw.shape[:2]
-        new = pc.stored_values(cfg, raw, "fp8", self.dtype)
+        fmt = cfg.cache_formats.window
+        new = pc.stored_values(cfg, raw, fmt, self.dtype)
         start = self.starts
         hist_pos = start[:, None] - w + jnp.arange(w)[None]                             # [B,W]
         if self.continued:
-            ring = pc.read(cache.swa, "fp8", self.dtype, lambda a: a[layer][self.slot_r])
+            ring = pc.read(cache.swa, fmt, self.dtype, lambda a: a[layer][self.slot_r])
             hist = jnp.take_along_axis(ring, (hist_pos % w)[..., None], axis=1)
         else:
             hist = jnp.zeros((b, w, new.shape[-1]), new.dtype)
@@ -148,7 +149,7 @@ class QCPRows(CachedRows):
         last = start[:, None] + self.lengths[:, None] - w + jnp.arange(w)[None]        # the pass's last W
         at = jnp.where((last >= start[:, None]) & (last >= 0), self.batch.slots[:, None], self.n_slots)
         cache = cache.replace(swa=pc.write(cfg, cache.swa, (layer, at, jnp.maximum(last, 0) % w),
-                                           self._row(raw, last - start[:, None]), "fp8"))
+                                           self._row(raw, last - start[:, None]), fmt))
         cols = jnp.clip((self.pos_c - start[self.rq])[:, None] + 1 + jnp.arange(w)[None], 0, w + s - 1)
         valid = present[self.rq[:, None], cols] & (self.pos_c[:, None] - (w - 1) + jnp.arange(w)[None] >= 0)
         return cache, WindowKeys(ext, self.rq, cols), valid[None]
@@ -220,7 +221,8 @@ class QCPRows(CachedRows):
         tables = self.batch.block_tables[jnp.maximum(req, 0)]                            # [N·C, MB]
         ok = (g(emits[0]) & (req >= 0))[:, None]
         jj = g(j[0])[:, None]
-        for name, values, fmt in (("ckv", ckv, "nvfp4"), ("ikey", ik, "mxfp4")):
+        formats = self.cfg.cache_formats
+        for name, values, fmt in (("ckv", ckv, formats.entries), ("ikey", ik, formats.index)):
             if src not in cache.pool(name):                     # V4 HCA: no index keys
                 continue
             store = pc.write_entries(self.cfg, self.kvp, True, cache.pool(name)[src], g(values[0])[:, None], jj, ok,
@@ -234,7 +236,9 @@ class QCPRows(CachedRows):
         src = str(role.kv_source)
         read = lambda name, fmt: pc.read_pages(self.kvp, True, cache.pool(name)[src], self.batch.block_tables, fmt,
                                                self.dtype)
-        return CSAState(ckv=read("ckv", "nvfp4"), ikeys=read("ikey", "mxfp4") if src in cache.ikey else None)
+        formats = self.cfg.cache_formats
+        return CSAState(ckv=read("ckv", formats.entries),
+                        ikeys=read("ikey", formats.index) if src in cache.ikey else None)
 
     def select_queries(self, cache: PagedCache, role: LayerRole, q: jax.Array, weights: jax.Array,
                        state: CSAState):

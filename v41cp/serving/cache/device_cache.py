@@ -13,7 +13,8 @@ block_tokens / ratio`` entries per block of a ratio-``ρ`` KV source, ``D`` / ``
   width ``D``; CSA ``n = 2r``, width ``2D``, and its indexer's under ``"<g>i"``, width ``2·Di``).
 
 A *store* (``swa``, each pool) is an array of values in the model dtype (BF16 as its uint16 words), or the release's
-byte records ``{"q": payload, "s": scale}`` (uint8; FP8 window rows, NVFP4 compressed KV, MXFP4 index keys:
+byte records ``{"q": payload, "s": scale}`` (uint8; V4.1 FP8 window rows, NVFP4 compressed KV, MXFP4 index keys;
+DeepSeek-V4 its 584 B window rows / entries ``{"q", "s", "r"}`` and MXFP4 index keys: `ModelConfig.cache_formats`,
 `v41cp.serving.cache.records`).
 
 Each field declares its logical axes (``layers``, ``slots``, ``window``, ``pages``, ``page_rows``, ``channels``);
@@ -35,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from v41cp.config import LayerRole, ModelConfig
 from v41cp.layers.common import dtype_of
-from v41cp.serving.cache.records import RECORD_FORMATS
+from v41cp.serving.cache.records import record_widths
 from v41cp.sharding.mesh import CP
 from v41cp.sharding.rules import AxisRules
 
@@ -170,43 +171,43 @@ def declare_cache(cfg: ModelConfig, num_blocks: int, block_tokens: int, max_batc
     if records and not cfg.fake_quant:
         raise ValueError("byte records are the fake-quant formats: records=True needs cfg.fake_quant")
     d, di = cfg.head_dim, cfg.index_head_dim
+    formats = cfg.cache_formats
 
     def store(field: str, shape: tuple, fmt: str):
         axes = PagedCache.axes_of(field)
-        c = {"fp8": d, "nvfp4": d, "mxfp4": di}[fmt]
+        c = di if field == "ikey" else d
         if not records:
             # BF16 values are held as their 16-bit words (uint16; `paged.as_values` bitcasts them back): XLA:CPU runs
             # a BF16 scatter in FP32 on a copy of the whole store, a 16-bit integer scatter in place
             return ArrayDecl((*shape, c), jnp.uint16 if dt == jnp.bfloat16 else dt, axes)
-        block = RECORD_FORMATS[fmt][0]
-        return {"q": ArrayDecl((*shape, c if fmt == "fp8" else c // 2), jnp.uint8, axes),
-                "s": ArrayDecl((*shape, c // block), jnp.uint8, axes)}
+        return {k: ArrayDecl((*shape, w), jnp.uint8, axes)
+                for k, w in record_widths(fmt, c, cfg.qk_rope_head_dim).items()}
 
     ckv, ikey, open_kv, open_score = {}, {}, {}, {}
     for g in kv_groups(cfg):
         if block_tokens % g.ratio:
             raise ValueError(f"block_tokens={block_tokens} is not a multiple of layer {g.index}'s ratio {g.ratio}")
         src, epb = str(g.index), block_tokens // g.ratio
-        ckv[src] = store("ckv", (num_blocks, epb), "nvfp4")
+        ckv[src] = store("ckv", (num_blocks, epb), formats.entries)
         if cfg.is_v4:
             # V4: each compressor's ring of its last n rows' FP32 projections (flattened [B, n·width]): HCA n = r;
             # CSA n = 2r (the window before the open one), for the layer's compressor and its indexer's ("<g>i")
             n = g.window_rows
             rings = {src: n * d * (2 if g.overlapping else 1)}       # CSA's compressor projects to 2·D
             if g.is_index_source:
-                ikey[src] = store("ikey", (num_blocks, epb), "mxfp4")
+                ikey[src] = store("ikey", (num_blocks, epb), formats.index)
                 rings[src + "i"] = n * 2 * di
             for key, width in rings.items():
                 open_kv[key] = ArrayDecl((max_batch, width), jnp.float32, PagedCache.axes_of("open_kv"))
                 open_score[key] = ArrayDecl((max_batch, width), jnp.float32, PagedCache.axes_of("open_score"))
             continue
-        ikey[src] = store("ikey", (num_blocks, epb), "mxfp4")
+        ikey[src] = store("ikey", (num_blocks, epb), formats.index)
         if g.ratio > 1:
             if g.ratio != 2:
                 raise ValueError(f"the decode cache supports compress ratios 1 and 2, layer {g.index} has {g.ratio}")
             open_kv[src] = ArrayDecl((max_batch, d), jnp.float32, PagedCache.axes_of("open_kv"))
             open_score[src] = ArrayDecl((max_batch, d), jnp.float32, PagedCache.axes_of("open_score"))
-    swa = store("swa", (cfg.num_hidden_layers, max_batch, cfg.sliding_window), "fp8")
+    swa = store("swa", (cfg.num_hidden_layers, max_batch, cfg.sliding_window), formats.window)
     return PagedCache(swa=swa, ckv=ckv, ikey=ikey, open_kv=open_kv, open_score=open_score)
 
 

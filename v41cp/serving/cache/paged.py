@@ -6,8 +6,10 @@ KVP (owner-masked) variants and the kernels' in-place reads — goes through the
 and the page addressing are written once.
 
 A *store* is either an array of values (model dtype — BF16 as its 16-bit words, `as_values`; fake-quantized on
-write when ``cfg.fake_quant``) or the release's byte records ``{"q": payload uint8, "s": scale uint8}``
-(`v41cp.serving.cache.records`; FP8 window rows, NVFP4 compressed KV, MXFP4 index keys). Reading a record store decodes to exactly the fake-quant values.
+write when ``cfg.fake_quant``) or the release's byte records, a dict of uint8 leaves ``{"q": payload, "s": scales}``
+(V4's ``fp8_ds_mla`` also ``"r"``: its BF16 RoPE channels; `v41cp.serving.cache.records`): V4.1's FP8 window rows,
+NVFP4 compressed KV and MXFP4 index keys, V4's 584 B window rows / main entries and MXFP4 index keys (the formats:
+`ModelConfig.cache_formats`). Reading a record store decodes to exactly the fake-quant values.
 
 KVP: the global pools' ``pages`` axis is split over the mesh's ``cp`` axis; rank ``r`` holds virtual blocks
 ``l·N + r`` at its row ``l`` (`v41cp.sharding.ownership`). Inside a ``cp`` island a pool is the rank's rows; under
@@ -22,7 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from v41cp.config import ModelConfig
-from v41cp.quant import FAKE_QUANT
+from v41cp.quant import quantize_as
 from v41cp.serving.cache.device_cache import PagedCache, pool_spec
 from v41cp.serving.cache.records import decode, encode
 from v41cp.sharding.mesh import CP
@@ -56,7 +58,7 @@ def cache_slots(cache) -> int:
 def stored_values(cfg: ModelConfig, values: jax.Array, fmt: str, dtype) -> jax.Array:
     """What a store returns for ``values`` written in format ``fmt`` (fake-quant when ``cfg.fake_quant``; the
     record round trip equals it value for value), in ``dtype``."""
-    return (FAKE_QUANT[fmt](values) if cfg.fake_quant else values).astype(dtype)
+    return (quantize_as(values, fmt, cfg.qk_rope_head_dim) if cfg.fake_quant else values).astype(dtype)
 
 
 def as_values(a: jax.Array) -> jax.Array:
@@ -75,17 +77,17 @@ def _as_stored(values: jax.Array, store: jax.Array) -> jax.Array:
 def write(cfg: ModelConfig, store, idx: tuple, values: jax.Array, fmt: str):
     """Scatter ``values`` (pre-quantization) into ``store`` at ``idx`` (out-of-bounds = dropped)."""
     if isinstance(store, dict):
-        q, sc = encode(values, fmt)
-        return {"q": store["q"].at[idx].set(q, mode="drop"), "s": store["s"].at[idx].set(sc, mode="drop")}
+        record = encode(values, fmt, cfg.qk_rope_head_dim)
+        return {k: store[k].at[idx].set(v, mode="drop") for k, v in record.items()}
     if cfg.fake_quant:
-        values = FAKE_QUANT[fmt](values)
+        values = quantize_as(values, fmt, cfg.qk_rope_head_dim)
     return store.at[idx].set(_as_stored(values, store), mode="drop")
 
 
 def read(store, fmt: str, dtype, select) -> jax.Array:
     """``select`` (an indexing function) applied to the store, decoded to values in ``dtype``."""
     if isinstance(store, dict):
-        return decode(select(store["q"]), select(store["s"]), fmt, dtype)
+        return decode({k: select(a) for k, a in store.items()}, fmt, dtype)
     return as_values(select(store)).astype(dtype)
 
 
@@ -151,7 +153,7 @@ def read_pages(kvp: int, in_map: bool, store, block_tables, fmt: str, dtype):
                for k, a in leaves.items()}
     flat = {k: a.reshape(a.shape[0], -1, a.shape[-1]) for k, a in got.items()}
     if isinstance(store, dict):
-        return decode(flat["q"], flat["s"], fmt, dtype)
+        return decode(flat, fmt, dtype)
     return as_values(flat["v"]).astype(dtype)
 
 

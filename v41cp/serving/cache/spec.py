@@ -16,8 +16,8 @@ DeepSeek-V4 (``quantized``: the release's records as vLLM stores them): the wind
 entry in the **V4 record** — the ``D − rope`` no-RoPE channels FP8 e4m3 with a ue8m0 scale per 64, the RoPE
 channels BF16, the scales padded to 8 B (584 B at D 512, rope 64: 448 + 128 + 7 + 1) — and CSA's index keys MXFP4
 (68 B); one group per CSA / HCA layer (no sharing), every CSA group with index keys; the compressor rings as
-`compressor_state_bytes_per_request` says. (v41cp itself stores V4 caches unquantized for now, ``quantized=False``:
-the V4 record formats are not built.)
+`compressor_state_bytes_per_request` says. v41cp stores exactly these records (`ModelConfig.cache_formats`,
+`v41cp.serving.cache.records`) when the cache fake-quant is on.
 
 All global groups share one allocation unit, the **logical block** of ``block_tokens`` tokens (a
 multiple of every ratio: the LCM rule): block ``b`` of a request holds ``block_tokens / r`` entries of
@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass
 
 from v41cp.config import ModelConfig
+from v41cp.serving.cache.records import record_bytes
 
 __all__ = ["CacheGroup", "CacheSpec"]
 
@@ -55,8 +56,9 @@ class CacheGroup:
 class CacheSpec:
     """Layout and sizes of the decode state of ``cfg`` with ``block_tokens`` tokens per logical block.
 
-    ``quantized`` selects the release's record formats (FP8 window, NVFP4 compressed KV, MXFP4 index
-    keys); otherwise records are stored in ``cfg.dtype``.
+    ``quantized`` selects the release's record formats (`ModelConfig.cache_formats`: V4.1 FP8 window, NVFP4
+    compressed KV, MXFP4 index keys; V4 584 B window rows and entries, MXFP4 index keys); otherwise records are
+    stored in ``cfg.dtype``.
     """
 
     cfg: ModelConfig
@@ -83,28 +85,26 @@ class CacheSpec:
     def _elem(self) -> int:
         return 2 if self.cfg.dtype == "bfloat16" else 4
 
+    def _record(self, fmt: str, channels: int) -> int:
+        """Bytes of one stored row of ``channels`` values in cache format ``fmt`` (records, or the model dtype)."""
+        if not self.quantized:
+            return channels * self._elem
+        return record_bytes(fmt, channels, self.cfg.qk_rope_head_dim)
+
     @property
     def v4_record_bytes(self) -> int:
         """DeepSeek-V4's main / window record: ``D − rope`` FP8 channels, ``rope`` BF16 channels, one ue8m0 scale
         per 64 FP8 channels padded to 8 B (584 B at D 512, rope 64)."""
-        d, rope = self.cfg.head_dim, self.cfg.qk_rope_head_dim
-        scales = -(-(d - rope) // 64)
-        return (d - rope) + 2 * rope + -(-scales // 8) * 8
+        return record_bytes("fp8_ds_mla", self.cfg.head_dim, self.cfg.qk_rope_head_dim)
 
     @property
     def swa_bytes_per_row(self) -> int:
-        d = self.cfg.head_dim
-        if not self.quantized:
-            return d * self._elem
-        return self.v4_record_bytes if self.cfg.is_v4 else d + d // 32
+        return self._record(self.cfg.cache_formats.window, self.cfg.head_dim)
 
     @property
     def groups(self) -> tuple[CacheGroup, ...]:
-        cfg = self.cfg
-        d, di = cfg.head_dim, cfg.index_head_dim
-        main = self.v4_record_bytes if cfg.is_v4 else d // 2 + d // 16
-        kv = main if self.quantized else d * self._elem
-        ik = di // 2 + di // 32 if self.quantized else di * self._elem
+        cfg, fmt = self.cfg, self.cfg.cache_formats
+        kv, ik = self._record(fmt.entries, cfg.head_dim), self._record(fmt.index, cfg.index_head_dim)
         return tuple(CacheGroup(r.index, r.ratio, self.block_tokens // r.ratio, kv, ik if r.is_index_source else 0)
                      for r in cfg.layer_roles if r.is_kv_source)
 
