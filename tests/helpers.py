@@ -277,11 +277,12 @@ def greedy_rounds(eng, prompts: dict, rounds, new: int) -> tuple[dict, dict]:
 
 
 def decode_teacher_forcing(cfg, params, seqs: dict, start: dict, block: int, max_batch: int, max_blocks: int,
-                           num_blocks: int, steps: int, parallel=None) -> dict:
+                           num_blocks: int, steps: int, parallel=None, records=None) -> dict:
     """Feed each sequence of ``seqs`` (id → tokens) token by token through the paged decode step, request ``id``
     joining at step ``start[id]``, one compile for all steps: ``{id: logits [len, V]}`` (row ``t`` after token
     ``t``). Every page comes back at the end. ``parallel`` (a `ParallelConfig`): the step on its mesh — KVP pages
-    split over the ``cp`` group with the DCP step, or plain TP's split selection."""
+    split over the ``cp`` group with the DCP step, or plain TP's split selection. ``records``: the cache's stores as
+    byte records or values (default: records under the cache fake-quant, `device_cache.declare_cache`)."""
     from v41cp import model
     from v41cp.serving.attention.dcp import DCPPlan
     from v41cp.serving.cache.allocator import BlockAllocator
@@ -298,7 +299,7 @@ def decode_teacher_forcing(cfg, params, seqs: dict, start: dict, block: int, max
         else:
             plan = DCPPlan.split_selection(mesh)
     alloc = BlockAllocator(num_blocks, block, max_batch, max_blocks, n)
-    cache = init_cache(cfg, num_blocks, block, max_batch, sharding=None if n > 1 else sharding,
+    cache = init_cache(cfg, num_blocks, block, max_batch, sharding=None if n > 1 else sharding, records=records,
                        plan=plan if n > 1 else None)
     got = {k: [] for k in seqs}
     before = decode_step._cache_size()

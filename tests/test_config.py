@@ -102,7 +102,7 @@ def _released_v4(**changes) -> dict:
 
 def test_v4_flash_and_pro_schedules():
     flash = ModelConfig.from_dict(_released_v4())
-    assert flash == preset("v4-flash") and flash.is_v4 and not flash.fake_quant
+    assert flash == preset("v4-flash") and flash.is_v4 and flash.fake_quant        # the release's cache formats
     kinds = [r.kind for r in flash.layer_roles]
     assert kinds[:2] == ["swa", "swa"] and kinds.count("csa") == 21 and kinds.count("hca") == 20
     assert all(r.kv_source == r.index for r in flash.layer_roles if r.ratio)            # every layer owns its caches
@@ -126,9 +126,13 @@ def test_bad_v4_config_names_the_field(changes, needle):
         ModelConfig.from_dict(_released_v4(**changes))
 
 
-def test_v4_refuses_cache_fake_quant_and_v41_refuses_hash_layers():
-    with pytest.raises(ConfigError, match="fake_quant"):
-        preset("tiny-v4", fake_quant=True)
+def test_v4_fake_quant_needs_the_record_shapes_and_v41_refuses_hash_layers():
+    """V4's records: whole FP8 blocks of 64 channels without RoPE, a power-of-two MXFP4 index head (Hadamard)."""
+    with pytest.raises(ConfigError, match=r"head_dim - qk_rope_head_dim = 48 .*multiple of 64"):
+        preset("tiny-v4", fake_quant=True)                                  # 64 − 16
+    with pytest.raises(ConfigError, match="index_head_dim=96"):
+        preset("tiny-v4", fake_quant=True, head_dim=80, index_head_dim=96)
+    assert preset("tiny-v4", fake_quant=True, head_dim=80).cache_formats == ("fp8_ds_mla", "fp8_ds_mla", "mxfp4")
     with pytest.raises(ConfigError, match="num_hash_layers"):
         preset("tiny", num_hash_layers=1)
 

@@ -35,9 +35,9 @@ def test_in_kernel_decoders_equal_the_record_decoder():
     np.testing.assert_array_equal(e2m1(jnp.arange(16, dtype=jnp.int32)), FP4_TABLE)
     x = jax.random.normal(jax.random.key(0), (7, 64)) * 3
     for fmt in ("fp8", "nvfp4", "mxfp4"):
-        q, s = encode(x, fmt)
-        even, odd = load_rows_split((q, s), fmt, jnp.arange(7), 64)
-        np.testing.assert_array_equal(merge_channels(even, odd), decode(q, s, fmt, jnp.float32))
+        rec = encode(x, fmt)
+        even, odd = load_rows_split((rec["q"], rec["s"]), fmt, jnp.arange(7), 64)
+        np.testing.assert_array_equal(merge_channels(even, odd), decode(rec, fmt, jnp.float32))
 
 
 def _attention_case(dtype, h=64, d=512, rows=3):
@@ -46,7 +46,7 @@ def _attention_case(dtype, h=64, d=512, rows=3):
     win = encode(jax.random.normal(jax.random.key(2), (40, d)), "fp8")
     comp = encode(jax.random.normal(jax.random.key(3), (90, d)), "nvfp4")
     values = jax.random.normal(jax.random.key(4), (30, d)).astype(dtype)
-    stores = ({"q": win[0], "s": win[1]}, {"q": comp[0], "s": comp[1]}, values)
+    stores = (win, comp, values)
     idx = [jnp.asarray(rng.integers(-1, n, (rows, k)), jnp.int32) for n, k in ((40, 8), (90, 40), (30, 5))]
     idx = [i.at[1].set(-1) for i in idx]                            # row 1: nothing valid anywhere
     idx[1] = idx[1].at[2].set(-1).at[2, 0].set(17)                   # row 2: one compressed entry ...
@@ -93,7 +93,7 @@ def _indexer_case(dtype, values=False):
     r, hi, di, epb, npg = 3, 32, 128, 32, 40
     rng = np.random.default_rng(2)
     keys = jax.random.normal(jax.random.key(5), (r * npg * epb, di))
-    store = keys.astype(dtype) if values else dict(zip(("q", "s"), encode(keys, "mxfp4")))
+    store = keys.astype(dtype) if values else encode(keys, "mxfp4")
     q = mxfp4_block32(jax.random.normal(jax.random.key(6), (r, hi, di))).astype(dtype)
     w = jax.random.normal(jax.random.key(7), (r, hi))
     pages = jnp.asarray(np.stack([b * npg + rng.permutation(npg) for b in range(r)]), jnp.int32)

@@ -204,10 +204,11 @@ V4_PROMPTS = {"a": (27, 5, 0), "b": (5, 3, 0), "c": (16, 6, 0), "late": (21, 4, 
 
 @functools.lru_cache(maxsize=None)
 def _v4_aggregated(dtype: str):
-    """DeepSeek-V4 (`tiny-v4`, pages of 8 tokens: one HCA entry, two CSA entries; FP32, or BF16 with its value stores
-    as 16-bit words) on the decode topology, aggregated: per step, every request's output, status, last logits and
-    (running) cache bytes."""
-    cfg = preset("tiny-v4", dtype=dtype)
+    """DeepSeek-V4 (`tiny-v4`, pages of 8 tokens: one HCA entry, two CSA entries; FP32, BF16 with its value stores
+    as 16-bit words, or ``records``: FP32 with the release's byte records — the cache fake-quant on, ``head_dim`` 80
+    for whole FP8 blocks of 64) on the decode topology, aggregated: per step, every request's output, status, last
+    logits and (running) cache bytes."""
+    cfg = (preset("tiny-v4", fake_quant=True, head_dim=80) if dtype == "records" else preset("tiny-v4", dtype=dtype))
     params = perturbed(model.init_params(cfg, jax.random.key(0)))
     rng = np.random.default_rng(4)
     prompts = {rid: rng.integers(3, cfg.vocab_size, n).tolist() for rid, (n, _, _) in V4_PROMPTS.items()}
@@ -218,12 +219,13 @@ def _v4_aggregated(dtype: str):
 
 
 @pytest.mark.parametrize("dtype,prefill_kvp,transport", [("float32", 2, "collective"), ("float32", 1, "copy"),
-                                                           ("bfloat16", 2, "collective")])
+                                                           ("bfloat16", 2, "collective"), ("records", 2, "collective")])
 def test_v4_disaggregated_equals_aggregated(dtype, prefill_kvp, transport):
     """DeepSeek-V4 through PD: the CSA / HCA pages (index keys of CSA only) by the page-owner transfer plan and every
     compressor's ring (the C4 overlap state of the main and index compressors, the open C128 window) with the slot
-    state; the bytes moved equal the plan's. Rank-matched (prefill KVP 2, the collective; FP32, and BF16 through the
-    16-bit word stores): every token, logits row and running request's cache bytes equal the aggregated engine's.
+    state; the bytes moved equal the plan's. Rank-matched (prefill KVP 2; the collective with FP32 and with BF16
+    through the 16-bit word stores, and with the release's 584 B / 68 B records): every token, logits row and
+    running request's cache bytes equal the aggregated engine's.
     Relayout (prefill KVP 1): the prefill runs another program, and tiny-v4's rows round differently between
     programs on XLA:CPU (`docs/architecture.md` §8): the same tokens, logits within 1e-5."""
     from v41cp.serving.pd.engines import DisaggregatedEngine

@@ -85,9 +85,10 @@ def test_records_decode_to_the_fake_quant_values():
                     * np.logspace(-3, 3, 5)[:, None].astype(np.float32))
     x = x.at[0, :32].set(0.0).at[1, :16].set(jnp.asarray([6.0] + [0.25 * k for k in range(15)]))
     for fmt, block in (("fp8", 32), ("nvfp4", 16), ("mxfp4", 32)):
-        q, s = encode(x, fmt)
-        assert q.dtype == s.dtype == jnp.uint8 and q.shape[-1] + s.shape[-1] == record_bytes(fmt, 64)
-        np.testing.assert_array_equal(np.asarray(decode(q, s, fmt, jnp.float32)),
+        rec = encode(x, fmt)
+        assert set(rec) == {"q", "s"} and all(a.dtype == jnp.uint8 for a in rec.values())
+        assert sum(a.shape[-1] for a in rec.values()) == record_bytes(fmt, 64)
+        np.testing.assert_array_equal(np.asarray(decode(rec, fmt, jnp.float32)),
                                       np.asarray(fake_quant(x, fmt, block)))
     assert (record_bytes("fp8", 512), record_bytes("nvfp4", 512), record_bytes("mxfp4", 128)) == (528, 288, 68)
 
