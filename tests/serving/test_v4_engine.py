@@ -119,8 +119,21 @@ def test_what_is_not_built_is_refused_by_name(v4):
     from v41cp.serving.runner.speculative import Speculative
 
     cfg, params = v4
-    cap = Capacity(max_batch=1, max_tokens=32, block_tokens=BLOCK)
+    cap = Capacity(max_batch=1, max_tokens=32)
+    assert Engine(params, cfg, cap).capacity.block_tokens == cfg.page_tokens == 16       # the model's page
     with pytest.raises(ValueError, match="XLA attention and indexer paths.*attention_backend"):
         Engine(params, cfg.replace(attention_backend="pallas"), cap)
     with pytest.raises(ValueError, match="'mtp' needs the MTP layer.*num_nextn_predict_layers=0"):
         Engine(params, cfg, cap, speculative=Speculative({}, 2))               # tiny-v4 has none
+
+
+@pytest.mark.fast
+def test_the_default_page_is_the_models():
+    """`Capacity()` leaves the page to the model (`ModelConfig.page_tokens`: whole entries of every pool): 128 tokens
+    for V4-Flash / V4-Pro (HCA's ratio), 16 for V4.1; an engine resolves it; a capacity not yet resolved says so."""
+    cap = Capacity()
+    assert cap.for_model(preset("v4-flash")).block_tokens == 128 == cap.for_model(preset("v4-pro")).block_tokens
+    assert cap.for_model(preset("v41-flash")).block_tokens == 16
+    assert Capacity(block_tokens=256).for_model(preset("v4-flash")).block_tokens == 256
+    with pytest.raises(ValueError, match="for_model"):
+        cap.max_blocks

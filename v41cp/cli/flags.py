@@ -353,8 +353,10 @@ class CapacityFlags(_Group):
 
     def capacity(self, prefill: PrefillFlags, longest: int, page: int | None = None, **fixed) -> Capacity:
         """The `Capacity`; unset fields fit ``longest`` tokens per request, ``fixed`` ones (not None) win; the page is
-        ``--block-tokens``, else ``page`` (the model's, `ModelFlags.page_tokens`), else `Capacity`'s default."""
-        block = self.block_tokens or page or Capacity.block_tokens
+        ``--block-tokens``, else ``page`` (the model's, `ModelFlags.page_tokens`)."""
+        block = self.block_tokens or page
+        if block is None:
+            raise ValueError("the cache page: give --block-tokens or the model's page")
         fields = {"max_batch": self.max_batch, "max_tokens": self.max_context or -(-longest // block) * block,
                   "block_tokens": block, "num_blocks": self.num_blocks, "prefill_chunk": self.prefill_chunk,
                   "max_waiting": self.max_waiting, "max_logprobs": self.max_logprobs, **prefill.options()}

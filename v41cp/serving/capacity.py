@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 __all__ = ["Capacity", "DEFAULT_PREFILL_TOKENS"]
@@ -29,7 +30,9 @@ class Capacity:
 
     max_batch: int = 4
     max_tokens: int = 256
-    block_tokens: int = 16
+    # tokens per cache page; None: the model's (`ModelConfig.page_tokens`: 16 for V4.1, 128 for DeepSeek-V4, a page
+    # holding whole entries of every pool), set by `for_model` when an engine is built
+    block_tokens: int | None = None
     num_blocks: int | None = None          # default: enough for max_batch full requests
     prefill_chunk: int = 32                # token-serial prefill: tokens per scanned chunk
     ced: bool = False                      # CED narrowing of prefill (exact; off by default)
@@ -57,11 +60,18 @@ class Capacity:
             raise ValueError(f"capacity span_prefill must be True, False or None, got {self.span_prefill!r}")
         for name in ("max_batch", "max_tokens", "block_tokens", "prefill_chunk"):
             v = getattr(self, name)
-            if type(v) is not int or v <= 0:
+            if (type(v) is not int or v <= 0) and not (name == "block_tokens" and v is None):
                 raise ValueError(f"capacity {name} must be a positive integer, got {v!r}")
+
+    def for_model(self, cfg) -> "Capacity":
+        """This capacity with its page resolved for ``cfg`` (`ModelConfig`): ``block_tokens`` None → the model's
+        page, `ModelConfig.page_tokens`."""
+        return self if self.block_tokens is not None else dataclasses.replace(self, block_tokens=cfg.page_tokens)
 
     @property
     def max_blocks(self) -> int:
+        if self.block_tokens is None:
+            raise ValueError("capacity block_tokens is the model's page until resolved: use Capacity.for_model(cfg)")
         return -(-self.max_tokens // self.block_tokens)
 
     @property

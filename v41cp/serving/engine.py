@@ -108,6 +108,7 @@ class Engine:
             raise ValueError(f"engine role must be 'both', 'prefill' or 'decode', got {role!r}")
         if cfg.is_v4:
             _check_v4_serving(cfg)
+        capacity = capacity.for_model(cfg)                      # the model's page unless one is given
         if speculative is not None:
             speculative = resolved(cfg, speculative)            # its algorithm and draft count for cfg
             if speculative.params is None and speculative.proposer is None:

@@ -141,8 +141,8 @@ def test_v4_flash_cache_bytes_match_the_release_and_split_over_kvp():
     assert one["global"] == (1 << 20) * spec.global_bytes_per_token
     assert abs(one["global"] / 2**30 - 3.44) < 0.01                   # 3.432 GiB of pages (+ 3.2 MB window rows)
     assert eight["global"] * 8 == one["global"] and eight["swa"] == one["swa"] == 43 * 128 * 584
-    stored = CacheSpec(cfg, block_tokens=128, quantized=False)      # what v41cp stores for V4 today: BF16
-    assert stored.global_bytes_per_token == 21 * (1024 + 256) / 4 + 20 * 1024 / 128
+    plain = CacheSpec(cfg, block_tokens=128, quantized=False)       # fake-quant off: BF16 values
+    assert plain.global_bytes_per_token == 21 * (1024 + 256) / 4 + 20 * 1024 / 128
 
 
 def test_bf16_value_stores_are_words_written_in_place():

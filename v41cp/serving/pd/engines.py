@@ -72,6 +72,7 @@ class DisaggregatedEngine(TwoRoles):
         if p + d > len(devices):
             raise ValueError(f"disaggregation: {p} prefill + {d} decode devices, but only {len(devices)} are given")
         check_sizes(prefill.kv_parallel_size, decode.kv_parallel_size)
+        capacity = capacity.for_model(cfg)
         self.cfg, self.capacity = cfg, capacity
         # with DSpark both roles run the drafter: the prefill writes its context window, the transfer carries it;
         # with prefix caching the prefill role keeps the cache (a hit's pages and state move like a cold prefill's)

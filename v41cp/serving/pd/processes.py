@@ -84,6 +84,7 @@ class CrossProcessDisaggregatedEngine(TwoRoles):
                              f"(--prefill-devices must equal --devices {n_local}); got {prefill.num_devices} prefill "
                              f"and {decode.num_devices} decode devices")
         check_sizes(prefill.kv_parallel_size, decode.kv_parallel_size)
+        capacity = capacity.for_model(cfg)
         self.cfg, self.capacity = cfg, capacity
         self.is_prefill = jax.process_index() == 0
         self.role = "prefill" if self.is_prefill else "decode"
