@@ -1,4 +1,6 @@
-"""Regenerates the embedded tiny checkpoints from the NeMo oracle (needs tests/oracle/setup_venv.sh):
+"""Regenerates the embedded tiny checkpoints.
+
+V4.1, from the NeMo oracle (needs tests/oracle/setup_venv.sh):
 
 1. the oracle exports its seeded `tiny-dspark` weights under released names (FP32): the `tiny-sparse` backbone
    and three DSpark stages (``mtp.*``, the port's seeded drafter);
@@ -6,7 +8,15 @@
    dense weights, FP4 routed experts, FP8 Engram rows, e8m0 scales, BF16 / FP32 rest; 3 shards + index);
 3. `checkpoints/tiny-v41/`: that released checkpoint converted to orbax (FP32), the CLI's default.
 
-    python checkpoints/make_tiny.py
+DeepSeek-V4, from v41cp's own seeded initialisation (no oracle needed; ``--v4``):
+
+4. `checkpoints/tiny-v4/`: the `tiny-v4-mtp` model (SWA | HCA ratio 8 | CSA | CSA, two hash-routed MoE layers, the
+   MTP layer ``mtp.0``) in the release's V4 layout and formats (FP8 128×128-block dense weights, FP4 routed
+   experts, int32 ``tid2eid`` tables, FP32 ``hc_*`` / compressors), with the tiny V4.1's 256-word tokenizer and
+   synthetic chat format.
+
+    python checkpoints/make_tiny.py          # V4.1 and V4
+    python checkpoints/make_tiny.py --v4     # V4 only
 """
 
 import json
@@ -30,7 +40,27 @@ TOKENIZER_CONFIG = {
 }
 
 
+def make_tiny_v4():
+    import jax
+
+    from v41cp import model
+    from v41cp.checkpoint import write_released
+    from v41cp.checkpoint.writer import released_tensors
+    from v41cp.config import preset
+    from v41cp.mtp import init_mtp_params
+
+    cfg = preset("tiny-v4-mtp")
+    tensors = released_tensors(cfg, model.init_params(cfg, jax.random.key(0)), init_mtp_params(cfg, jax.random.key(1)))
+    out, released = REPO / "checkpoints" / "tiny-v4", REPO / "checkpoints" / "tiny-v41-released"
+    shutil.rmtree(out, ignore_errors=True)
+    info = write_released(out, cfg, tensors, tokenizer=released / "tokenizer.json", max_shard_bytes=512 * 1024)
+    (out / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=1) + "\n")
+    print(f"wrote {out}: {info}")
+
+
 def main():
+    if "--v4" in sys.argv[1:]:
+        return make_tiny_v4()
     from v41cp.checkpoint import convert, write_released
     from v41cp.checkpoint.safetensors_io import SafetensorsFile
 
@@ -48,6 +78,7 @@ def main():
     print(f"wrote {released}: {info}")
     summary = convert(released, converted, dtype="fp32", progress=False, overwrite=True, keep_quantized=False)
     print(f"wrote {converted}: {summary['tensors']} tensors, {summary['bytes_written']} bytes")
+    make_tiny_v4()
 
 
 if __name__ == "__main__":

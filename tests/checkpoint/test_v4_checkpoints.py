@@ -130,3 +130,21 @@ def test_release_layout_write_read_convert_load(tmp_path):
     write_released(tmp_path / "bad", cfg, bad)
     with pytest.raises(CheckpointError, match="layers.0.ffn.gate.tid2eid' routes to expert 4"):
         ReleasedCheckpoint(tmp_path / "bad").params()
+
+
+def test_a_model_made_here_is_written_as_a_release():
+    """`released_tensors` (the loader's layouts inverted) names a parameter tree the release's way: read back, the
+    same tree bit for bit (the MTP layer's too)."""
+    from v41cp.checkpoint.names import drafter_params_from_released, params_from_released
+    from v41cp.checkpoint.writer import released_shapes, released_tensors
+    from v41cp.mtp import init_mtp_params
+
+    cfg = preset("tiny-v4-mtp")
+    params, mtp = model.init_params(cfg, jax.random.key(0)), init_mtp_params(cfg, jax.random.key(1))
+    tensors = released_tensors(cfg, params, mtp)
+    assert tensors.keys() == released_shapes(cfg).keys()
+    flat = lambda t: {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(t)[0]}
+    for want, got in ((params, params_from_released(cfg, tensors)), (mtp, drafter_params_from_released(cfg, tensors))):
+        want, got = flat(want), flat(got)
+        assert want.keys() == got.keys() and all(np.array_equal(want[k], got[k]) for k in want)
+

@@ -25,7 +25,7 @@ from v41cp.sharding.rules import TP_RULES
 __all__ = ["CheckpointError", "IGNORED_PREFIXES", "params_from_released", "released_to_tree", "convert", "load",
            "ReleasedCheckpoint", "load_config_dir", "load_released_dir", "place_released", "LoadReport", "ReleasedFiles",
            "SafetensorsFile", "write_safetensors", "write_released", "default_checkpoint", "default_released_checkpoint",
-           "open_checkpoint", "open_drafter", "load_drafter", "stores_quantized_at"]
+           "tiny_v4_checkpoint", "open_checkpoint", "open_drafter", "load_drafter", "stores_quantized_at"]
 
 _CHECKPOINTS = Path(__file__).resolve().parents[2] / "checkpoints"
 
@@ -38,6 +38,11 @@ def default_checkpoint() -> str:
 def default_released_checkpoint() -> str:
     """The embedded tiny checkpoint in the released (quantized) layout: ``checkpoints/tiny-v41-released``."""
     return str(_CHECKPOINTS / "tiny-v41-released")
+
+
+def tiny_v4_checkpoint() -> str:
+    """The embedded tiny DeepSeek-V4 in the released layout (``checkpoints/tiny-v4``: `tiny-v4-mtp`, seeded)."""
+    return str(_CHECKPOINTS / "tiny-v4")
 
 
 def open_checkpoint(path, mesh=None, rules=None, progress: bool = False, **overrides):

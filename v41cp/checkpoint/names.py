@@ -186,7 +186,8 @@ def drafter_params_from_released(cfg: ModelConfig, tensors: Mapping[str, Any]) -
         raise CheckpointError(f"the config has no drafter (num_nextn_predict_layers="
                               f"{cfg.num_nextn_predict_layers}, dspark_target_layer_ids="
                               f"{list(cfg.dspark_target_layer_ids)})")
-    others = tuple({k.split(".")[0] + "." for k in tensors if not k.startswith("mtp.")})
+    # the target's tensors, passed over by prefix (a top-level name such as V4's ``hc_head_fn`` whole)
+    others = tuple({k.split(".")[0] + "." if "." in k else k for k in tensors if not k.startswith("mtp.")})
     abstract = abstract_mtp_params(cfg) if cfg.is_v4 else abstract_drafter_params(cfg)
     return _tree_from(cfg, drafter_to_tree(cfg), abstract, tensors, others)
 

@@ -15,7 +15,9 @@ Storage per tensor (`release_storage`):
 * ``bf16`` — everything else (embedding, norms, indexer ``wk`` / ``weights_proj``, router weight, …).
 
 Tensors stream through: each is quantized when it arrives and shards are flushed at
-``max_shard_bytes``, so writing never holds more than one shard.
+``max_shard_bytes``, so writing never holds more than one shard. `released_tensors` names a model's own parameter
+tree (and its drafter's) the release's way — the inverse of the loader's layouts — so a model made here can be
+written as a release.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from v41cp.checkpoint.formats import quant_fp4_rows, quant_fp8_blocks, quant_fp8
 from v41cp.checkpoint.safetensors_io import write_safetensors
 from v41cp.config import LayerRole, ModelConfig
 
-__all__ = ["release_storage", "released_shapes", "write_released"]
+__all__ = ["release_storage", "released_shapes", "released_tensors", "write_released"]
 
 _FP8 = re.compile(r"(^mtp\.0\.[eh]_proj\.weight$)|(.*\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)"
                   r"|ffn\.shared_experts\.w[123]|engram\.wkv|main_proj)\.weight$)")
@@ -185,3 +187,35 @@ def write_released(dst: str | os.PathLike, cfg: ModelConfig | Mapping, tensors: 
     (dst / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=1))
     return {"files": len(files), "tensors": len(weight_map), "bytes": total}
+
+
+def released_tensors(cfg: ModelConfig, params, drafter=None) -> dict[str, np.ndarray]:
+    """A parameter tree (``params``; ``drafter``: the drafter's, or None) → its released-name tensors, unquantized
+    (`write_released` stores them in the release's formats). Each parameter's `Layout` is a permutation of its stored
+    elements (reshapes, transposes, stacking), so it is inverted by applying it to the stored elements' indices; a
+    parameter the layout cannot give back exactly (values in padding rows) is an error naming it."""
+    from v41cp.checkpoint.names import drafter_to_tree, released_to_tree
+
+    shapes = released_shapes(cfg)
+    out: dict[str, np.ndarray] = {}
+    trees = [(released_to_tree(cfg), params)] + ([(drafter_to_tree(cfg), drafter)] if drafter is not None else [])
+    for mapping, tree in trees:
+        for path, (keys, fn, _) in mapping.items():
+            value = tree
+            for p in path:
+                value = value[p]
+            value = np.asarray(value)
+            sizes = [int(np.prod(shapes[k])) for k in keys]
+            starts = np.cumsum([0] + sizes)
+            ids = fn(*[np.arange(a, a + n, dtype=np.int64).reshape(shapes[k])
+                       for k, a, n in zip(keys, starts, sizes)])
+            if tuple(ids.shape) != value.shape:
+                raise ValueError(f"parameter {'/'.join(path)} has shape {value.shape}, the release's layout of "
+                                 f"{list(keys)} gives {tuple(ids.shape)}")
+            flat = np.zeros(starts[-1], value.dtype)
+            flat[np.asarray(ids).reshape(-1)] = value.reshape(-1)
+            stored = [flat[a:a + n].reshape(shapes[k]) for k, a, n in zip(keys, starts, sizes)]
+            if not np.array_equal(np.asarray(fn(*stored)), value):     # a layout that pads (Engram's table rows)
+                raise ValueError(f"parameter {'/'.join(path)} holds values its released layout cannot store")
+            out.update(zip(keys, stored))
+    return out
