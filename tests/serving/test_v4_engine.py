@@ -9,7 +9,7 @@ caches hold every CSA / HCA layer's entries (CSA's index keys too) and each comp
   passes of 16 rows continuing over rounds: the rings carried across passes) and the token-serial reference, with
   no near-tie on any selection or greedy choice, prefix-cache hits included — bit-identical to a cold prefill
   (logits and every cache byte) with every prefill path;
-* what is not built is refused by name: the kernel backends; MTP speculative decoding without the MTP layer
+* what is not built is refused by name: MTP speculative decoding without the MTP layer
   (MTP: `tests/serving/test_v4_mtp.py`; verification with a host proposer: `tests/serving/test_v4_speculative.py`).
   (Every topology: `tests/serving/test_v4_parallel.py`; PD: `tests/serving/pd/test_disaggregated.py`.)
 """
@@ -121,8 +121,6 @@ def test_what_is_not_built_is_refused_by_name(v4):
     cfg, params = v4
     cap = Capacity(max_batch=1, max_tokens=32)
     assert Engine(params, cfg, cap).capacity.block_tokens == cfg.page_tokens == 16       # the model's page
-    with pytest.raises(ValueError, match="XLA attention and indexer paths.*attention_backend"):
-        Engine(params, cfg.replace(attention_backend="pallas"), cap)
     with pytest.raises(ValueError, match="'mtp' needs the MTP layer.*num_nextn_predict_layers=0"):
         Engine(params, cfg, cap, speculative=Speculative({}, 2))               # tiny-v4 has none
 

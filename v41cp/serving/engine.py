@@ -45,14 +45,6 @@ from v41cp.sharding.topology import ParallelConfig
 __all__ = ["Capacity", "SamplingParams", "Engine", "EngineLike", "EngineFull", "RequestError"]
 
 
-def _check_v4_serving(cfg: ModelConfig) -> None:
-    """DeepSeek-V4 is served with the XLA attention / indexer paths, on any topology (attention TP, KVP = DCP, QCP),
-    disaggregated and with MTP speculative decoding: the kernels' V4 paths are refused by name (not built)."""
-    kernels = {n: getattr(cfg, n) for n in ("attention_backend", "indexer_backend") if getattr(cfg, n) != "xla"}
-    if kernels:
-        raise ValueError(f"DeepSeek-V4 serving runs the XLA attention and indexer paths for now; got {kernels}")
-
-
 @runtime_checkable
 class EngineLike(Protocol):
     """What the engine loop (`v41cp.serving.api.engine_loop`) and the server drive: submit / cancel / release
@@ -106,8 +98,6 @@ class Engine:
                  devices=None, role: str = "both", record_logits: bool = False, tokenizer: str | None = None):
         if role not in ROLES:
             raise ValueError(f"engine role must be 'both', 'prefill' or 'decode', got {role!r}")
-        if cfg.is_v4:
-            _check_v4_serving(cfg)
         capacity = capacity.for_model(cfg)                      # the model's page unless one is given
         if speculative is not None:
             speculative = resolved(cfg, speculative)            # its algorithm and draft count for cfg

@@ -6,7 +6,8 @@ one softmax (the FlashMLA sparse-decode contract).
 * ``q [R, H, D]``: query rows (decode: one per request; prefill: one per token), any float dtype;
 * ``stores``: the key pools, each addressed by **physical slot** (row of the flattened pool): an
   unquantized ``[N, D]`` array, or the release's byte records ``{"q", "s"}`` — FP8 window rows
-  (``q [N, D]``, ue8m0 per 32) or NVFP4 compressed KV (``q [N, D/2]``, e4m3 per 16), decoded on the fly;
+  (``q [N, D]``, ue8m0 per 32) or NVFP4 compressed KV (``q [N, D/2]``, e4m3 per 16) — or DeepSeek-V4's 584 B
+  window rows / entries ``{"q", "s", "r"}`` (``fp8_ds_mla``), decoded on the fly;
 * ``indices``: per store ``[R, K_i]`` int32 slots with −1 padding; ``lengths``: per store ``[R]`` — only
   the first ``lengths`` slots are read (so padding costs nothing in the kernel);
 * returns ``(o [R, H, D] FP32, lse [R, H] FP32)``: the output **without** the sink and the natural-log LSE
@@ -27,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from v41cp.kernels import check_backend, default_splits, interpret_mode, pow2_at_least
-from v41cp.kernels.dequant import merge_channels, split_channels
+from v41cp.kernels.dequant import merge_channels, record_refs, split_channels
 from v41cp.kernels.sparse_attention.pallas_triton import sparse_attention_pallas
 from v41cp.kernels.sparse_attention.reference import gather_keys, sparse_attention_reference
 from v41cp.sharding.lse_merge import apply_sink, merge_partials
@@ -37,10 +38,16 @@ __all__ = ["sparse_attention", "sparse_attention_reference", "sparse_attention_p
 
 
 def store_format(store, channels: int) -> str | None:
-    """The record format of a store: None (values), ``"fp8"`` or ``"nvfp4"`` (from the payload width)."""
+    """The record format of a store: None (values), ``"fp8"`` or ``"nvfp4"`` (from the payload width), or
+    DeepSeek-V4's ``"fp8_ds_mla"`` (its BF16 RoPE leaf ``"r"``)."""
     if not isinstance(store, dict):
         return None
     width = store["q"].shape[-1]
+    if "r" in store:
+        if width + store["r"].shape[-1] // 2 == channels:
+            return "fp8_ds_mla"
+        raise ValueError(f"unknown record layout: payload width {width}, RoPE bytes {store['r'].shape[-1]} for "
+                         f"{channels} channels")
     if width == channels:
         return "fp8"
     if width == channels // 2 and store["s"].shape[-1] == channels // 16:
@@ -85,7 +92,7 @@ def sparse_attention(q: jax.Array, stores, indices, lengths=None, sink: jax.Arra
         # tiles exceed an H200 program's 227 KiB of shared memory (measured, 2026-12-04)
         block_h = block_h or min(pow2_at_least(h), 64 if q.dtype != jnp.float32 else 32)
         q_e, q_o = (_pad_to(x, 1, block_h, 0) for x in split_channels(q))
-        refs = tuple((s,) if f is None else (s["q"], s["s"]) for s, f in zip(stores, formats))
+        refs = tuple(record_refs(s, f) for s, f in zip(stores, formats))
         idx = tuple(_pad_to(i.astype(jnp.int32), 1, block_k, -1) for i in indices)
         lens = jnp.stack([jnp.minimum(n, i.shape[1]) for n, i in zip(lengths, indices)], axis=1).astype(jnp.int32)
         tiles = sum(i.shape[1] // block_k for i in idx)

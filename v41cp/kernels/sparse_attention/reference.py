@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from v41cp.kernels.dequant import load_rows_split, merge_channels
+from v41cp.kernels.dequant import load_rows_split, merge_channels, record_refs
 
 __all__ = ["gather_keys", "sink_attention", "sparse_attention_reference"]
 
@@ -13,7 +13,7 @@ __all__ = ["gather_keys", "sink_attention", "sparse_attention_reference"]
 def gather_keys(store, fmt: str | None, indices: jax.Array, channels: int) -> jax.Array:
     """Rows ``indices [R, K]`` (−1 = padding, read as row 0) of a store, decoded → FP32 ``[R, K, C]``."""
     r, k = indices.shape
-    refs = (store,) if fmt is None else (store["q"], store["s"])
+    refs = record_refs(store, fmt)
     even, odd = load_rows_split(refs, fmt, jnp.maximum(indices, 0).reshape(-1), channels)
     return merge_channels(even, odd).reshape(r, k, channels)
 
@@ -24,7 +24,7 @@ def sparse_attention_reference(q: jax.Array, stores, formats, indices, lengths) 
     Args:
       q: ``[R, H, D]`` queries (any float dtype).
       stores / formats: per store a ``[N, D]`` array (format None) or a record dict ``{"q", "s"}``
-        (``"fp8"`` / ``"nvfp4"``), rows addressed by physical slot.
+        (``"fp8"`` / ``"nvfp4"``; ``{"q", "s", "r"}``: ``"fp8_ds_mla"``), rows addressed by physical slot.
       indices: per store ``[R, K_i]`` int32 slots, −1 = padding.
       lengths: per store ``[R]`` int32 — only the first ``lengths`` slots of a row are read.
     Returns: ``(o [R, H, D] FP32, lse [R, H] FP32)`` — the normalized output **without** the sink and the
