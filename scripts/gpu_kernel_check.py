@@ -56,11 +56,12 @@ def check_kernels():
     rng = np.random.default_rng(0)
     r, h, d, nw, nc = 5, 64, 512, 300, 2000
 
-    def attention(dt):
+    def attention(dt, v4=False):
+        # V4.1: FP8 window rows + NVFP4 entries; V4: both in DeepSeek-V4's 584 B record (fp8_ds_mla, RoPE 64)
         q = jax.random.normal(jax.random.key(0), (r, h, d)).astype(dt)
-        win = encode(jax.random.normal(jax.random.key(1), (nw, d)), "fp8")
-        ck = encode(jax.random.normal(jax.random.key(2), (nc, d)), "nvfp4")
-        stores = ({"q": win[0], "s": win[1]}, {"q": ck[0], "s": ck[1]})
+        fmts = (("fp8_ds_mla", 64), ("fp8_ds_mla", 64)) if v4 else (("fp8", 0), ("nvfp4", 0))
+        stores = tuple(encode(jax.random.normal(jax.random.key(k), (n, d)), f, rope)
+                       for k, n, (f, rope) in ((1, nw, fmts[0]), (2, nc, fmts[1])))
         iw = jnp.asarray(rng.integers(-1, nw, (r, 128)), jnp.int32).at[4].set(-1)
         ic = jnp.asarray(rng.integers(-1, nc, (r, 512)), jnp.int32).at[4].set(-1)
         lens = (jnp.array([128, 100, 1, 128, 0]), jnp.array([512, 77, 1, 0, 0]))
@@ -78,8 +79,7 @@ def check_kernels():
     def indexer(dt):
         # indexer: 32 heads x 128, top-512, MXFP4 keys, pages of 32 entries, one single-valid-entry row
         hi, di, epb, npg = 32, 128, 32, 96
-        keys = encode(jax.random.normal(jax.random.key(3), (r * npg * epb, di)), "mxfp4")
-        store = {"q": keys[0], "s": keys[1]}
+        store = encode(jax.random.normal(jax.random.key(3), (r * npg * epb, di)), "mxfp4")
         qi = mxfp4_block32(jax.random.normal(jax.random.key(4), (r, hi, di))).astype(dt)
         wi = jax.random.normal(jax.random.key(5), (r, hi))
         tables = jnp.asarray(np.stack([b * npg + rng.permutation(npg) for b in range(r)]), jnp.int32)
@@ -123,7 +123,9 @@ def check_kernels():
         return gm
 
     for dt in ("float32", "bfloat16"):
-        for name, fn in (("sparse_attention", attention), ("indexer", indexer), ("grouped_fp4_matmul", experts)):
+        for name, fn in (("sparse_attention", attention), ("sparse_attention_v4_records",
+                                                            lambda dt: attention(dt, v4=True)),
+                         ("indexer", indexer), ("grouped_fp4_matmul", experts)):
             try:
                 out[f"{name}_{dt}"] = fn(dt)
             except Exception as e:                          # one kernel's failure must not hide the others

@@ -24,7 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import scipy.linalg
+import scipy.linalg  # (a jax dependency, declared in pyproject.toml: its Sylvester Hadamard matrix)
 
 __all__ = ["round_through", "pow2ceil", "e2m1_magnitude_code", "fake_quant", "fp8_block32", "nvfp4_block16",
            "mxfp4_block32", "fp8_ds_mla", "quantize_as", "hadamard_rotate", "FAKE_QUANT", "CACHE_FORMATS",
@@ -123,6 +123,8 @@ FAKE_QUANT = {"fp8": fp8_block32, "nvfp4": nvfp4_block16, "mxfp4": mxfp4_block32
 def fp8_ds_mla(x: jax.Array, rope: int) -> jax.Array:
     """DeepSeek-V4's main-entry / window-row format of ``x [..., C]``: channels ``[0, C − rope)`` FP8 e4m3 with a
     ue8m0 scale per 64 (as the release's ``act_quant(kv[..., :-rope], 64)``), the last ``rope`` channels as BF16."""
+    if rope <= 0:
+        raise ValueError(f"fp8_ds_mla keeps the RoPE channels in BF16: give their count (rope > 0), got {rope}")
     nope = x.shape[-1] - rope
     head = fake_quant(x[..., :nope], "fp8", 64)
     tail = round_through(x[..., nope:].astype(jnp.float32), jnp.bfloat16).astype(x.dtype)

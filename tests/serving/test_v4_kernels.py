@@ -16,8 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import decode_teacher_forcing, greedy_rounds, perturbed, rel_err
-from test_v4_records import FLIP
+from helpers import FLIP, decode_teacher_forcing, greedy_rounds, perturbed, rel_err
 
 from v41cp import model
 from v41cp.config import preset
@@ -83,10 +82,15 @@ def test_engine_with_the_kernels_equals_xla(records):
         assert err <= (FLIP if records else 1e-5), rid
 
 
-def test_dcp_decode_with_the_kernels_equals_one_device(v4):
-    """KVP = DCP 2: the attention kernel over each rank's owned CSA entries (HCA: its owned visible entries, the XLA
-    partials), merged by LSE; teacher forcing equals the one-device XLA step."""
+@pytest.mark.parametrize("records", [False, True], ids=["values", "records"])
+def test_dcp_decode_with_the_kernels_equals_one_device(v4, records):
+    """KVP = DCP 2: the attention kernel over each rank's owned CSA entries (records: the selected 584 B records
+    gathered as stored, decoded in the kernel; HCA: its owned visible entries, the XLA partials), merged by LSE;
+    teacher forcing equals the one-device XLA step."""
     cfg, params = v4
+    if records:
+        cfg = preset("tiny-v4", fake_quant=True, head_dim=80)
+        params = perturbed(model.init_params(cfg, jax.random.key(0)))
     rng = np.random.default_rng(7)
     seqs = {"a": rng.integers(3, cfg.vocab_size, 33), "s": rng.integers(3, cfg.vocab_size, 5)}
     start = {"a": 0, "s": 20}

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import decode_teacher_forcing, greedy_reference, greedy_rounds, perturbed, rel_err
+from helpers import FLIP, decode_teacher_forcing, greedy_reference, greedy_rounds, perturbed, rel_err
 
 from v41cp import model
 from v41cp.config import preset
@@ -77,6 +77,62 @@ def test_hadamard_rotation_is_the_orthonormal_walsh_hadamard_transform():
         hadamard_rotate(jnp.zeros((2, 48)))
 
 
+def _sylvester(n: int) -> np.ndarray:
+    h = np.ones((1, 1), np.float32)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.float32(np.sqrt(n))
+
+
+@pytest.mark.fast
+def test_v4_index_queries_are_turned_then_quantized():
+    """`index_query` under V4's fake-quant: the RoPE-rotated queries times the Hadamard matrix (built here, by
+    Sylvester's doubling), then MXFP4; V4.1's are not turned."""
+    from v41cp.layers.indexer import index_query
+    from v41cp.quant import mxfp4_block32
+
+    cfg = _cfg()
+    k = jax.random.split(jax.random.key(2), 5)
+    b, s, hi, di, r = 2, 5, cfg.index_n_heads, cfg.index_head_dim, cfg.q_lora_rank
+    wq_b, w_proj = jax.random.normal(k[0], (r, hi, di)), jax.random.normal(k[1], (cfg.hidden_size, hi))
+    x, qr = jax.random.normal(k[2], (b, s, cfg.hidden_size)), jax.random.normal(k[3], (b, s, r))
+    angles = jax.random.uniform(k[4], (b, s, cfg.qk_rope_head_dim // 2)) * 6.0
+    plain, w_plain = index_query(cfg.replace(fake_quant=False), wq_b, w_proj, x, qr, angles)
+    got, w_got = index_query(cfg, wq_b, w_proj, x, qr, angles)
+    turned = jnp.einsum("...c,cd->...d", plain, jnp.asarray(_sylvester(di)), precision=jax.lax.Precision.HIGHEST)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(mxfp4_block32(turned)))
+    np.testing.assert_array_equal(np.asarray(w_got), np.asarray(w_plain))
+    v41 = preset("tiny")
+    q41, _ = index_query(v41, jax.random.normal(k[0], (v41.q_lora_rank, v41.index_n_heads, v41.index_head_dim)),
+                         jax.random.normal(k[1], (v41.hidden_size, v41.index_n_heads)),
+                         jax.random.normal(k[2], (b, s, v41.hidden_size)),
+                         jax.random.normal(k[3], (b, s, v41.q_lora_rank)), angles[..., :v41.qk_rope_head_dim // 2])
+    q41_plain, _ = index_query(v41.replace(fake_quant=False),
+                               jax.random.normal(k[0], (v41.q_lora_rank, v41.index_n_heads, v41.index_head_dim)),
+                               jax.random.normal(k[1], (v41.hidden_size, v41.index_n_heads)),
+                               jax.random.normal(k[2], (b, s, v41.hidden_size)),
+                               jax.random.normal(k[3], (b, s, v41.q_lora_rank)), angles[..., :v41.qk_rope_head_dim // 2])
+    np.testing.assert_array_equal(np.asarray(q41), np.asarray(mxfp4_block32(q41_plain)))
+
+
+def test_v4_index_keys_are_turned_as_the_queries_are():
+    """A CSA layer fed by the embedding alone (`tiny-v4-csa-first`, layer 0: nothing quantized upstream): its index
+    scores under the fake-quant stay near the unquantized scores (measured 0.19 of the largest), as they do only
+    when keys and queries are turned alike — turning one side alone leaves scores unrelated to the model's (1.0)."""
+    cfg = preset("tiny-v4-csa-first", fake_quant=True, head_dim=80)
+    params = model.init_params(cfg, jax.random.key(0))
+    seq = np.random.default_rng(3).integers(3, cfg.vocab_size, (1, 40))
+
+    def scores(c):
+        s = np.asarray(model.forward_debug(params, c, seq)[2]["layers_0"]["attn"]["index_scores"][0])[0]
+        return np.where(np.isfinite(s), s, 0.0)
+
+    plain, quantized = scores(cfg.replace(fake_quant=False)), scores(cfg)
+    err = float(np.abs(quantized - plain).max() / np.abs(plain).max())
+    print(f"\n[v4 index scores] fake-quant vs unquantized: {err:.2f} of the largest")
+    assert 0 < err <= 0.5
+
+
 @pytest.mark.fast
 def test_record_cache_holds_the_spec_bytes():
     """Exact structure: the declared stores of a record cache (tiny, and V4-Flash with its 128-token pages) hold
@@ -99,15 +155,6 @@ def v4r():
 
 
 SEQ_LEN = {"a": (41, 0), "b": (23, 9), "s": (5, 30)}
-# Two programs (the paged step and the full forward, or forwards of two lengths) compute a quantizer's input to the
-# last bit differently now and then; an input within that of a code boundary is stored as the neighbouring code, most
-# often in the records' BF16 RoPE channels (a code per 2^-8 relative, against FP8's 2^-4). The entry or window row
-# keeps it, so the rows that read it differ: measured up to 4.1e-4 (tiny-v4, head 80: a window row at position 24
-# read by positions 24..31; an entry of request "b" from position 12, 1.1e-4). A misplaced quantizer (a format, the
-# rotation, a cache that stores what the forward does not) moves every row by 7e-2..2e-1 (the fake-quant's own
-# effect on these logits). Exact equalities — records vs fake-quantized value stores, sharded vs one device, a
-# prefix hit vs a cold prefill, PD vs aggregated — are asserted bit for bit or to 1e-5 as elsewhere.
-FLIP = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +172,7 @@ def teacher_forced(v4r):
 def test_record_pages_compute_exactly_the_fake_quant_values(v4r, teacher_forced):
     """Teacher forcing through every window / ratio-4 / ratio-8 / page boundary: the decode step over record pages
     gives bit for bit the logits of the step over value stores holding the fake-quant values (the records decode to
-    them exactly), and the full forward's with the fake-quant within `FLIP` (see there)."""
+    them exactly), and the full forward's with the fake-quant within `helpers.FLIP` (see there)."""
     cfg, params = v4r
     seqs, _, records, values = teacher_forced
     for rid, seq in seqs.items():

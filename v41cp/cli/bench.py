@@ -35,7 +35,8 @@ def run(args) -> int:
     if args.kind == "kernels":
         return kernels.run(args)
     lengths = [int(x) for x in args.lengths.split(",")]
-    cap = bench_capacity(lengths, args.batch, args.steps, **flags.PrefillFlags.from_args(args).options())
+    cap = bench_capacity(lengths, args.batch, args.steps, flags.ModelFlags.from_args(args).page_tokens(),
+                         **flags.PrefillFlags.from_args(args).options())
     cfg, eng = open_engine(args, cap)
     devices = flags.global_devices(args)
     topology = {"devices": devices, "tp_size": args.tp_size or devices, "kv_parallel_size": args.kv_parallel_size,

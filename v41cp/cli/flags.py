@@ -97,7 +97,7 @@ class ModelFlags(_Group):
 
     def quant(self) -> dict:
         """The cache fake-quant override: ``fake_quant=False`` under ``--no-fake-quant``, else empty — the model's
-        default (on for V4.1; off for DeepSeek-V4, whose cache record formats are not built yet)."""
+        default (on: the release's cache formats, `ModelConfig.cache_formats`)."""
         return {"fake_quant": False} if self.no_fake_quant else {}
 
     def storage(self) -> dict:

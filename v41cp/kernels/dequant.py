@@ -71,7 +71,7 @@ def e2m1(c: jax.Array, dtype=jnp.float32) -> jax.Array:
 
 def bf16_word(lo: jax.Array, hi: jax.Array, dtype=jnp.float32) -> jax.Array:
     """A BF16 value from its little-endian bytes (int32 0..255 each) → FP32 or BF16 (exact)."""
-    word = (lo | (hi << 8)).astype(jnp.uint16)
+    word = (lo | (hi << 8)).astype(jnp.int16)          # (wraps above 0x7FFF: the same 16 bits)
     return jax.lax.bitcast_convert_type(word, jnp.bfloat16).astype(dtype)
 
 
@@ -148,8 +148,8 @@ def load_rows_split(refs, fmt: str | None, rows: jax.Array, channels: int,
 
     ``refs`` (`record_refs`): ``(values,)`` for an unquantized store ``[N, C]``, or ``(payload, scales)`` byte refs
     for a record store: ``fmt`` ``"fp8"`` (payload ``[N, C]``, ue8m0 per 32), ``"nvfp4"`` (``[N, C/2]``, e4m3 per
-    16) or ``"mxfp4"`` (``[N, C/2]``, ue8m0 per 32); ``"fp8_ds_mla"``: ``(payload [N, C − rope], scales [N, 8·⌈⌉],
-    rope words [N, 2·rope])``."""
+    16) or ``"mxfp4"`` (``[N, C/2]``, ue8m0 per 32); ``"fp8_ds_mla"``: ``(payload [N, C − rope], scales [N, S]`` (one per 64
+    payload bytes, padded to 8), ``rope words [N, 2·rope])``."""
     if fmt is not None and fmt not in SCALE_BLOCK:
         raise ValueError(f"unknown record format {fmt!r}")
     if fmt == "fp8_ds_mla":

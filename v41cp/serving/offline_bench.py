@@ -21,14 +21,14 @@ from v41cp.serving.cache.spec import CacheSpec
 from v41cp.serving.engine import Capacity, Engine, SamplingParams
 from v41cp.sharding.hlo_stats import collective_bytes, mesh_axis_groups
 
-BLOCK_TOKENS = 16
 PREFILL_CHUNK = 64
 
 
-def bench_capacity(lengths, batch: int, steps: int, **prefill_options) -> Capacity:
-    """``batch`` rows, each fitting the longest length plus ``steps + 1`` tokens, in whole pages."""
-    max_tokens = -(-(max(lengths) + steps + 1) // BLOCK_TOKENS) * BLOCK_TOKENS
-    return Capacity(max_batch=batch, max_tokens=max_tokens, block_tokens=BLOCK_TOKENS, prefill_chunk=PREFILL_CHUNK,
+def bench_capacity(lengths, batch: int, steps: int, page: int, **prefill_options) -> Capacity:
+    """``batch`` rows, each fitting the longest length plus ``steps + 1`` tokens, in whole pages of ``page`` tokens
+    (the model's: `ModelConfig.page_tokens`)."""
+    max_tokens = -(-(max(lengths) + steps + 1) // page) * page
+    return Capacity(max_batch=batch, max_tokens=max_tokens, block_tokens=page, prefill_chunk=PREFILL_CHUNK,
                     **prefill_options)
 
 

@@ -132,8 +132,8 @@ def test_v4_flash_cache_bytes_match_the_release_and_split_over_kvp():
     keys, 21 CSA + 20 HCA groups; one 1M-token request's pages hold 3.43 GiB (seed 001: "roughly 3.44 GiB"), and
     under KVP = 8 each rank holds 1/8 of its pages (the window and compressor rings replicated)."""
     cfg = preset("v4-flash")
-    spec = CacheSpec(cfg, block_tokens=cfg.page_tokens)
-    assert cfg.page_tokens == 128 and spec.v4_record_bytes == 584 and spec.swa_bytes_per_row == 584
+    spec = CacheSpec(cfg)                                            # the model's page
+    assert spec.block_tokens == cfg.page_tokens == 128 and spec.v4_record_bytes == 584 and spec.swa_bytes_per_row == 584
     groups = [(g.ratio, g.kv_bytes_per_entry, g.index_bytes_per_entry) for g in spec.groups]
     assert groups.count((4, 584, 68)) == 21 and groups.count((128, 584, 0)) == 20 and len(groups) == 41
     assert spec.global_bytes_per_token == 21 * (584 + 68) / 4 + 20 * 584 / 128

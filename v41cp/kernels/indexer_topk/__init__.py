@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from v41cp.kernels import check_backend, default_splits, interpret_mode, pow2_at_least
-from v41cp.kernels.dequant import split_channels
+from v41cp.kernels.dequant import record_refs, split_channels
 from v41cp.kernels.indexer_topk.pallas_triton import index_scan_pallas
 from v41cp.kernels.indexer_topk.reference import index_scan_reference
 
@@ -77,10 +77,6 @@ def _pad_pages(pages, page_ids, epb: int, tile: int):
     return pages, page_ids
 
 
-def _refs(store, fmt):
-    return (store,) if fmt is None else (store["q"], store["s"])
-
-
 def _check_layout(group: int, tile: int):
     if tile % group or tile % 16:
         raise ValueError(f"tile={tile} must be a multiple of 16 and of group={group}")
@@ -93,7 +89,7 @@ def _scan(q, w, store, pages, page_ids, visible, block_mask, groups, *, epb, gro
     mask = None if block_mask is None else block_mask.astype(jnp.int32)
     n_groups = groups.shape[1] if groups is not None else pages.shape[1] * epb // group
     splits = splits or default_splits(q.shape[0], n_groups * group // tile)
-    return index_scan_pallas(q_e, q_o, wp, _refs(store, fmt), fmt, visible.astype(jnp.int32), pages, page_ids,
+    return index_scan_pallas(q_e, q_o, wp, record_refs(store, fmt), fmt, visible.astype(jnp.int32), pages, page_ids,
                              groups, mask, epb=epb, group=group, tile=tile, cbs=cbs, mode=mode, splits=splits,
                              num_warps=num_warps, num_stages=num_stages,
                              interpret=interpret_mode() if interpret is None else interpret)

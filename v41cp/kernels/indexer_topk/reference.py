@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from v41cp.kernels.dequant import load_rows_split, split_channels
+from v41cp.kernels.dequant import load_rows_split, record_refs, split_channels
 from v41cp.quant import round_through
 
 __all__ = ["entry_layout", "index_scores", "score_terms", "score_total", "score_rows", "index_scan_reference"]
@@ -83,7 +83,7 @@ def index_scan_reference(q, w, store, fmt, pages, page_ids, visible, block_mask,
     r, hi, di = q.shape
     e = jnp.broadcast_to(jnp.arange(pages.shape[1] * epb), (r, pages.shape[1] * epb))
     rows, ids, ok = entry_layout(pages, page_ids, visible, block_mask, epb, cbs, e)
-    refs = (store,) if fmt is None else (store["q"], store["s"])
+    refs = record_refs(store, fmt)
     dot_dtype = jnp.float32 if q.dtype == jnp.float32 else jnp.bfloat16
     prec = jax.lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None
     q_e, q_o = (x.astype(dot_dtype) for x in split_channels(q))

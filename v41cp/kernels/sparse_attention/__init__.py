@@ -44,7 +44,9 @@ def store_format(store, channels: int) -> str | None:
         return None
     width = store["q"].shape[-1]
     if "r" in store:
-        if width + store["r"].shape[-1] // 2 == channels:
+        nope, scales = width, store["s"].shape[-1]
+        # one scale byte per 64 payload bytes, padded to 8 (`records.record_widths`)
+        if nope + store["r"].shape[-1] // 2 == channels and scales == -(-nope // 512) * 8:
             return "fp8_ds_mla"
         raise ValueError(f"unknown record layout: payload width {width}, RoPE bytes {store['r'].shape[-1]} for "
                          f"{channels} channels")

@@ -3,7 +3,8 @@
 Grid ``(R, H / block_h, splits)``: a program owns one query row, ``block_h`` heads (by default all of them:
 MQA, so each selected entry is read and decoded once per row) and one **split** of the key list — tiles
 ``s, s + splits, s + 2·splits, …`` of ``block_k`` slots of every store (only the first ``lengths`` slots: padding
-tiles are skipped). It gathers each tile's rows with contiguous loads, decodes them in registers in the dot's
+tiles are skipped). It gathers each tile's rows (V4.1's records and values with contiguous loads; DeepSeek-V4's
+584 B records channel by channel), decodes them in registers in the dot's
 dtype (`v41cp.kernels.dequant`) and keeps an online softmax (running max, sum, FP32 accumulator) over the
 union of its stores. Each program writes a **partial** — output normalised over its own keys and its
 natural-log LSE (−inf and zeros for a split with no key) — and the wrapper merges the splits exactly
@@ -82,8 +83,8 @@ def sparse_attention_pallas(q_e, q_o, stores, formats, indices, lengths, *, bloc
                             splits: int = 1, num_warps: int = 4, num_stages: int = 2, interpret: bool = False):
     """The kernel call on prepared operands (see `v41cp.kernels.sparse_attention.sparse_attention`).
 
-    q_e / q_o ``[R, H, D/2]`` (H a multiple of ``block_h``); stores: per store a tuple of refs (values, or
-    payload + scales); indices: per store ``[R, K_i]`` with ``K_i`` a multiple of ``block_k``; lengths
+    q_e / q_o ``[R, H, D/2]`` (H a multiple of ``block_h``); stores: per store a tuple of refs (values, payload +
+    scales, or V4's payload + scales + RoPE words: `v41cp.kernels.dequant.record_refs`); indices: per store ``[R, K_i]`` with ``K_i`` a multiple of ``block_k``; lengths
     ``[R, n_stores]`` int32. Returns the per-split partials ``(o_e, o_o [R, splits, H, D/2] FP32, lse [R, splits,
     H] FP32)``, each normalised over its split's keys (a split with none: zeros and −inf).
     """

@@ -31,9 +31,16 @@ def record_widths(fmt: str, channels: int, rope: int = 0) -> dict[str, int]:
     """Each leaf's bytes per record of ``channels`` values (``rope``: the RoPE channels of ``fp8_ds_mla``)."""
     block, _ = RECORD_FORMATS[fmt]
     if fmt == "fp8_ds_mla":
+        _check_rope(rope)
         nope = channels - rope
-        return {"q": nope, "s": -(-(-(-nope // block)) // 8) * 8, "r": 2 * rope}
+        scale_bytes = -(-nope // block)
+        return {"q": nope, "s": -(-scale_bytes // 8) * 8, "r": 2 * rope}     # the scales padded to 8 B
     return {"q": channels if fmt == "fp8" else channels // 2, "s": channels // block}
+
+
+def _check_rope(rope: int) -> None:
+    if rope <= 0:
+        raise ValueError(f"fp8_ds_mla records keep the RoPE channels in BF16: give their count (rope > 0), got {rope}")
 
 
 def record_bytes(fmt: str, channels: int, rope: int = 0) -> int:
@@ -80,6 +87,8 @@ def _fp4_encode(x: jax.Array, fmt: str, block: int) -> dict[str, jax.Array]:
 def encode(x: jax.Array, fmt: str, rope: int = 0) -> dict[str, jax.Array]:
     """``x [..., C]`` → the record's uint8 leaves (``rope``: the RoPE channels of ``fp8_ds_mla``)."""
     block, _ = RECORD_FORMATS[fmt]
+    if fmt == "fp8_ds_mla":
+        _check_rope(rope)
     c = x.shape[-1] - (rope if fmt == "fp8_ds_mla" else 0)
     if c % block:
         raise ValueError(f"{fmt} records need a multiple of {block} quantized channels, got {c}")

@@ -4,7 +4,7 @@
 
 * for every global group (KV source ``g``, ratio ``ρ``) the request's complete entries ``0 .. tokens // ρ − 1`` in
   history order, gathered from its blocks (block ``blocks[j // epb]`` row ``j % epb``) as *stored* (record bytes
-  undecoded: ``{"q", "s"}`` uint8, or values); under KVP ``kvp = N`` the pools are the global arrays whose rank-``r``
+  undecoded: the record's uint8 leaves ``{"q", "s"}`` — V4's ``{"q", "s", "r"}`` —, or values); under KVP ``kvp = N`` the pools are the global arrays whose rank-``r``
   rows are ``[r · LB, (r + 1) · LB)`` and block ``v`` lives at rank ``v mod N`` row ``v // N``;
 * the slot state (`v41cp.serving.cache.slot_state`): window rings, open ratio-2 pairs (and the drafter's window).
 

@@ -62,10 +62,12 @@ class CacheSpec:
     """
 
     cfg: ModelConfig
-    block_tokens: int = 64
+    block_tokens: int | None = None          # None: the model's page (`ModelConfig.page_tokens`)
     quantized: bool = True
 
     def __post_init__(self):
+        if self.block_tokens is None:
+            object.__setattr__(self, "block_tokens", self.cfg.page_tokens)
         ratios = sorted({r.ratio for r in self.cfg.layer_roles if r.is_kv_source})
         lcm = math.lcm(*ratios) if ratios else 1
         if self.block_tokens <= 0 or self.block_tokens % lcm:

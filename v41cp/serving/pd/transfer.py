@@ -11,7 +11,7 @@ rank ``src[i] mod Np``, row ``src[i] // Np``); a decode-role engine (KVP = DCP `
 * anything else is refused (`check_sizes`).
 
 Only complete entries move — ``tokens // ratio`` per group, so a partial last page ships no stale rows — as stored
-(record bytes ``{"q", "s"}`` uint8 copied as they are: no dequantize / requantize). The replicated slot state (window
+(record bytes — every uint8 leaf, ``{"q", "s"}`` or V4's ``{"q", "s", "r"}`` — copied as they are: no dequantize / requantize). The replicated slot state (window
 rings, open ratio-2 pairs; `v41cp.serving.cache.slot_state`) travels with it to every decode device. `execute` moves the
 bytes device to device (one gather on the source device, one copy per receiving device, one scatter there) and
 returns the bytes it moved, which equal `TransferPlan.bytes` exactly.
