@@ -30,6 +30,15 @@ TOKEN_MAP = tuple(min(i, 135) for i in range(256))
 FLIP = 1e-3
 
 
+def perturbed_model(name: str, **overrides):
+    """``(cfg, params)``: preset ``name`` (with ``overrides``) and its seeded parameters (key 0), `perturbed`."""
+    from v41cp import model
+    from v41cp.config import preset
+
+    cfg = preset(name, **overrides)
+    return cfg, perturbed(model.init_params(cfg, jax.random.key(0)))
+
+
 def perturbed(params, seed=3):
     """Random non-trivial values for the parameters that init sets to constants (sinks, norms, biases)."""
     leaves, tree = jax.tree.flatten_with_path(params)
@@ -356,3 +365,35 @@ def greedy_reference(cfg, params, prompts: dict, new: int, length: int) -> tuple
         assert margin > 1e-5, (rid, where)
         want[rid], want_logits[rid] = seq[len(prompt):], np.stack(rows)
     return want, want_logits
+
+
+def assert_prefix_hit_bit_identical(params, cfg, cap, prompts: dict, warm: tuple, hit, sampling, cached: int) -> set:
+    """Prefill the ``warm`` prompts in an engine, then ``hit`` (it must reuse ``cached`` tokens); its first token's
+    logits and every byte of its cache (`Engine.request_state`: pages, window rings, compressor rings) equal the same
+    prompt prefilled cold in an engine of its own. Returns the state's leaf names."""
+    from v41cp.serving.engine import Engine
+
+    def first_token(eng, rid):
+        eng.submit(rid, prompts[rid], sampling)
+        for _ in range(16):                                     # bounded: its prefill takes a few rounds at most
+            if eng.requests[rid].output:
+                break
+            eng.step()
+        assert eng.requests[rid].output, rid
+        return eng.requests[rid].last_logits, eng.request_state(rid)
+
+    hot = Engine(params, cfg, cap, record_logits=True)
+    for rid in warm:
+        hot.submit(rid, prompts[rid], sampling)
+    while hot.pending:
+        hot.step()
+    got = first_token(hot, hit)
+    assert hot.result(hit)["cached_tokens"] == cached
+    want = first_token(Engine(params, cfg, cap, record_logits=True), hit)
+    np.testing.assert_array_equal(got[0], want[0])
+    flat = lambda t: {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(t)[0]}
+    a, b = flat(got[1]), flat(want[1])
+    assert a.keys() == b.keys()
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+    return set(a)

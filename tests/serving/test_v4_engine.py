@@ -14,10 +14,16 @@ caches hold every CSA / HCA layer's entries (CSA's index keys too) and each comp
   (Every topology: `tests/serving/test_v4_parallel.py`; PD: `tests/serving/pd/test_disaggregated.py`.)
 """
 
-import jax
 import numpy as np
 import pytest
-from helpers import decode_teacher_forcing, greedy_reference, greedy_rounds, perturbed, rel_err
+from helpers import (
+    assert_prefix_hit_bit_identical,
+    decode_teacher_forcing,
+    greedy_reference,
+    greedy_rounds,
+    perturbed_model,
+    rel_err,
+)
 
 from v41cp import model
 from v41cp.config import preset
@@ -28,8 +34,7 @@ BLOCK = 8                                        # the ratios' LCM
 
 @pytest.fixture(scope="module")
 def v4():
-    cfg = preset("tiny-v4")
-    return cfg, perturbed(model.init_params(cfg, jax.random.key(0)))
+    return perturbed_model("tiny-v4")
 
 
 def test_decode_teacher_forcing_matches_full_forward(v4):
@@ -90,29 +95,8 @@ def test_prefix_hit_is_bit_identical_to_a_cold_prefill(v4, greedy, prefill):
                    prefill_tokens=16 if prefill == "span-16-row-passes" else None)
     sp = SamplingParams(max_new_tokens=NEW, stop_on_eos=False)
 
-    def first_token(eng, rid):
-        eng.submit(rid, prompts[rid], sp)
-        for _ in range(16):                                     # bounded: its prefill takes a few rounds at most
-            if eng.requests[rid].output:
-                break
-            eng.step()
-        assert eng.requests[rid].output, rid
-        return eng.requests[rid].last_logits, eng.request_state(rid)
-
-    hot = Engine(params, cfg, cap, record_logits=True)
-    for rid in ("r0", "r2"):
-        hot.submit(rid, prompts[rid], sp)
-    while hot.pending:
-        hot.step()
-    got = first_token(hot, "hit")
-    assert hot.result("hit")["cached_tokens"] == 40
-    want = first_token(Engine(params, cfg, cap, record_logits=True), "hit")
-    np.testing.assert_array_equal(got[0], want[0])
-    flat = lambda t: {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(t)[0]}
-    a, b = flat(got[1]), flat(want[1])
-    assert a.keys() == b.keys() and any("open_kv" in k for k in a)
-    for key in a:
-        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+    keys = assert_prefix_hit_bit_identical(params, cfg, cap, prompts, ("r0", "r2"), "hit", sp, 40)
+    assert any("open_kv" in k for k in keys)
 
 
 def test_what_is_not_built_is_refused_by_name(v4):

@@ -16,10 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import FLIP, decode_teacher_forcing, greedy_rounds, perturbed, rel_err
+from helpers import FLIP, decode_teacher_forcing, greedy_rounds, perturbed_model, rel_err
 
 from v41cp import model
-from v41cp.config import preset
 from v41cp.kernels.dequant import load_rows_split, merge_channels, record_refs
 from v41cp.kernels.sparse_attention import sparse_attention, store_format
 from v41cp.serving.cache.records import decode, encode
@@ -47,8 +46,7 @@ def test_the_kernel_decodes_the_v4_record_and_attends_over_it():
 
 @pytest.fixture(scope="module")
 def v4():
-    cfg = preset("tiny-v4")
-    return cfg, perturbed(model.init_params(cfg, jax.random.key(0)))
+    return perturbed_model("tiny-v4")
 
 
 def test_forward_with_the_kernels_equals_xla(v4):
@@ -67,8 +65,7 @@ def _prompts(cfg):
 
 @pytest.mark.parametrize("records", [False, True], ids=["values", "records"])
 def test_engine_with_the_kernels_equals_xla(records):
-    cfg = preset("tiny-v4", fake_quant=True, head_dim=80) if records else preset("tiny-v4")
-    params = perturbed(model.init_params(cfg, jax.random.key(0)))
+    cfg, params = perturbed_model("tiny-v4", **(dict(fake_quant=True, head_dim=80) if records else {}))
     prompts, out = _prompts(cfg), {}
     for backend in ("xla", "pallas"):
         c = cfg.replace(attention_backend=backend, indexer_backend=backend)
@@ -89,8 +86,7 @@ def test_dcp_decode_with_the_kernels_equals_one_device(v4, records):
     teacher forcing equals the one-device XLA step."""
     cfg, params = v4
     if records:
-        cfg = preset("tiny-v4", fake_quant=True, head_dim=80)
-        params = perturbed(model.init_params(cfg, jax.random.key(0)))
+        cfg, params = perturbed_model("tiny-v4", fake_quant=True, head_dim=80)
     rng = np.random.default_rng(7)
     seqs = {"a": rng.integers(3, cfg.vocab_size, 33), "s": rng.integers(3, cfg.vocab_size, 5)}
     start = {"a": 0, "s": 20}

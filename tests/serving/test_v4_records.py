@@ -19,7 +19,15 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import FLIP, decode_teacher_forcing, greedy_reference, greedy_rounds, perturbed, rel_err
+from helpers import (
+    FLIP,
+    assert_prefix_hit_bit_identical,
+    decode_teacher_forcing,
+    greedy_reference,
+    greedy_rounds,
+    perturbed_model,
+    rel_err,
+)
 
 from v41cp import model
 from v41cp.config import preset
@@ -150,8 +158,7 @@ def test_record_cache_holds_the_spec_bytes():
 
 @pytest.fixture(scope="module")
 def v4r():
-    cfg = _cfg()
-    return cfg, perturbed(model.init_params(cfg, jax.random.key(0)))
+    return perturbed_model("tiny-v4", fake_quant=True, head_dim=80)
 
 
 SEQ_LEN = {"a": (41, 0), "b": (23, 9), "s": (5, 30)}
@@ -207,8 +214,7 @@ def v4r_dense():
     """`_cfg` with every visible CSA entry selected (16 ≥ the 64-token capacity's entries): MXFP4 queries and keys
     make exact score ties common, and at a top-k boundary two programs' summation orders may order a tie
     differently (`greedy_reference` asserts no selection near-tie); the selection itself is covered above."""
-    cfg = _cfg().replace(index_topk=16)
-    return cfg, perturbed(model.init_params(cfg, jax.random.key(0)))
+    return perturbed_model("tiny-v4", fake_quant=True, head_dim=80, index_topk=16)
 
 
 @pytest.fixture(scope="module")
@@ -248,25 +254,5 @@ def test_record_prefix_hit_is_bit_identical_to_a_cold_prefill(v4r_dense, greedy)
     cap = Capacity(max_batch=2, max_tokens=64, block_tokens=BLOCK)
     sp = SamplingParams(max_new_tokens=NEW, stop_on_eos=False)
 
-    def first_token(eng, rid):
-        eng.submit(rid, prompts[rid], sp)
-        for _ in range(16):
-            if eng.requests[rid].output:
-                break
-            eng.step()
-        assert eng.requests[rid].output, rid
-        return eng.requests[rid].last_logits, eng.request_state(rid)
-
-    hot = Engine(params, cfg, cap, record_logits=True)
-    hot.submit("r2", prompts["r2"], sp)
-    while hot.pending:
-        hot.step()
-    got = first_token(hot, "hit")
-    assert hot.result("hit")["cached_tokens"] == 40
-    want = first_token(Engine(params, cfg, cap, record_logits=True), "hit")
-    np.testing.assert_array_equal(got[0], want[0])
-    flat = lambda t: {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(t)[0]}
-    a, b = flat(got[1]), flat(want[1])
-    assert a.keys() == b.keys() and any("'r'" in k for k in a)       # the records' BF16 RoPE leaves
-    for key in a:
-        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+    keys = assert_prefix_hit_bit_identical(params, cfg, cap, prompts, ("r2",), "hit", sp, 40)
+    assert any("'r'" in k for k in keys)                          # the records' BF16 RoPE leaves

@@ -33,6 +33,7 @@ import ml_dtypes
 import numpy as np
 
 from v41cp.checkpoint.formats import quant_fp4_rows, quant_fp8_blocks, quant_fp8_rows
+from v41cp.checkpoint.names import drafter_to_tree, released_to_tree
 from v41cp.checkpoint.safetensors_io import write_safetensors
 from v41cp.config import LayerRole, ModelConfig
 
@@ -194,8 +195,6 @@ def released_tensors(cfg: ModelConfig, params, drafter=None) -> dict[str, np.nda
     (`write_released` stores them in the release's formats). Each parameter's `Layout` is a permutation of its stored
     elements (reshapes, transposes, stacking), so it is inverted by applying it to the stored elements' indices; a
     parameter the layout cannot give back exactly (values in padding rows) is an error naming it."""
-    from v41cp.checkpoint.names import drafter_to_tree, released_to_tree
-
     shapes = released_shapes(cfg)
     out: dict[str, np.ndarray] = {}
     trees = [(released_to_tree(cfg), params)] + ([(drafter_to_tree(cfg), drafter)] if drafter is not None else [])
