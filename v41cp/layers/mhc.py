@@ -23,10 +23,12 @@ def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
     """Softmax over the last axis, then alternate column/row normalisation (``iters`` column passes)."""
     x = jax.nn.softmax(logits, axis=-1) + eps
     x = x / (jnp.sum(x, axis=-2, keepdims=True) + eps)
-    for _ in range(iters - 1):
+
+    def row_then_column(_, x):
         x = x / (jnp.sum(x, axis=-1, keepdims=True) + eps)
-        x = x / (jnp.sum(x, axis=-2, keepdims=True) + eps)
-    return x
+        return x / (jnp.sum(x, axis=-2, keepdims=True) + eps)
+
+    return jax.lax.fori_loop(0, iters - 1, row_then_column, x)
 
 
 def collapse(streams: jax.Array, pre: jax.Array) -> jax.Array:
