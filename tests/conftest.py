@@ -79,6 +79,25 @@ class Oracle:
 # measured 2026-12-05 left the two workers 2,014 s and 1,986 s of tests: balanced without an order of our own.)
 
 
+_MEASURED: list[str] = []
+
+
+def pytest_runtest_logreport(report):
+    """Keep the figures a passing test printed (its lines that open with ``[``: errors against the oracles and the
+    single-device path, collective bytes, ...) for the run's summary; under xdist the controller sees each worker's
+    reports with their captured output."""
+    if report.when == "call" and report.passed:
+        _MEASURED.extend(line for line in report.capstdout.splitlines() if line.startswith("["))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The kept figures, in one section at the end of the run (``-q`` hides a passing test's output)."""
+    if _MEASURED:
+        terminalreporter.section("figures the tests measured")
+        for line in sorted(_MEASURED):
+            terminalreporter.write_line(line)
+
+
 def pytest_unconfigure(config):
     if _OWN_COMPILE_CACHE is not None:
         shutil.rmtree(_OWN_COMPILE_CACHE, ignore_errors=True)
