@@ -249,7 +249,9 @@ def test_v4_disaggregated_equals_aggregated(dtype, prefill_kvp, transport):
                 assert_same_request_state(eng.decode.request_state(rid), state, rid, cfg.sliding_window, cfg)
 
     _drive(pd, prompts, compare, V4_PROMPTS)
-    print(f"\n[v4 pd] prefill KVP {prefill_kvp} ({transport}): logits vs aggregated {worst:.2e}")
+    moved = sum(x["bytes"] for x in pd.transfers)
+    print(f"\n[v4 pd] {dtype} stores, prefill KVP {prefill_kvp} ({transport}): logits vs aggregated {worst:.2e}; "
+          f"{len(pd.transfers)} transfers, {moved:,} B, each as planned")
     assert worst <= 1e-5
     for x in pd.transfers:
         assert x["bytes"] == x["planned_bytes"] > 0, x
