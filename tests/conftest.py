@@ -19,7 +19,7 @@ import os
 import shutil
 import tempfile
 
-from xla_test_flags import set_test_xla_flags
+from xla_test_flags import host_description, set_test_xla_flags
 
 set_test_xla_flags()               # before jax is imported (tests/xla_test_flags.py)
 # cache every compiled program (default: only those that took over 1 s), so the run's other processes reuse them
@@ -77,6 +77,20 @@ class Oracle:
 
 # (xdist's --dist loadfile sends the files with the most tests first — `--loadscope-reorder`, its default; a run
 # measured 2026-12-05 left the two workers 2,014 s and 1,986 s of tests: balanced without an order of our own.)
+
+
+def pytest_report_header(config):
+    """The host the numerics ran on (CPU model, vector extensions, CPUs, caches, XLA flags): a failure that depends
+    on the machine is recognisable from the log (tests/xla_test_flags.py)."""
+    return host_description()
+
+
+def pytest_sessionstart(session):
+    """Under ``-q`` pytest prints no header: the host lines go out anyway (once, from the controller)."""
+    rep = session.config.pluginmanager.get_plugin("terminalreporter")
+    if rep is not None and session.config.get_verbosity() < 0 and not hasattr(session.config, "workerinput"):
+        for line in host_description():
+            rep.write_line(line)
 
 
 _MEASURED: list[str] = []

@@ -183,17 +183,101 @@ def pages_in_table_order(cache, tables: dict, blocks: dict) -> dict:
     return out
 
 
-def assert_same_records(got: np.ndarray, want: np.ndarray, key: str) -> None:
-    """Record bytes equal, except where the two paths' FP32 values (≤ 1e-5 apart: one is computed per token, the
-    other per span) straddle a rounding boundary of the quantizer: then the codes are adjacent (one step of a
-    byte code or of a packed FP4 nibble), and such bytes are rare (≤ 0.1 %)."""
-    diff = got != want
-    assert diff.mean() <= 1e-3, (key, int(diff.sum()))
-    g, w = got[diff].astype(int), want[diff].astype(int)
-    nibbles = [(g & 15) - (w & 15), (g >> 4) - (w >> 4)]
-    packed = any(f".{pool}[" in key for pool in POOLS) and "'q'" in key
-    steps = np.maximum(*map(np.abs, nibbles)) if packed else np.abs(g - w)
-    assert (steps == 1).all(), (key, g, w)
+# The quantizer's boundary: two programs whose FP32 values differ in the last bits (a TP reduction summed in another
+# order, a span vs a token at a time) store the same code, except where a value straddles a rounding boundary of its
+# format; then the two codes are adjacent — one step of the e4m3 / e2m1 / BF16 code, or a block scale one step apart
+# and the block's codes adjacent on the coarser scale. `record_code_flips` asserts exactly that, per stored code.
+_POOL_FORMAT = {"swa": "window", "ckv": "entries", "ikey": "index"}       # cache field → `CacheFormats` attribute
+
+
+def _sign_magnitude_ordinal(code: np.ndarray, sign_bit: int) -> np.ndarray:
+    """Codes whose magnitude order is their integer order below ``sign_bit`` (e4m3, e2m1, BF16) → signed ordinals
+    that count code steps (+0 and −0 both 0)."""
+    code = code.astype(np.int64)
+    mag = code & (sign_bit - 1)
+    return np.where(code & sign_bit, -mag, mag)
+
+
+def _record_codes(record: dict, fmt: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """A record's uint8 leaves → (payload ordinals ``[..., C]``, scale ordinals ``[..., C/block]``, BF16 ordinals
+    ``[..., rope]`` or None)."""
+    from v41cp.serving.cache.records import RECORD_FORMATS
+
+    block, scale_kind = RECORD_FORMATS[fmt]
+    q, s = record["q"], record["s"]
+    if fmt in ("fp8", "fp8_ds_mla"):
+        payload = _sign_magnitude_ordinal(q, 0x80)
+    else:                                                          # packed e2m1, even channel in the low nibble
+        payload = _sign_magnitude_ordinal(np.stack([q & 15, q >> 4], -1).reshape(*q.shape[:-1], -1), 8)
+    s = s[..., :payload.shape[-1] // block]                        # (fp8_ds_mla pads its scale bytes to 8)
+    scale = s.astype(np.int64) if scale_kind == "e8m0" else _sign_magnitude_ordinal(s, 0x80)
+    rope = None
+    if "r" in record:
+        words = record["r"].reshape(*record["r"].shape[:-1], -1, 2).astype(np.uint16)
+        rope = _sign_magnitude_ordinal(words[..., 0] | (words[..., 1] << 8), 0x8000)
+    return payload, scale, rope
+
+
+def _payload_on_scale(payload: np.ndarray, scale: np.ndarray, onto: np.ndarray, fmt: str) -> np.ndarray:
+    """Payload ordinals under block scale ordinals ``scale`` requantized (to nearest) onto scale ordinals ``onto``."""
+    import ml_dtypes
+
+    from v41cp.quant import E2M1_LEVELS
+    from v41cp.serving.cache.records import RECORD_FORMATS
+
+    block, scale_kind = RECORD_FORMATS[fmt]
+    scale_value = (lambda o: np.exp2(o.astype(np.float64) - 127) if scale_kind == "e8m0" else
+                   np.sign(o) * np.abs(o).astype(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64))
+    ratio = np.repeat(scale_value(scale) / scale_value(onto), block, axis=-1)
+    sign, mag = np.sign(payload), np.abs(payload)
+    if fmt in ("fp8", "fp8_ds_mla"):
+        x = mag.astype(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64) * ratio
+        return sign * np.clip(x, 0, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8).astype(np.int64)
+    x = E2M1_LEVELS.astype(np.float64)[mag] * ratio
+    return sign * np.abs(x[..., None] - E2M1_LEVELS.astype(np.float64)).argmin(-1)
+
+
+def record_code_flips(got: dict, want: dict, cfg, tag: str = "") -> dict[str, np.ndarray]:
+    """Compare two caches' byte records (`cache_by_virtual_block` dicts, same layout; non-record leaves ignored):
+    asserts every stored code equal or one step apart (`_POOL_FORMAT`'s formats, per `cfg.cache_formats`) and such
+    codes rare (≤ 0.1 % of the codes of a store). Returns ``{leaf key: flipped [...] bool}`` for each record leaf
+    (``q`` payload, ``s`` scales, ``r`` BF16 RoPE) holding a flipped code, marked per row of the record's leading
+    axes (a page's entry, a window row)."""
+    records: dict[str, dict] = {}
+    for key, a in want.items():
+        if a.dtype == np.uint8:
+            stem, leaf = key.rsplit("[", 1)
+            records.setdefault(stem, {})[leaf.strip("']")] = key
+    flips = {}
+    for stem, leaves in records.items():
+        fmt = getattr(cfg.cache_formats, _POOL_FORMAT[stem[1:].split("[")[0]])
+        g = _record_codes({n: got[k] for n, k in leaves.items()}, fmt)
+        w = _record_codes({n: want[k] for n, k in leaves.items()}, fmt)
+        where = f"{tag} {stem} ({fmt})"
+        assert np.abs(g[1] - w[1]).max(initial=0) <= 1, (where, "a block scale more than one step apart")
+        same = np.repeat(g[1] == w[1], g[0].shape[-1] // g[1].shape[-1], axis=-1)
+        coarse = np.maximum(g[1], w[1])
+        steps = np.where(same, np.abs(g[0] - w[0]), np.abs(_payload_on_scale(g[0], g[1], coarse, fmt)
+                                                          - _payload_on_scale(w[0], w[1], coarse, fmt)))
+        assert steps.max(initial=0) <= 1, (where, "payload codes more than one step apart")
+        parts = {"['q']": steps > 0, "['s']": g[1] != w[1]}
+        if g[2] is not None:
+            assert np.abs(g[2] - w[2]).max(initial=0) <= 1, (where, "BF16 RoPE words more than one step apart")
+            parts["['r']"] = g[2] != w[2]
+        n_codes, n_flipped = sum(p.size for p in parts.values()), sum(int(p.sum()) for p in parts.values())
+        assert n_flipped <= 1e-3 * n_codes, (where, f"{n_flipped} of {n_codes} codes one step apart")
+        flips.update({stem + part: p.any(-1) for part, p in parts.items() if p.any()})
+    return flips
+
+
+def assert_caches_agree(got: dict, want: dict, cfg, tag: str = "") -> dict[str, np.ndarray]:
+    """Two caches (`cache_by_virtual_block` / `pages_in_table_order` dicts) agree: byte records code for code up to
+    `record_code_flips`' one-step flips (returned), every other leaf within 1e-5."""
+    flips = record_code_flips(got, want, cfg, tag)
+    for key, w in want.items():
+        if w.dtype != np.uint8:
+            assert rel_err(got[key], w) <= 1e-5, (tag, key)
+    return flips
 
 
 def assert_same_request_state(got: dict, want: dict, rid, window: int, cfg=None) -> None:
@@ -295,33 +379,27 @@ def greedy_rounds(eng, prompts: dict, rounds, new: int) -> tuple[dict, dict]:
     return got, {rid: np.stack(rows) for rid, rows in logits.items()}
 
 
-def decode_teacher_forcing(cfg, params, seqs: dict, start: dict, block: int, max_batch: int, max_blocks: int,
-                           num_blocks: int, steps: int, parallel=None, records=None) -> dict:
-    """Feed each sequence of ``seqs`` (id → tokens) token by token through the paged decode step, request ``id``
-    joining at step ``start[id]``, one compile for all steps: ``{id: logits [len, V]}`` (row ``t`` after token
-    ``t``). Every page comes back at the end. ``parallel`` (a `ParallelConfig`): the step on its mesh — KVP pages
-    split over the ``cp`` group with the DCP step, or plain TP's split selection. ``records``: the cache's stores as
-    byte records or values (default: records under the cache fake-quant, `device_cache.declare_cache`)."""
+def _on_mesh(cfg, params, parallel):
+    """``(params, plan, kvp, sharding)`` of the decode step on ``parallel``'s mesh (None: one device): KVP pages split
+    over the ``cp`` group with the DCP step, or plain TP's split selection."""
     from v41cp import model
     from v41cp.serving.attention.dcp import DCPPlan
-    from v41cp.serving.cache.allocator import BlockAllocator
-    from v41cp.serving.runner.steps import decode_step, init_cache
+
+    if parallel is None:
+        return params, None, 1, None
+    mesh = parallel.make_mesh()
+    params = model.shard_params(params, cfg, mesh, parallel.rules())
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    if parallel.kv_parallel_size > 1:
+        return params, DCPPlan.build(cfg, parallel, mesh), parallel.kv_parallel_size, sharding
+    return params, DCPPlan.split_selection(mesh), 1, sharding
+
+
+def _teacher_forcing_steps(cfg, seqs: dict, start: dict, alloc, steps: int, max_batch: int, max_blocks: int):
+    """Yield ``(rows, meta)`` per step: the ``(id, history)`` rows fed (request ``id`` joins at step ``start[id]``,
+    one token per step) and their `StepBatch`; a request's pages come back after its last step."""
     from v41cp.serving.step_batch import StepBatch
 
-    plan, n, sharding = None, 1, None
-    if parallel is not None:
-        mesh = parallel.make_mesh()
-        params = model.shard_params(params, cfg, mesh, parallel.rules())
-        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        if parallel.kv_parallel_size > 1:
-            plan, n = DCPPlan.build(cfg, parallel, mesh), parallel.kv_parallel_size
-        else:
-            plan = DCPPlan.split_selection(mesh)
-    alloc = BlockAllocator(num_blocks, block, max_batch, max_blocks, n)
-    cache = init_cache(cfg, num_blocks, block, max_batch, sharding=None if n > 1 else sharding, records=records,
-                       plan=plan if n > 1 else None)
-    got = {k: [] for k in seqs}
-    before = decode_step._cache_size()
     for step in range(steps):
         rows = []
         for rid, seq in seqs.items():
@@ -331,17 +409,77 @@ def decode_teacher_forcing(cfg, params, seqs: dict, start: dict, block: int, max
                 rows.append((rid, seq[: t + 1]))
         if not rows:
             continue
-        meta = StepBatch.for_histories(cfg, [h for _, h in rows], [alloc.slot(r) for r, _ in rows],
-                                       [alloc.blocks(r) for r, _ in rows], max_batch, max_blocks)
-        logits, cache = decode_step(params, cache, meta, cfg, plan)
-        for i, (rid, hist) in enumerate(rows):
-            got[rid].append(np.asarray(logits)[i])
+        yield rows, StepBatch.for_histories(cfg, [h for _, h in rows], [alloc.slot(r) for r, _ in rows],
+                                            [alloc.blocks(r) for r, _ in rows], max_batch, max_blocks)
+        for rid, hist in rows:
             if len(hist) == len(seqs[rid]):
                 alloc.finish(rid)
+
+
+def decode_teacher_forcing(cfg, params, seqs: dict, start: dict, block: int, max_batch: int, max_blocks: int,
+                           num_blocks: int, steps: int, parallel=None, records=None) -> dict:
+    """Feed each sequence of ``seqs`` (id → tokens) token by token through the paged decode step, request ``id``
+    joining at step ``start[id]``, one compile for all steps: ``{id: logits [len, V]}`` (row ``t`` after token
+    ``t``). Every page comes back at the end. ``parallel`` (a `ParallelConfig`): the step on its mesh — KVP pages
+    split over the ``cp`` group with the DCP step, or plain TP's split selection. ``records``: the cache's stores as
+    byte records or values (default: records under the cache fake-quant, `device_cache.declare_cache`)."""
+    from v41cp.serving.cache.allocator import BlockAllocator
+    from v41cp.serving.runner.steps import decode_step, init_cache
+
+    params, plan, n, sharding = _on_mesh(cfg, params, parallel)
+    alloc = BlockAllocator(num_blocks, block, max_batch, max_blocks, n)
+    cache = init_cache(cfg, num_blocks, block, max_batch, sharding=None if n > 1 else sharding, records=records,
+                       plan=plan if n > 1 else None)
+    got = {k: [] for k in seqs}
+    before = decode_step._cache_size()
+    for rows, meta in _teacher_forcing_steps(cfg, seqs, start, alloc, steps, max_batch, max_blocks):
+        logits, cache = decode_step(params, cache, meta, cfg, plan)
+        for i, (rid, _) in enumerate(rows):
+            got[rid].append(np.asarray(logits)[i])
     assert decode_step._cache_size() - before == 1
     alloc.check()
     assert alloc.free_blocks == num_blocks
     return {rid: np.stack(rows) for rid, rows in got.items()}
+
+
+def sharded_teacher_forcing(cfg, params, seqs: dict, start: dict, block: int, max_batch: int, max_blocks: int,
+                            num_blocks: int, steps: int, parallel) -> tuple[dict, dict, dict]:
+    """`decode_teacher_forcing` on ``parallel``'s mesh and on one device in lockstep (one allocator, one compile
+    each), the one device reading the sharded path's stored codes: after every step the two caches' records agree
+    up to one-step quantizer flips (`record_code_flips`), and the one device's records are replaced by the sharded
+    path's, so a flip is measured once — on the row that wrote it — and every later row compares two programs
+    over the same bytes. Returns ``(sharded {id: logits [len, V]}, one device {id: logits}, {id: [(row, record
+    key)] of its flips})``."""
+    from v41cp.serving.cache.allocator import BlockAllocator
+    from v41cp.serving.runner.steps import decode_step, init_cache
+
+    sharded, plan, n, sharding = _on_mesh(cfg, params, parallel)
+    alloc = BlockAllocator(num_blocks, block, max_batch, max_blocks, n)
+    caches = [init_cache(cfg, num_blocks, block, max_batch, sharding=None if n > 1 else sharding,
+                         plan=plan if n > 1 else None), init_cache(cfg, num_blocks, block, max_batch)]
+    got, want, flips = ({k: [] for k in seqs} for _ in range(3))
+    compiled = None
+    for rows, meta in _teacher_forcing_steps(cfg, seqs, start, alloc, steps, max_batch, max_blocks):
+        a, caches[0] = decode_step(sharded, caches[0], meta, cfg, plan)
+        b, caches[1] = decode_step(params, caches[1], meta, cfg, None)
+        compiled = compiled or decode_step._cache_size()
+        for i, (rid, hist) in enumerate(rows):
+            got[rid].append(np.asarray(a)[i])
+            want[rid].append(np.asarray(b)[i])
+        stored = cache_by_virtual_block(caches[0], n)
+        for key, flipped in record_code_flips(stored, cache_by_virtual_block(caches[1], 1), cfg).items():
+            for rid, hist in rows:                    # the request whose page (or window slot) holds the flip
+                where = flipped[:, alloc.slot(rid)] if key.startswith(".swa") else flipped[alloc.blocks(rid)]
+                if where.any():
+                    flips[rid].append((len(hist) - 1, key))
+        leaves, tree = jax.tree_util.tree_flatten_with_path(caches[1])
+        caches[1] = jax.tree.unflatten(tree, [jax.device_put(stored[jax.tree_util.keystr(k)], v.sharding)
+                                              if v.dtype == np.uint8 else v for k, v in leaves])
+    assert decode_step._cache_size() == compiled
+    alloc.check()
+    assert alloc.free_blocks == num_blocks
+    return ({rid: np.stack(r) for rid, r in got.items()}, {rid: np.stack(r) for rid, r in want.items()},
+            {rid: f for rid, f in flips.items()})
 
 
 def greedy_reference(cfg, params, prompts: dict, new: int, length: int) -> tuple[dict, dict]:

@@ -27,6 +27,7 @@ from helpers import (
     greedy_rounds,
     perturbed_model,
     rel_err,
+    sharded_teacher_forcing,
 )
 
 from v41cp import model
@@ -193,17 +194,24 @@ def test_record_pages_compute_exactly_the_fake_quant_values(v4r, teacher_forced)
 @pytest.mark.parametrize("name", ["kvp2-heads", "kvp8-ag_rs"])
 def test_sharded_record_decode_equals_one_device(v4r, teacher_forced, name):
     """KVP = DCP: each record on its page's owner (copied, never re-encoded), the distributed C4 top-k over owned
-    MXFP4 keys, HCA's partials over owned records: every row within 1e-5 of one device's."""
+    MXFP4 keys, HCA's partials over owned records: every stored code equals one device's or is one code step from it
+    (the sharded step's FP32 values — TP's reductions summed in another order — straddled a rounding boundary), and
+    with the one device reading the same codes (`helpers.sharded_teacher_forcing`) every row is within 1e-5 of one
+    device's; a row that wrote a flipped code within `FLIP`."""
     cfg, params = v4r
-    seqs, start, want, _ = teacher_forced
+    seqs, start, _, _ = teacher_forced
     parallel = {"kvp2-heads": ParallelConfig(tp_size=2, kv_parallel_size=2, decode_context_parallel_size=2),
                 "kvp8-ag_rs": ParallelConfig(tp_size=8, kv_parallel_size=8, decode_context_parallel_size=8,
                                              dcp_merge="ag_rs")}[name]
-    got = decode_teacher_forcing(cfg, params, seqs, start, BLOCK, 4, 8, 32, 45, parallel=parallel)
+    got, want, flips = sharded_teacher_forcing(cfg, params, seqs, start, BLOCK, 4, 8, 32, 45, parallel)
     for rid in seqs:
-        err = rel_err(got[rid], want[rid])
-        print(f"\n[v4 records {name}] {rid}: vs one device {err:.2e}")
-        assert err <= 1e-5, rid
+        errs = np.array([rel_err(g, w) for g, w in zip(got[rid], want[rid], strict=True)])
+        wrote = sorted({row for row, _ in flips[rid]})
+        exact = np.delete(errs, wrote)
+        print(f"\n[v4 records {name}] {rid}: vs one device {exact.max():.2e}; rows writing a flipped code "
+              f"{wrote or 'none'} {[f'{e:.1e}' for e in errs[wrote]]} ({[k for _, k in flips[rid]]})")
+        assert exact.max() <= 1e-5, rid
+        assert errs[wrote].max(initial=0) <= FLIP, rid
 
 
 NEW = 4

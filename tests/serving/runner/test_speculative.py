@@ -18,7 +18,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from helpers import assert_same_records, continuation_proposer, pages_in_table_order, rel_err, tables_at_finish
+from helpers import assert_caches_agree, continuation_proposer, pages_in_table_order, rel_err, tables_at_finish
 
 from v41cp import model
 from v41cp.checkpoint import default_checkpoint, load, open_drafter
@@ -160,11 +160,7 @@ def test_every_acceptance_length_rolls_back_exactly(setup, j):
     # speculative request may hold one block more: its rejected rows' restored, unread contents)
     blocks = {rid: len(t) for rid, t in plain.tables.items()}
     got, ref = pages_in_table_order(eng.cache, tables, blocks), pages_in_table_order(plain.cache, plain.tables, blocks)
-    for key in ref:
-        if ref[key].dtype == np.uint8:
-            assert_same_records(got[key], ref[key], key)
-        else:
-            assert rel_err(got[key], ref[key]) <= 1e-5, key
+    assert_caches_agree(got, ref, cfg, f"acceptance {j}")
     assert eng.load()["speculative"] == eng.speculative_stats()          # what the server's /health shows
     if j == N:
         stats = eng.speculative_stats()
