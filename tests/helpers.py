@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -451,14 +452,18 @@ class LockstepDecode:
     records agree up to one-step quantizer flips (`record_code_flips`, asserted) and the one device's records are
     replaced by the sharded path's, so a flip is measured once — on the row that wrote it — and every later row
     compares two programs over the same bytes. ``flips``: ``{id: [(row, record leaf)]}`` of the flips each request's
-    pages or window slot received (row = its history length − 1 at that step)."""
+    pages or window slot received (row = its history length − 1 at that step). ``plan_overrides``: fields of the
+    sharded step's `DCPPlan` replaced."""
 
-    def __init__(self, cfg, params, parallel, num_blocks: int, block: int, max_batch: int, max_blocks: int):
+    def __init__(self, cfg, params, parallel, num_blocks: int, block: int, max_batch: int, max_blocks: int,
+                 **plan_overrides):
         from v41cp.serving.cache.allocator import BlockAllocator
         from v41cp.serving.runner.steps import init_cache
 
         self.cfg, self.params = cfg, params
         self.sharded, self.plan, self.kvp, sharding = _on_mesh(cfg, params, parallel)
+        if plan_overrides:                            # (a `DCPPlan` field, e.g. the selection's scan tile)
+            self.plan = dataclasses.replace(self.plan, **plan_overrides)
         self.alloc = BlockAllocator(num_blocks, block, max_batch, max_blocks, self.kvp)
         many = self.kvp > 1
         self.caches = [init_cache(cfg, num_blocks, block, max_batch, sharding=None if many else sharding,

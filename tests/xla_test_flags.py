@@ -16,7 +16,9 @@ figures and comparisons are between programs compiled alike. Imported before jax
   - ``--xla_cpu_max_isa=AVX2``: the code XLA emits (fusions, reductions, small dots) uses at most AVX2 + FMA on
     every x86 CPU, so an AVX-512 host and an AVX2 host compile the same instructions. Measured on an AMD EPYC with
     AVX-512 (2026-12-07): the V4 record decode's programs give bit-identical logits with and without it, and with
-    vector widths 128 / 256 / 512; without FMA (``AVX``) they differ in the last bits.
+    vector widths 128 / 256 / 512; without FMA (``AVX``) they differ in the last bits, and a DSpark prefix hit is no
+    longer bit-identical to a cold prefill (2.2e-7: `test_prefix_cache.py`), so the suite needs an x86 CPU with AVX2
+    and FMA (x86-64-v3), which the run's header says when it lacks them.
 
 What stays machine-dependent (docs/architecture.md §8, "Numerics of the CPU test run"): Eigen's contraction blocks
 the contracted dimension by the CPU's cache sizes (measured here: K = 640 summed as 320 + 320, K = 1024 in blocks of
@@ -86,9 +88,12 @@ def host_description() -> list[str]:
                 caches.append(f"L{lv.read().strip()}{ty.read().strip()[0].lower()} {sz.read().strip()}")
         except OSError:
             pass
+    lacking = [f for f in ("avx2", "fma") if flags and f not in flags]
     return [f"host CPU: {info.get('model name', platform.processor() or platform.machine())}, "
             f"{len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()} CPUs usable, caches per core {', '.join(caches) or 'unknown'}",
-            f"host vector extensions: {' '.join(vector) or 'none listed'}",
+            f"host vector extensions: {' '.join(vector) or 'none listed'}"
+            + (f" — WITHOUT {' and '.join(lacking).upper()}: the bit-identity tests were measured to need FMA"
+               if lacking else ""),
             f"jax {_version('jax')}, jaxlib {_version('jaxlib')}; XLA_FLAGS: {os.environ.get('XLA_FLAGS', '')}"]
 
 

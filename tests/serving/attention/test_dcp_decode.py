@@ -1,6 +1,5 @@
 """DCP decode on 8 simulated devices == single-device decode; exact structure of the compiled step."""
 
-import dataclasses
 from functools import lru_cache
 
 import jax
@@ -44,52 +43,12 @@ def _meta(cfg, alloc, rows):
                                    [alloc.blocks(r) for r, _ in rows], B, MB)
 
 
-def _run(cfg, params, parallel=None, scan_tile_bytes=None):
-    """Greedy decode of ROWS (prompt tokens fed one per step, then the argmax) → rid → (logits, tokens)."""
-    plan, n, sharding = None, 1, None
-    if parallel is not None:
-        mesh = parallel.make_mesh()
-        if parallel.kv_parallel_size > 1:
-            plan, n = DCPPlan.build(cfg, parallel, mesh), parallel.kv_parallel_size
-            if scan_tile_bytes is not None:
-                plan = dataclasses.replace(plan, scan_tile_bytes=scan_tile_bytes)
-        params = model.shard_params(params, cfg, mesh, parallel.rules())
-        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    rng = np.random.default_rng(SEED)
-    prompts = {rid: list(rng.integers(3, cfg.vocab_size, p)) for rid, (p, _, _) in ROWS.items()}
-    hist = {rid: [] for rid in ROWS}
-    logits_out = {rid: [] for rid in ROWS}
-    alloc = BlockAllocator(B * MB, BT, B, MB, n)
-    cache = init_cache(cfg, B * MB, BT, B, sharding=None if plan else sharding, plan=plan)
-    for t in range(STEPS):
-        rows = []
-        for rid, (p, total, start) in ROWS.items():
-            u = t - start
-            if not 0 <= u < total:
-                continue
-            hist[rid].append(prompts[rid][u] if u < p else int(np.argmax(logits_out[rid][-1])))
-            alloc.admit(rid, 1) if u == 0 else alloc.extend(rid, u + 1)
-            rows.append((rid, hist[rid]))
-        logits, cache = decode_step(params, cache, _meta(cfg, alloc, rows), cfg, plan)
-        logits = np.asarray(logits)
-        for i, (rid, h) in enumerate(rows):
-            logits_out[rid].append(logits[i])
-            if len(h) == ROWS[rid][1]:
-                alloc.release(rid)
-    alloc.check()
-    return {rid: (np.stack(logits_out[rid]), hist[rid][ROWS[rid][0]:]) for rid in ROWS}
-
-
-@lru_cache(maxsize=None)
-def _reference(sparse: bool):
-    return _run(*_model(sparse))
-
-
-def _lockstep(cfg, params, parallel):
-    """Greedy decode of ROWS on ``parallel``'s mesh and on one device in lockstep (`helpers.LockstepDecode`: the one
-    device reads the sharded step's stored codes), the one device's argmax feeding both → rid → (sharded logits,
-    one-device logits, sharded argmax per row, one-device tokens), and each request's flips."""
-    run = LockstepDecode(cfg, params, parallel, B * MB, BT, B, MB)
+def _lockstep(cfg, params, parallel, **plan_overrides):
+    """Greedy decode of ROWS (prompt tokens fed one per step, then the argmax) on ``parallel``'s mesh and on one
+    device in lockstep (`helpers.LockstepDecode`: the one device reads the sharded step's stored codes), the one
+    device's argmax feeding both → (rid → (sharded logits, one-device logits, the sharded step's argmax where a
+    greedy token was taken, the one device's greedy tokens), each request's flips)."""
+    run = LockstepDecode(cfg, params, parallel, B * MB, BT, B, MB, **plan_overrides)
     rng = np.random.default_rng(SEED)
     prompts = {rid: list(rng.integers(3, cfg.vocab_size, p)) for rid, (p, _, _) in ROWS.items()}
     hist = {rid: [] for rid in ROWS}
@@ -146,10 +105,10 @@ def test_dcp_sparse_selection_tokens_equal_single_device():
     maxima over several tiles."""
     cfg, params = _model(True)
     par = ParallelConfig(tp_size=8, kv_parallel_size=8, decode_context_parallel_size=8)
-    got, want = _run(cfg, params, par, scan_tile_bytes=1), _reference(True)
-    worst = max(rel_err(got[rid][0], want[rid][0]) for rid in ROWS)
-    for rid in ROWS:
-        assert got[rid][1] == want[rid][1], f"request {rid}: greedy tokens differ"
+    out, _ = _lockstep(cfg, params, par, scan_tile_bytes=1)
+    worst = max(rel_err(got, want) for got, want, _, _ in out.values())
+    for rid, (_, _, argmax, tokens) in out.items():
+        assert argmax == tokens, f"request {rid}: greedy tokens differ"
     print(f"\n[dcp decode, sparse selection] KVP=DCP=8: tokens identical; max logits rel err {worst:.2e}")
 
 
