@@ -213,7 +213,7 @@ def _record_codes(record: dict, fmt: str) -> tuple[np.ndarray, np.ndarray, np.nd
         payload = _sign_magnitude_ordinal(q, 0x80)
     else:                                                          # packed e2m1, even channel in the low nibble
         payload = _sign_magnitude_ordinal(np.stack([q & 15, q >> 4], -1).reshape(*q.shape[:-1], -1), 8)
-    s = s[..., :payload.shape[-1] // block]                        # (fp8_ds_mla pads its scale bytes to 8)
+    s = s[..., :payload.shape[-1] // block]                        # (fp8_ds_mla pads its scale bytes)
     scale = s.astype(np.int64) if scale_kind == "e8m0" else _sign_magnitude_ordinal(s, 0x80)
     rope = None
     if "r" in record:
@@ -241,23 +241,36 @@ def _payload_on_scale(payload: np.ndarray, scale: np.ndarray, onto: np.ndarray, 
     return sign * np.abs(x[..., None] - E2M1_LEVELS.astype(np.float64)).argmin(-1)
 
 
-def record_code_flips(got: dict, want: dict, cfg, tag: str = "") -> dict[str, np.ndarray]:
-    """Compare two caches' byte records (`cache_by_virtual_block` dicts, same layout; non-record leaves ignored):
-    asserts every stored code equal or one step apart (`_POOL_FORMAT`'s formats, per `cfg.cache_formats`) and such
-    codes rare (≤ 0.1 % of the codes of a store). Returns ``{leaf key: flipped [...] bool}`` for each record leaf
-    (``q`` payload, ``s`` scales, ``r`` BF16 RoPE) holding a flipped code, marked per row of the record's leading
-    axes (a page's entry, a window row)."""
+def _records(flat: dict) -> dict[str, dict[str, str]]:
+    """The byte records of a `cache_by_virtual_block` dict: ``{record key: {leaf name: leaf key}}`` (``.ckv['3']``:
+    ``{"q": ".ckv['3']['q']", ...}``)."""
     records: dict[str, dict] = {}
-    for key, a in want.items():
+    for key, a in flat.items():
         if a.dtype == np.uint8:
             stem, leaf = key.rsplit("[", 1)
             records.setdefault(stem, {})[leaf.strip("']")] = key
+    return records
+
+
+def _format_of(stem: str, cfg) -> str:
+    return getattr(cfg.cache_formats, _POOL_FORMAT[stem[1:].split("[")[0]])
+
+
+def record_code_flips(got: dict, want: dict, cfg, tag: str = "") -> dict[str, np.ndarray]:
+    """Compare two caches' byte records (`cache_by_virtual_block` dicts, same layout; non-record leaves ignored):
+    asserts every stored code equal or one step apart (`_POOL_FORMAT`'s formats, per `cfg.cache_formats`; a block
+    scale one code step apart, the block's codes then compared on the coarser scale), padding bytes equal, and such
+    codes rare (≤ 0.1 % of the codes of a store). Returns ``{leaf key: flipped codes [...] int}`` for each record
+    leaf (``q`` payload, ``s`` scales, ``r`` BF16 RoPE) holding a flipped code, counted per row of the record's
+    leading axes (a page's entry, a window row)."""
     flips = {}
-    for stem, leaves in records.items():
-        fmt = getattr(cfg.cache_formats, _POOL_FORMAT[stem[1:].split("[")[0]])
+    for stem, leaves in _records(want).items():
+        fmt = _format_of(stem, cfg)
         g = _record_codes({n: got[k] for n, k in leaves.items()}, fmt)
         w = _record_codes({n: want[k] for n, k in leaves.items()}, fmt)
         where = f"{tag} {stem} ({fmt})"
+        used = g[1].shape[-1]                                      # (fp8_ds_mla pads its scale bytes to 8)
+        np.testing.assert_array_equal(got[leaves["s"]][..., used:], want[leaves["s"]][..., used:], where + " pad")
         assert np.abs(g[1] - w[1]).max(initial=0) <= 1, (where, "a block scale more than one step apart")
         same = np.repeat(g[1] == w[1], g[0].shape[-1] // g[1].shape[-1], axis=-1)
         coarse = np.maximum(g[1], w[1])
@@ -270,8 +283,20 @@ def record_code_flips(got: dict, want: dict, cfg, tag: str = "") -> dict[str, np
             parts["['r']"] = g[2] != w[2]
         n_codes, n_flipped = sum(p.size for p in parts.values()), sum(int(p.sum()) for p in parts.values())
         assert n_flipped <= 1e-3 * n_codes, (where, f"{n_flipped} of {n_codes} codes one step apart")
-        flips.update({stem + part: p.any(-1) for part, p in parts.items() if p.any()})
+        flips.update({stem + part: p.sum(-1) for part, p in parts.items() if p.any()})
     return flips
+
+
+def record_rows_written(before: dict, after: dict, cfg) -> tuple[dict[str, np.ndarray], int]:
+    """The record rows whose bytes differ between two `cache_by_virtual_block` dicts of one cache (a step's writes):
+    ``({record key: changed [...] bool per row of its leading axes}, codes in those rows)``."""
+    rows, codes = {}, 0
+    for stem, leaves in _records(after).items():
+        changed = np.any([(after[k] != before[k]).any(-1) for k in leaves.values()], axis=0)
+        q, scale, rope = _record_codes({n: after[k] for n, k in leaves.items()}, _format_of(stem, cfg))
+        rows[stem] = changed
+        codes += int(changed.sum()) * (q.shape[-1] + scale.shape[-1] + (0 if rope is None else rope.shape[-1]))
+    return rows, codes
 
 
 def assert_caches_agree(got: dict, want: dict, cfg, tag: str = "") -> dict[str, np.ndarray]:
@@ -448,17 +473,19 @@ def decode_teacher_forcing(cfg, params, seqs: dict, start: dict, block: int, max
 
 class LockstepDecode:
     """The decode step on ``parallel``'s mesh and on one device in lockstep over one allocator (``alloc``; one
-    compile each), the one device reading the sharded path's stored codes: after every `step` the two caches'
-    records agree up to one-step quantizer flips (`record_code_flips`, asserted) and the one device's records are
-    replaced by the sharded path's, so a flip is measured once — on the row that wrote it — and every later row
-    compares two programs over the same bytes. ``flips``: ``{id: [(row, record leaf)]}`` of the flips each request's
-    pages or window slot received (row = its history length − 1 at that step). ``plan_overrides``: fields of the
-    sharded step's `DCPPlan` replaced."""
+    compile each), the one device continuing from the sharded path's cache: after every `step` the two caches agree
+    (records up to one-step quantizer flips — `record_code_flips` —, each in a row the step wrote for one of its
+    requests; FP32 state within 1e-5, `FLIP` on a step that wrote a flip) and the one device's cache is replaced by
+    the sharded path's, so a flip is measured once — on the row that wrote it — and every later row compares two
+    programs over the same bytes.
+    ``flips``: ``{id: [(row, record leaf)]}`` of the flips each request's pages or window slot received (row = its
+    history length − 1 at that step); `check` bounds them over the run: ≤ 0.1 % of the codes the steps wrote.
+    ``plan_overrides``: fields of the sharded step's `DCPPlan` replaced."""
 
     def __init__(self, cfg, params, parallel, num_blocks: int, block: int, max_batch: int, max_blocks: int,
                  **plan_overrides):
         from v41cp.serving.cache.allocator import BlockAllocator
-        from v41cp.serving.runner.steps import init_cache
+        from v41cp.serving.runner.steps import decode_step, init_cache
 
         self.cfg, self.params = cfg, params
         self.sharded, self.plan, self.kvp, sharding = _on_mesh(cfg, params, parallel)
@@ -469,7 +496,9 @@ class LockstepDecode:
         self.caches = [init_cache(cfg, num_blocks, block, max_batch, sharding=None if many else sharding,
                                   plan=self.plan if many else None), init_cache(cfg, num_blocks, block, max_batch)]
         self.flips: dict = {}
-        self._compiled = None
+        self.codes_written = self.codes_flipped = 0
+        self._stored = cache_by_virtual_block(self.caches[1], 1)
+        self._programs = [decode_step._cache_size(), None]
 
     def step(self, rows, meta) -> tuple[np.ndarray, np.ndarray]:
         """One step of both paths over ``rows`` (``(id, history)``, the batch rows of ``meta``): ``(sharded logits,
@@ -478,18 +507,39 @@ class LockstepDecode:
 
         a, self.caches[0] = decode_step(self.sharded, self.caches[0], meta, self.cfg, self.plan)
         b, self.caches[1] = decode_step(self.params, self.caches[1], meta, self.cfg, None)
-        self._compiled = self._compiled or decode_step._cache_size()
-        assert decode_step._cache_size() == self._compiled, "a step compiled again"
-        stored = cache_by_virtual_block(self.caches[0], self.kvp)
-        for key, flipped in record_code_flips(stored, cache_by_virtual_block(self.caches[1], 1), self.cfg).items():
+        self._programs[1] = self._programs[1] or decode_step._cache_size()
+        assert self._programs[1] - self._programs[0] <= 2 and decode_step._cache_size() == self._programs[1], \
+            "a step compiled again"
+        stored, own = cache_by_virtual_block(self.caches[0], self.kvp), cache_by_virtual_block(self.caches[1], 1)
+        written, codes = record_rows_written(self._stored, own, self.cfg)
+        self.codes_written += codes
+        tag = f"step of {[rid for rid, _ in rows]}"
+        flips = record_code_flips(stored, own, self.cfg, tag)
+        for key, w in own.items():                    # the FP32 state this step wrote (the rest is the sharded's)
+            if w.dtype != np.uint8:                   # — on a flip's step it may carry the flip's effect
+                assert rel_err(stored[key], w) <= (FLIP if flips else 1e-5), (tag, key)
+        for key, count in flips.items():
+            mine = np.zeros(count.shape, bool)
             for rid, hist in rows:                    # the request whose pages (or window slot) hold the flip
-                where = flipped[:, self.alloc.slot(rid)] if key.startswith(".swa") else flipped[self.alloc.blocks(rid)]
-                if where.any():
+                at = (slice(None), self.alloc.slot(rid)) if key.startswith(".swa") else self.alloc.blocks(rid)
+                mine[at] = True
+                if count[at].any():
                     self.flips.setdefault(rid, []).append((len(hist) - 1, key))
+            stem = key.rsplit("[", 1)[0]
+            assert not (count.astype(bool) & ~(mine & written[stem])).any(), (key, "a flip in a row this step did "
+                                                                               "not write")
+            self.codes_flipped += int(count.sum())
         leaves, tree = jax.tree_util.tree_flatten_with_path(self.caches[1])
         self.caches[1] = jax.tree.unflatten(tree, [jax.device_put(stored[jax.tree_util.keystr(k)], v.sharding)
-                                                   if v.dtype == np.uint8 else v for k, v in leaves])
+                                                   for k, v in leaves])
+        self._stored = stored
         return np.asarray(a), np.asarray(b)
+
+    def check(self, tag: str) -> None:
+        """Flipped codes ≤ 0.1 % of the codes the steps wrote (a flip is a last-bit accident; a quantizer that rounds
+        otherwise on one path flips a large share of what it writes)."""
+        print(f"\n[{tag}] quantizer flips: {self.codes_flipped} of {self.codes_written} codes written")
+        assert self.codes_written > 0 and self.codes_flipped <= 1e-3 * self.codes_written, tag
 
 
 def assert_rows_agree(tag: str, errs, flips=()) -> float:
@@ -519,6 +569,7 @@ def sharded_teacher_forcing(cfg, params, seqs: dict, start: dict, block: int, ma
             want[rid].append(b[i])
     run.alloc.check()
     assert run.alloc.free_blocks == num_blocks
+    run.check(f"lockstep TP {parallel.tp_size} KVP {parallel.kv_parallel_size}")
     return ({rid: np.stack(r) for rid, r in got.items()}, {rid: np.stack(r) for rid, r in want.items()},
             {rid: run.flips.get(rid, []) for rid in seqs})
 

@@ -20,7 +20,7 @@ figures and comparisons are between programs compiled alike. Imported before jax
     longer bit-identical to a cold prefill (2.2e-7: `test_prefix_cache.py`), so the suite needs an x86 CPU with AVX2
     and FMA (x86-64-v3), which the run's header says when it lacks them.
 
-What stays machine-dependent (docs/architecture.md §8, "Numerics of the CPU test run"): Eigen's contraction blocks
+What stays machine-dependent (docs/architecture.md §5, "Numerics of the CPU test run"): Eigen's contraction blocks
 the contracted dimension by the CPU's cache sizes (measured here: K = 640 summed as 320 + 320, K = 1024 in blocks of
 344) and some dots are split over the intra-op threads (a [3·7, 1280] × [1280, 64] dot differs between one and two
 CPUs). So the exactness tests compare two programs on the same host; where a quantizer's input differs in its last

@@ -70,6 +70,7 @@ def _lockstep(cfg, params, parallel, **plan_overrides):
             if len(h) == ROWS[rid][1]:
                 run.alloc.release(rid)
     run.alloc.check()
+    run.check(f"dcp decode lockstep KVP {parallel.kv_parallel_size} {parallel.dcp_merge} {parallel.dcp_q}")
     return ({rid: (np.stack(g), np.stack(w), a[ROWS[rid][0] - 1:-1], hist[rid][ROWS[rid][0]:])
              for rid, (g, w, a) in out.items()}, run.flips)
 
