@@ -30,7 +30,7 @@ TOKEN_MAP = tuple(min(i, 135) for i in range(256))
 # test run"). Exact equalities — records vs fake-quantized value stores, a prefix hit vs a cold prefill, PD vs
 # aggregated — are asserted bit for bit or to 1e-5 as elsewhere; sharded vs one device with the flips measured once,
 # on the row that wrote them (`sharded_teacher_forcing`: one device reads the sharded path's codes; measured on an
-# AMD EPYC: one BF16 RoPE word of a window row, 1.6e-5, and of a CSA entry, 5.0e-6, on the writing row).
+# AMD EPYC with AVX-512: one BF16 RoPE word of a window row, 1.6e-5 on the row that wrote it).
 FLIP = 1e-3
 
 
