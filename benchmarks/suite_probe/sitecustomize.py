@@ -1,0 +1,63 @@
+"""The suite profile's probe (`benchmarks/suite_profile.py` puts this folder on ``PYTHONPATH``): in every Python
+process of the run that imports jax (the pytest workers and every CLI / server / notebook / two-process child), one
+line per XLA backend compile, per load from the persistent compilation cache, and per trace / lowering to
+``$V41CP_SUITE_PROBE_LOG``, with the test that was running (``PYTEST_CURRENT_TEST``, inherited by the children).
+Inactive unless that variable is set; it only listens (`jax.monitoring`), it changes nothing the run computes."""
+
+import os
+import sys
+
+_LOG = os.environ.get("V41CP_SUITE_PROBE_LOG")
+
+if _LOG:
+    import importlib.abc
+    import importlib.machinery
+
+    _EVENTS = {"/jax/core/compile/backend_compile_duration": "compile",
+               "/jax/core/compile/jaxpr_trace_duration": "trace",
+               "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower"}
+
+    def _write(kind: str, name: str, seconds: float) -> None:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "-").split(" ")[0]
+        with open(_LOG, "a") as f:                   # one short line per append: whole lines across processes
+            f.write(f"{os.getpid()}\t{kind}\t{name}\t{seconds:.4f}\t{test}\n")
+
+    def _register() -> None:
+        from jax import monitoring
+
+        def on_duration(event, duration, **kw):
+            if event in _EVENTS:
+                _write(_EVENTS[event], str(kw.get("fun_name", "?")), duration)
+
+        def on_event(event, **kw):
+            if event == "/jax/compilation_cache/cache_hits":     # the next "compile" line of this process is a load
+                _write("hit", "-", 0.0)
+
+        monitoring.register_event_duration_secs_listener(on_duration)
+        monitoring.register_event_listener(on_event)
+
+    class _Loader(importlib.abc.Loader):
+        def __init__(self, inner):
+            self.inner = inner
+
+        def create_module(self, spec):
+            return self.inner.create_module(spec)
+
+        def exec_module(self, module):
+            self.inner.exec_module(module)
+            _register()
+
+    class _Finder(importlib.abc.MetaPathFinder):
+        """Wraps the first import of ``jax`` so the listeners are registered right after it (no import of jax here:
+        a process that never imports it pays nothing)."""
+
+        def find_spec(self, name, path, target=None):
+            if name != "jax":
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.machinery.PathFinder.find_spec(name, path)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _Loader(spec.loader)
+            return spec
+
+    sys.meta_path.insert(0, _Finder())

@@ -1,0 +1,153 @@
+"""The test suite's profile: runs pytest (by default the README's suite command, from this checkout) with the probe
+of ``benchmarks/suite_probe`` in every process, samples the resident memory of the run's Python processes every 2 s,
+and prints JSON: pytest's wall time and outcome line, the XLA backend compiles (every program XLA compiled, in
+every process: a program compiled in two processes counts twice) and persistent-cache loads (count, seconds),
+trace and lowering seconds, the functions that took the most compile time, the slowest tests with what each compiled (its
+own process and its children), and the peak memory (sum over the run's Python processes, and the largest one).
+
+``python benchmarks/suite_profile.py [--top N] [--log FILE] [-- PYTEST ARGS]`` (default pytest arguments: the
+README's ``-q -n 2 --dist loadfile``). Run it from a fresh clone with nothing else running for figures that compare:
+a compilation cache folder from an earlier run is not used (the suite makes its own)."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PROBE = Path(__file__).resolve().parent / "suite_probe"
+
+
+def _python_rss_kb() -> tuple[int, int]:
+    """(sum, max) resident kB over this machine's Python processes."""
+    total = largest = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                comm = f.read().split(" ", 2)[1]
+            if "python" not in comm:
+                continue
+            with open(f"/proc/{pid}/status") as f:
+                rss = next((int(line.split()[1]) for line in f if line.startswith("VmRSS:")), 0)
+        except (OSError, StopIteration, ValueError):
+            continue
+        total += rss
+        largest = max(largest, rss)
+    return total, largest
+
+
+def _sample_memory(stop: threading.Event, peak: dict) -> None:
+    while not stop.wait(2.0):
+        total, largest = _python_rss_kb()
+        peak["sum_kb"] = max(peak["sum_kb"], total)
+        peak["largest_kb"] = max(peak["largest_kb"], largest)
+
+
+def summarize(log: Path, top: int, durations: dict[str, float]) -> dict:
+    """The probe's lines → figures (see the module docstring)."""
+    pending = collections.Counter()
+    compiles = collections.Counter()
+    compile_s = collections.Counter()
+    loads = collections.Counter()
+    load_s = collections.Counter()
+    trace_s = lower_s = 0.0
+    by_fun = collections.Counter()
+    by_fun_n = collections.Counter()
+    by_test = collections.defaultdict(collections.Counter)
+    for line in log.read_text().splitlines():
+        parts = line.split("\t")
+        if len(parts) != 5:
+            continue
+        pid, kind, name, sec, test = parts[0], parts[1], parts[2], float(parts[3]), parts[4]
+        if kind == "hit":
+            pending[pid] += 1
+        elif kind == "trace":
+            trace_s += sec
+        elif kind == "lower":
+            lower_s += sec
+        elif kind == "compile" and pending[pid]:
+            pending[pid] -= 1
+            loads[pid] += 1
+            load_s[pid] += sec
+        elif kind == "compile":
+            compiles[pid] += 1
+            compile_s[pid] += sec
+            by_fun[name] += sec
+            by_fun_n[name] += 1
+            by_test[test]["compiles"] += 1
+            by_test[test]["compile_s"] += sec
+            by_test[test][name] += 1
+    slowest = sorted(durations.items(), key=lambda kv: -kv[1])[:top]
+
+    def what(test: str) -> dict:
+        c = by_test.get(test, collections.Counter())
+        funs = {k: v for k, v in c.most_common() if k not in ("compiles", "compile_s")}
+        return {"compiles": c["compiles"], "compile_s": round(c["compile_s"], 1), "programs": funs}
+
+    return {
+        "processes": len(set(compiles) | set(loads)),
+        "backend_compiles": sum(compiles.values()),
+        "backend_compile_s": round(sum(compile_s.values()), 1),
+        "cache_loads": sum(loads.values()),
+        "cache_load_s": round(sum(load_s.values()), 1),
+        "trace_s": round(trace_s, 1),
+        "lower_s": round(lower_s, 1),
+        "functions_compiled": len(by_fun_n),
+        "compile_s_per_process_top": sorted((round(v, 1) for v in compile_s.values()), reverse=True)[:6],
+        "top_functions": [{"function": f, "compiles": by_fun_n[f], "seconds": round(s, 1)}
+                          for f, s in by_fun.most_common(top)],
+        "slowest_tests": [{"test": t, "seconds": round(s, 2), **what(t.rsplit(" ", 1)[0])} for t, s in slowest],
+    }
+
+
+def _durations(stdout: str) -> dict[str, float]:
+    """pytest's ``--durations`` lines → {"nodeid (phase)": seconds} (setup and call kept apart)."""
+    out = {}
+    for m in re.finditer(r"^([\d.]+)s (call|setup|teardown)\s+(\S+)", stdout, re.M):
+        out[f"{m.group(3)} {m.group(2)}"] = float(m.group(1))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--log", help="keep the probe's raw lines here (default: a temporary file)")
+    ap.add_argument("pytest_args", nargs="*", default=["-q", "-n", "2", "--dist", "loadfile"])
+    args = ap.parse_args()
+    log = Path(args.log or tempfile.mkstemp(prefix="v41cp-suite-probe-", suffix=".tsv")[1])
+    log.write_text("")
+    env = {**os.environ, "V41CP_SUITE_PROBE_LOG": str(log),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(PROBE), os.environ.get("PYTHONPATH")]))}
+    peak = {"sum_kb": 0, "largest_kb": 0}
+    stop = threading.Event()
+    sampler = threading.Thread(target=_sample_memory, args=(stop, peak), daemon=True)
+    sampler.start()
+    t0 = time.perf_counter()
+    run = subprocess.run([sys.executable, "-m", "pytest", *args.pytest_args, "--durations=0"], cwd=ROOT, env=env,
+                         capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    stop.set()
+    outcome = next((line for line in reversed(run.stdout.splitlines())
+                    if " in " in line and ("passed" in line or "failed" in line)), "")
+    result = {"pytest_args": args.pytest_args, "returncode": run.returncode, "wall_s": round(wall, 1),
+              "outcome": outcome.strip("= "), "peak_rss_sum_gb": round(peak["sum_kb"] / 2**20, 2),
+              "peak_rss_largest_gb": round(peak["largest_kb"] / 2**20, 2),
+              **summarize(log, args.top, _durations(run.stdout))}
+    if not args.log:
+        log.unlink()
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
