@@ -3,7 +3,8 @@ of ``benchmarks/suite_probe`` in every process, samples the resident memory of t
 and prints JSON: pytest's wall time and outcome line, the XLA backend compiles (every program XLA compiled, in
 every process: a program compiled in two processes counts twice) and persistent-cache loads (count, seconds),
 trace and lowering seconds, the functions that took the most compile time, the slowest tests with what each compiled (its
-own process and its children), and the peak memory (sum over the run's Python processes, and the largest one).
+own process and its children), and the peak memory (resident, summed over pytest's process tree, and the largest
+process).
 
 ``python benchmarks/suite_profile.py [--top N] [--log FILE] [-- PYTEST ARGS]`` (default pytest arguments: the
 README's ``-q -n 2 --dist loadfile``). Run it from a fresh clone with nothing else running for figures that compare:
@@ -27,29 +28,32 @@ ROOT = Path(__file__).resolve().parents[1]
 PROBE = Path(__file__).resolve().parent / "suite_probe"
 
 
-def _python_rss_kb() -> tuple[int, int]:
-    """(sum, max) resident kB over this machine's Python processes."""
-    total = largest = 0
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
+def _tree_rss_kb(root: int) -> tuple[int, int]:
+    """(sum, max) resident kB over ``root`` and its descendants (the run's pytest, workers and their children)."""
+    parent, rss = {}, {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/stat") as f:
-                comm = f.read().split(" ", 2)[1]
-            if "python" not in comm:
-                continue
+                parent[int(pid)] = int(f.read().rsplit(")", 1)[1].split()[1])
             with open(f"/proc/{pid}/status") as f:
-                rss = next((int(line.split()[1]) for line in f if line.startswith("VmRSS:")), 0)
-        except (OSError, StopIteration, ValueError):
+                rss[int(pid)] = next((int(line.split()[1]) for line in f if line.startswith("VmRSS:")), 0)
+        except (OSError, ValueError, IndexError):
             continue
-        total += rss
-        largest = max(largest, rss)
-    return total, largest
+    children = collections.defaultdict(list)
+    for pid, ppid in parent.items():
+        children[ppid].append(pid)
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children[pid])
+    sizes = [rss.get(pid, 0) for pid in tree]
+    return sum(sizes), max(sizes, default=0)
 
 
-def _sample_memory(stop: threading.Event, peak: dict) -> None:
+def _sample_memory(root: int, stop: threading.Event, peak: dict) -> None:
     while not stop.wait(2.0):
-        total, largest = _python_rss_kb()
+        total, largest = _tree_rss_kb(root)
         peak["sum_kb"] = max(peak["sum_kb"], total)
         peak["largest_kb"] = max(peak["largest_kb"], largest)
 
@@ -64,7 +68,8 @@ def summarize(log: Path, top: int, durations: dict[str, float]) -> dict:
     trace_s = lower_s = 0.0
     by_fun = collections.Counter()
     by_fun_n = collections.Counter()
-    by_test = collections.defaultdict(collections.Counter)
+    by_test = collections.defaultdict(collections.Counter)          # test -> {function: compiles}
+    test_s = collections.Counter()                                    # test -> compile seconds
     for line in log.read_text().splitlines():
         parts = line.split("\t")
         if len(parts) != 5:
@@ -85,15 +90,13 @@ def summarize(log: Path, top: int, durations: dict[str, float]) -> dict:
             compile_s[pid] += sec
             by_fun[name] += sec
             by_fun_n[name] += 1
-            by_test[test]["compiles"] += 1
-            by_test[test]["compile_s"] += sec
             by_test[test][name] += 1
+            test_s[test] += sec
     slowest = sorted(durations.items(), key=lambda kv: -kv[1])[:top]
 
     def what(test: str) -> dict:
         c = by_test.get(test, collections.Counter())
-        funs = {k: v for k, v in c.most_common() if k not in ("compiles", "compile_s")}
-        return {"compiles": c["compiles"], "compile_s": round(c["compile_s"], 1), "programs": funs}
+        return {"compiles": sum(c.values()), "compile_s": round(test_s[test], 1), "programs": dict(c.most_common())}
 
     return {
         "processes": len(set(compiles) | set(loads)),
@@ -122,6 +125,7 @@ def _durations(stdout: str) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--timeout", type=float, default=3 * 3600, help="stop the suite after this many seconds")
     ap.add_argument("--log", help="keep the probe's raw lines here (default: a temporary file)")
     ap.add_argument("pytest_args", nargs="*", default=["-q", "-n", "2", "--dist", "loadfile"])
     args = ap.parse_args()
@@ -131,19 +135,25 @@ def main() -> None:
            "PYTHONPATH": os.pathsep.join(filter(None, [str(PROBE), os.environ.get("PYTHONPATH")]))}
     peak = {"sum_kb": 0, "largest_kb": 0}
     stop = threading.Event()
-    sampler = threading.Thread(target=_sample_memory, args=(stop, peak), daemon=True)
-    sampler.start()
     t0 = time.perf_counter()
-    run = subprocess.run([sys.executable, "-m", "pytest", *args.pytest_args, "--durations=0"], cwd=ROOT, env=env,
-                         capture_output=True, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", *args.pytest_args, "--durations=0"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    sampler = threading.Thread(target=_sample_memory, args=(proc.pid, stop, peak), daemon=True)
+    sampler.start()
+    try:
+        stdout, _ = proc.communicate(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise SystemExit(f"the suite ran past --timeout {args.timeout} s: stopped")
+    finally:
+        stop.set()
     wall = time.perf_counter() - t0
-    stop.set()
-    outcome = next((line for line in reversed(run.stdout.splitlines())
+    outcome = next((line for line in reversed(stdout.splitlines())
                     if " in " in line and ("passed" in line or "failed" in line)), "")
-    result = {"pytest_args": args.pytest_args, "returncode": run.returncode, "wall_s": round(wall, 1),
+    result = {"pytest_args": args.pytest_args, "returncode": proc.returncode, "wall_s": round(wall, 1),
               "outcome": outcome.strip("= "), "peak_rss_sum_gb": round(peak["sum_kb"] / 2**20, 2),
               "peak_rss_largest_gb": round(peak["largest_kb"] / 2**20, 2),
-              **summarize(log, args.top, _durations(run.stdout))}
+              **summarize(log, args.top, _durations(stdout))}
     if not args.log:
         log.unlink()
     print(json.dumps(result, indent=1))

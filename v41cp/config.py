@@ -157,7 +157,7 @@ _TINY: dict[str, Any] = dict(
     eos_token_id=1, pad_token_id=2, dtype="float32",
 )
 
-# DeepSeek-V4-Flash and V4-Pro (docs/architecture.md, "DeepSeek-V4"; ../shared/reference/v41-architecture.md §1.3):
+# DeepSeek-V4-Flash and V4-Pro (docs/architecture.md, "DeepSeek-V4"):
 # compress_ratios per layer plus the MTP layer's 0. Every compressed layer owns its compressor (and CSA its
 # indexer); the first 3 layers route by a token-id table.
 _V4_FLASH: dict[str, Any] = dict(
