@@ -6,9 +6,11 @@ trace and lowering seconds, the functions that took the most compile time, the s
 own process and its children), and the peak memory (resident, summed over pytest's process tree, and the largest
 process).
 
-``python benchmarks/suite_profile.py [--top N] [--log FILE] [-- PYTEST ARGS]`` (default pytest arguments: the
-README's ``-q -n 2 --dist loadfile``). Run it from a fresh clone with nothing else running for figures that compare:
-a compilation cache folder from an earlier run is not used (the suite makes its own)."""
+``python benchmarks/suite_profile.py [--top N] [--log FILE] [-- PYTEST ARGS]`` runs the README's suite command
+(`tests/run_suite.py`: the fast tier, then the rest; PYTEST ARGS are passed to both). Run it from a fresh clone with
+nothing else running for figures that compare. The run's compilation cache is a fresh folder of this script's (an
+earlier run's is not used): the files in it at the end are the distinct programs the run compiled (one per XLA
+cache key, however many processes compiled or loaded it), reported as ``distinct_programs``."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import collections
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -127,16 +130,18 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--timeout", type=float, default=3 * 3600, help="stop the suite after this many seconds")
     ap.add_argument("--log", help="keep the probe's raw lines here (default: a temporary file)")
-    ap.add_argument("pytest_args", nargs="*", default=["-q", "-n", "2", "--dist", "loadfile"])
+    ap.add_argument("pytest_args", nargs="*", default=[])
     args = ap.parse_args()
     log = Path(args.log or tempfile.mkstemp(prefix="v41cp-suite-probe-", suffix=".tsv")[1])
     log.write_text("")
-    env = {**os.environ, "V41CP_SUITE_PROBE_LOG": str(log),
+    cache = tempfile.mkdtemp(prefix="v41cp-suite-profile-jax-cache-")
+    env = {**os.environ, "V41CP_SUITE_PROBE_LOG": str(log), "JAX_COMPILATION_CACHE_DIR": cache,
            "PYTHONPATH": os.pathsep.join(filter(None, [str(PROBE), os.environ.get("PYTHONPATH")]))}
     peak = {"sum_kb": 0, "largest_kb": 0}
     stop = threading.Event()
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "pytest", *args.pytest_args, "--durations=0"], cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "run_suite.py"), *args.pytest_args, "--durations=0"],
+                            cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     sampler = threading.Thread(target=_sample_memory, args=(proc.pid, stop, peak), daemon=True)
     sampler.start()
@@ -148,10 +153,13 @@ def main() -> None:
     finally:
         stop.set()
     wall = time.perf_counter() - t0
-    outcome = next((line for line in reversed(stdout.splitlines())
-                    if " in " in line and ("passed" in line or "failed" in line)), "")
+    outcomes = [line.strip("= ") for line in stdout.splitlines()
+                if " in " in line and ("passed" in line or "failed" in line)]       # one per tier
+    distinct = sum(1 for f in Path(cache).rglob("*-cache") if f.is_file())      # jax lru_cache: <key>-cache
+    shutil.rmtree(cache, ignore_errors=True)
     result = {"pytest_args": args.pytest_args, "returncode": proc.returncode, "wall_s": round(wall, 1),
-              "outcome": outcome.strip("= "), "peak_rss_sum_gb": round(peak["sum_kb"] / 2**20, 2),
+              "outcome": outcomes, "distinct_programs": distinct,
+              "peak_rss_sum_gb": round(peak["sum_kb"] / 2**20, 2),
               "peak_rss_largest_gb": round(peak["largest_kb"] / 2**20, 2),
               **summarize(log, args.top, _durations(stdout))}
     if not args.log:

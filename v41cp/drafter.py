@@ -35,7 +35,7 @@ from v41cp.ced import ced_boundary
 from v41cp.config import ModelConfig
 from v41cp.kernels.sparse_attention.reference import sink_attention
 from v41cp.layers.attention import attention_weights, output_projection, query_projection, window_kv
-from v41cp.layers.common import RMSNorm, declare, dtype_of, weight_for
+from v41cp.layers.common import RMSNorm, abstract_tree_cache, declare, dtype_of, weight_for
 from v41cp.layers.mhc import HyperConnection, collapse, mhc_layer
 from v41cp.layers.moe import MoE
 from v41cp.layers.rope import rope_angles
@@ -231,6 +231,7 @@ def _dummy(cfg: ModelConfig):
     return init_all
 
 
+@abstract_tree_cache
 def abstract_drafter_params(cfg: ModelConfig) -> Any:
     """Boxed abstract DSpark parameter tree (no allocation; DeepSeek-V4's MTP layer: `v41cp.mtp`)."""
     if not cfg.has_dspark:

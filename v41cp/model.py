@@ -32,7 +32,7 @@ from v41cp.config import ModelConfig
 from v41cp.drafter import target_features
 from v41cp.engram_hash import engram_hash_ids
 from v41cp.layers.attention import Attention, CSAState
-from v41cp.layers.common import RMSNorm, declare, dtype_of
+from v41cp.layers.common import RMSNorm, abstract_tree_cache, declare, dtype_of
 from v41cp.layers.engram import Engram
 from v41cp.layers.full_sequence import FullSequence
 from v41cp.layers.mhc import HyperConnection, HyperHead, collapse, mhc_layer, mhc_layer_v4
@@ -235,6 +235,7 @@ def _dummy_inputs(cfg: ModelConfig, seq: int = 4):
     return tokens, ids
 
 
+@abstract_tree_cache
 def abstract_params(cfg: ModelConfig) -> Any:
     """Boxed abstract parameter tree (``nn.Partitioned`` of ShapeDtypeStruct): no allocation."""
     tokens, ids = _dummy_inputs(cfg)

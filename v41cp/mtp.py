@@ -34,7 +34,7 @@ from v41cp.config import ModelConfig
 from v41cp.drafter import DraftAttention
 from v41cp.kernels.sparse_attention.reference import sink_attention
 from v41cp.layers.attention import output_projection, query_projection
-from v41cp.layers.common import RMSNorm, declare, dtype_of, weight_for
+from v41cp.layers.common import RMSNorm, abstract_tree_cache, declare, dtype_of, weight_for
 from v41cp.layers.mhc import HyperConnection, HyperHead, collapse, expand
 from v41cp.layers.moe import MoE
 from v41cp.layers.rope import rope_angles
@@ -175,6 +175,7 @@ def _dummy(cfg: ModelConfig):
     return init_all
 
 
+@abstract_tree_cache
 def abstract_mtp_params(cfg: ModelConfig) -> Any:
     """Boxed abstract MTP parameter tree (no allocation)."""
     if not cfg.has_mtp:

@@ -246,7 +246,6 @@ def test_distributed_flags_are_validated():
     assert res.returncode == 2 and "--dist-init-addr must be HOST:PORT" in res.stderr
 
 
-@pytest.mark.fast
 def test_topology_flags_are_validated():
     res = _cli("generate", "--devices", "8", "--kv-parallel-size", "4", "--decode-context-parallel-size", "2")
     assert res.returncode == 2 and "decode_context_parallel_size=2 must equal kv_parallel_size=4" in res.stderr

@@ -74,7 +74,6 @@ def test_sparse_attention_kernel_equals_reference(dtype, tol):
     np.testing.assert_allclose(np.asarray(lse_ref)[0], np.log(np.exp(logits).sum(-1)), rtol=1e-5)
 
 
-@pytest.mark.fast
 def test_sink_is_an_output_epilogue_that_leaves_the_lse_alone():
     q, stores, idx, lengths = _attention_case("float32", h=16, d=64)
     sink = jnp.linspace(-2.0, 2.0, 16)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import functools
+from typing import Any, Callable, Sequence
 
 import flax.linen as nn
 import jax
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 
 from v41cp.kernels import match_varying
 
-__all__ = ["declare", "rms_norm", "dtype_of", "normal_init", "ones_init", "zeros_init", "full_after", "stacked_loop",
+__all__ = ["declare", "abstract_tree_cache", "rms_norm", "dtype_of", "normal_init", "ones_init", "zeros_init", "full_after", "stacked_loop",
            "weight_for", "TIE_ROWS"]
 
 normal_init = nn.initializers.normal(stddev=0.02)
@@ -21,6 +22,21 @@ zeros_init = nn.initializers.zeros
 def dtype_of(name: str):
     """``"float32" | "bfloat16"`` → jnp dtype."""
     return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
+
+
+def abstract_tree_cache(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """Memoise ``fn(cfg)``, a config's abstract (boxed `ShapeDtypeStruct`) parameter tree: it depends on the
+    hashable config alone, and tracing the model's ``init`` to get it costs about 1 s for the tiny model and 3 s at the
+    released size, paid by every checkpoint load, placement and plan. Each call returns fresh containers over the
+    shared, immutable leaves, so a caller that edits its tree edits its own copy."""
+    cached = functools.lru_cache(maxsize=16)(fn)
+
+    @functools.wraps(fn)
+    def fresh(cfg):
+        return jax.tree.map(lambda leaf: leaf, cached(cfg))
+
+    fresh.cache_clear = cached.cache_clear
+    return fresh
 
 
 def declare(module: nn.Module, name: str, shape: Sequence[int], axes: Sequence[str | None],

@@ -306,6 +306,7 @@ def test_verification_rows_equal_feeding_one_token_at_a_time(n, sparse):
     assert worst <= 1e-5
 
 
+@pytest.mark.fast
 def test_verification_needs_rows_within_the_window():
     from v41cp.serving.runner.steps import verify_step
 

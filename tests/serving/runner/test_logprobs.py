@@ -16,7 +16,6 @@ from v41cp.serving.runner.logprobs import top_n
 from v41cp.serving.runner.speculative import Speculative
 from v41cp.sharding.topology import ParallelConfig
 
-pytestmark = pytest.mark.fast           # the developer tier (`pytest -m fast`)
 
 CAP = Capacity(max_batch=3, max_tokens=48, block_tokens=4, max_logprobs=5, prefill_tokens=16)
 
@@ -43,6 +42,7 @@ def _check_entries(req, logits, count):
         assert np.allclose([v for _, v in alternatives], want[order], atol=1e-5)
 
 
+@pytest.mark.fast
 def test_logprobs_are_the_log_softmax_of_each_tokens_logits(setup):
     cfg, params, eng = setup
     rng = np.random.default_rng(5)
@@ -99,6 +99,7 @@ def test_speculative_rows_carry_the_logprobs_of_plain_decoding(setup):
 
 @pytest.mark.parametrize("topology", [dict(tp_size=8), dict(tp_size=8, kv_parallel_size=4,
                                                              decode_context_parallel_size=4)], ids=["tp8", "tp8-kvp4"])
+@pytest.mark.fast
 def test_top_n_over_a_split_vocabulary_equals_top_k(topology):
     """Each device's top n of its vocabulary slice, then the top n of the candidates: `jax.lax.top_k`'s values and
     order exactly, ties (small integers: many) included."""
@@ -111,6 +112,7 @@ def test_top_n_over_a_split_vocabulary_equals_top_k(topology):
         assert (np.asarray(got[0]) == np.asarray(want[0])).all() and (np.asarray(got[1]) == np.asarray(want[1])).all()
 
 
+@pytest.mark.fast
 def test_prompt_logprobs_equal_the_full_forward(setup):
     """Prompt log-probabilities from the span prefill's passes (a prompt over two passes of 16 rows, one of one
     token): None for the first token, then each prompt token's log-softmax under the full forward, the alternatives

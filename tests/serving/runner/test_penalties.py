@@ -27,7 +27,6 @@ from v41cp.serving.runner.sampling import (
 from v41cp.serving.runner.speculative import Speculative
 from v41cp.sharding.topology import ParallelConfig
 
-pytestmark = pytest.mark.fast           # the developer tier (`pytest -m fast`)
 
 V, L = 16, 12                           # vocabulary (split over 8 devices), history length
 PARAMS = [SamplingParams(frequency_penalty=0.8), SamplingParams(presence_penalty=-1.5, repetition_penalty=1.7),
@@ -48,6 +47,7 @@ def _counts(hist, slots, mesh=None):
     return counts
 
 
+@pytest.mark.fast
 def test_penalized_logits_equal_the_definition_on_one_device_and_split_over_tp():
     rng = np.random.default_rng(2)
     logits = rng.normal(size=(4, V)).astype(np.float32)
@@ -77,6 +77,7 @@ def test_penalized_logits_equal_the_definition_on_one_device_and_split_over_tp()
         assert np.asarray(after.prompt)[slot].tolist() == np.isin(np.arange(V), p).tolist(), i
 
 
+@pytest.mark.fast
 def test_a_penalty_changes_the_distribution_as_defined():
     """At temperature T the row samples softmax(penalized / T): frequencies of 40,000 seeded draws within 5σ."""
     rng = np.random.default_rng(3)
@@ -102,6 +103,7 @@ def test_a_penalty_changes_the_distribution_as_defined():
     assert np.abs(plain / plain.sum() - want).max() > 0.05                # the penalty moved the distribution
 
 
+@pytest.mark.fast
 def test_a_verification_row_counts_the_drafts_before_it():
     """Greedy acceptance of drafts that repeat one id: with a frequency penalty the later rows see the earlier
     drafts counted, so the argmax moves exactly where the reference says."""

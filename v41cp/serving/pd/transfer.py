@@ -22,7 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from v41cp.serving.cache.device_cache import POOLS, PagedCache
@@ -102,6 +101,18 @@ def shard_rank(shard, pool_rows: int, kvp: int) -> int:
     return start // (pool_rows // kvp) if kvp > 1 else 0
 
 
+@jax.jit
+def _gather_rows(pages: jax.Array, rows: jax.Array, in_page: jax.Array) -> jax.Array:
+    """``pages [P, T, ...]`` at ``(rows[i], in_page[i])`` → ``[n, ...]`` (one program, not one per indexing op)."""
+    return pages[rows, in_page]
+
+
+@jax.jit
+def _store_rows(pages: jax.Array, rows: jax.Array, in_page: jax.Array, values: jax.Array) -> jax.Array:
+    """``pages`` with ``values [n, ...]`` stored at ``(rows[i], in_page[i])``."""
+    return pages.at[rows, in_page].set(values)
+
+
 def _move_pool(store: dict | jax.Array, dst: dict | jax.Array, pair_copies: dict, src_kvp: int, dst_kvp: int):
     """One pool's leaves: gather on the source rank's device, copy to each device of the destination rank, scatter."""
     moved = 0
@@ -119,10 +130,13 @@ def _move_pool(store: dict | jax.Array, dst: dict | jax.Array, pair_copies: dict
             for (r_src, r_d), (s_rows, d_rows, in_page) in pair_copies.items():
                 if r_d != r_dst or not len(s_rows):
                     continue
-                payload = src_shards[r_src][jnp.asarray(s_rows), jnp.asarray(in_page)]   # on the source device
+                src = src_shards[r_src]
+                payload = _gather_rows(src, *(jax.device_put(np.asarray(x, np.int32), src.device)
+                                              for x in (s_rows, in_page)))                  # on the source device
                 got = jax.device_put(payload, sh.device)
                 moved += got.nbytes
-                new[sh.device] = new[sh.device].at[jnp.asarray(d_rows), jnp.asarray(in_page)].set(got)
+                new[sh.device] = _store_rows(new[sh.device], *(jax.device_put(np.asarray(x, np.int32), sh.device)
+                                                               for x in (d_rows, in_page)), got)
         out[key] = jax.make_array_from_single_device_arrays(
             b.shape, b.sharding, [new[sh.device] for sh in b.addressable_shards])
     return (out if isinstance(dst, dict) else out["v"]), moved

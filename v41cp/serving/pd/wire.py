@@ -113,11 +113,38 @@ def _to_bytes(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
 
 
-def _from_bytes(b: jax.Array, piece: _Piece) -> jax.Array:
-    size = np.dtype(piece.dtype).itemsize
+def _from_bytes(b: jax.Array, shape: tuple, dtype) -> jax.Array:
+    size = np.dtype(dtype).itemsize
     if size == 1:
-        return jax.lax.bitcast_convert_type(b.reshape(piece.shape), piece.dtype)
-    return jax.lax.bitcast_convert_type(b.reshape(*piece.shape, size), piece.dtype)
+        return jax.lax.bitcast_convert_type(b.reshape(shape), dtype)
+    return jax.lax.bitcast_convert_type(b.reshape(*shape, size), dtype)
+
+
+@partial(jax.jit, static_argnames=("bucket",))
+def _pack(sources: tuple, rows: tuple, in_pages: tuple, bucket: int) -> jax.Array:
+    """One prefill device's vector ``[bucket]`` uint8, one program: each source's stored bytes in order — a pool
+    shard ``[pages, page_tokens, ...]`` read at ``(rows[i], in_pages[i])``, or a slot-state leaf whole (its rows
+    None) — concatenated and zero-padded."""
+    parts = [_to_bytes(src if r is None else src[r, p]) for src, r, p in zip(sources, rows, in_pages)]
+    vec = jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.uint8)
+    return jnp.pad(vec, (0, bucket - vec.shape[0]))
+
+
+@partial(jax.jit, static_argnames=("pieces",))
+def _unpack(vec: jax.Array, targets: tuple, rows: tuple, in_pages: tuple, pieces: tuple):
+    """One decode device's received vector into its pool shards, one program. ``pieces``: per piece in the vector's
+    order, ``(shape, dtype, target)`` — ``target`` the index in ``targets`` its rows are stored into at
+    ``(rows[i], in_pages[i])``, or None for a slot-state leaf. Returns ``(targets updated, the state leaves)``."""
+    targets, state, offset = list(targets), [], 0
+    for (shape, dtype, target), r, p in zip(pieces, rows, in_pages):
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        values = _from_bytes(vec[offset:offset + nbytes], shape, dtype)
+        offset += nbytes
+        if target is None:
+            state.append(values)
+        else:
+            targets[target] = targets[target].at[r, p].set(values)
+    return tuple(targets), tuple(state)
 
 
 class Wire:
@@ -155,19 +182,22 @@ class Wire:
         state_leaves = [_local_shards(a) for a in jax.tree.leaves(state)]
         vectors, sent = {}, 0
         for i, dev in enumerate(self.prefill):
-            parts = []
+            sources, rows, in_pages = [], [], []
             for piece in layout.pieces(self.dst_ranks[i]):
                 if piece.pool == "state":
-                    parts.append(_to_bytes(state_leaves[int(piece.key)][dev].data))
+                    sources.append(state_leaves[int(piece.key)][dev].data)
+                    rows.append(None)
+                    in_pages.append(None)
                     continue
                 if piece.pair[0] != self.src_ranks[i]:
                     raise AssertionError(f"prefill device {i} holds rank {self.src_ranks[i]}, not {piece.pair[0]}")
                 shard = _local_shards(dict(_leaves(cache.pool(piece.pool)[piece.group]))[piece.key])[dev]
                 s_rows, _, in_page = plan.copies[piece.group][piece.pair]
-                parts.append(_to_bytes(shard.data[jnp.asarray(s_rows), jnp.asarray(in_page)]))
-            vec = jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.uint8)
-            sent += int(vec.shape[0])
-            vectors[dev] = jax.device_put(jnp.pad(vec, (0, bucket - vec.shape[0])), dev)
+                sources.append(shard.data)
+                rows.append(jax.device_put(np.asarray(s_rows, np.int32), dev))
+                in_pages.append(jax.device_put(np.asarray(in_page, np.int32), dev))
+            sent += layout.nbytes(self.dst_ranks[i])
+            vectors[dev] = _pack(tuple(sources), tuple(rows), tuple(in_pages), bucket)
         got = self._exchange(vectors, bucket)
         return (sent, got) if received else sent
 
@@ -185,17 +215,27 @@ class Wire:
         state_parts = [dict() for _ in layout.state]
         received = 0
         for i, dev in enumerate(self.decode):
-            vec, offset = got[dev], 0
+            names, targets, rows, in_pages, metas = {}, [], [], [], []
             for piece in layout.pieces(self.dst_ranks[i]):
-                values = _from_bytes(vec[offset:offset + piece.nbytes], piece)
-                offset += piece.nbytes
                 if piece.pool == "state":
-                    state_parts[int(piece.key)][dev] = values
+                    metas.append((piece.shape, np.dtype(piece.dtype), None))
+                    rows.append(None)
+                    in_pages.append(None)
                     continue
+                name = (piece.pool, piece.group, piece.key)
+                if name not in names:
+                    names[name] = len(targets)
+                    targets.append(new[piece.pool][piece.group][piece.key][dev])
                 _, d_rows, in_page = plan.copies[piece.group][piece.pair]
-                leaf = new[piece.pool][piece.group][piece.key]
-                leaf[dev] = leaf[dev].at[jnp.asarray(d_rows), jnp.asarray(in_page)].set(values)
-            received += offset
+                metas.append((piece.shape, np.dtype(piece.dtype), names[name]))
+                rows.append(jax.device_put(np.asarray(d_rows, np.int32), dev))
+                in_pages.append(jax.device_put(np.asarray(in_page, np.int32), dev))
+            stored, states = _unpack(got[dev], tuple(targets), tuple(rows), tuple(in_pages), tuple(metas))
+            for (pool, group, key), t in names.items():
+                new[pool][group][key][dev] = stored[t]
+            for piece, values in zip(layout.state, states):
+                state_parts[int(piece.key)][dev] = values
+            received += layout.nbytes(self.dst_ranks[i])
         for pool in POOLS:
             for g in (g for g in plan.copies if g in cache.pool(pool)):
                 store = cache.pool(pool)[g]
