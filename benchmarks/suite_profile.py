@@ -73,11 +73,18 @@ def summarize(log: Path, top: int, durations: dict[str, float]) -> dict:
     by_fun_n = collections.Counter()
     by_test = collections.defaultdict(collections.Counter)          # test -> {function: compiles}
     test_s = collections.Counter()                                    # test -> compile seconds
+    users = collections.defaultdict(set)                            # cache key -> test files compiling / loading it
+    compiled_keys = collections.Counter()                            # cache key -> backend compiles of it
     for line in log.read_text().splitlines():
         parts = line.split("\t")
-        if len(parts) != 5:
+        if len(parts) not in (5, 6):
             continue
         pid, kind, name, sec, test = parts[0], parts[1], parts[2], float(parts[3]), parts[4]
+        key = parts[5] if len(parts) == 6 and parts[5] != "-" else None
+        if key is not None and kind in ("hit", "compile"):
+            users[key].add(test.split("::")[0])
+        if kind == "compile" and key is not None and not pending[pid]:
+            compiled_keys[key] += 1
         if kind == "hit":
             pending[pid] += 1
         elif kind == "trace":
@@ -110,6 +117,11 @@ def summarize(log: Path, top: int, durations: dict[str, float]) -> dict:
         "trace_s": round(trace_s, 1),
         "lower_s": round(lower_s, 1),
         "functions_compiled": len(by_fun_n),
+        # from the probe's cache keys (absent from a log without them): distinct programs compiled, those compiled
+        # in more than one process, and those used (compiled or loaded) by more than one test file
+        "distinct_programs_compiled": len(compiled_keys),
+        "programs_compiled_twice_or_more": sum(1 for n in compiled_keys.values() if n > 1),
+        "programs_shared_across_files": sum(1 for files in users.values() if len(files) > 1),
         "compile_s_per_process_top": sorted((round(v, 1) for v in compile_s.values()), reverse=True)[:6],
         "top_functions": [{"function": f, "compiles": by_fun_n[f], "seconds": round(s, 1)}
                           for f, s in by_fun.most_common(top)],
