@@ -103,21 +103,35 @@ def candidate_block_scores(scores: np.ndarray, ratio: int, block: int) -> np.nda
     return np.where(np.arange(blk.shape[-1])[None, None] == last[None, :, None], np.inf, blk)
 
 
-def selection_margin(cfg, params, tokens, first: int) -> tuple[float, str]:
+def selection_margin(cfg, params, tokens, first: int, length: int | None = None) -> tuple[float, str]:
     """The smallest relative gap at any selection boundary of rows ``first …`` of the full forward of ``tokens``
     (1-D): the index top-k and candidate blocks of every index layer and the MoE top-k of every layer, with the
     boundary it sits on. Two paths whose FP32 values differ by rounding select the same entries and experts on
-    a row whose margin is well above that rounding; a smaller margin is a near-tie either path may flip."""
+    a row whose margin is well above that rounding; a smaller margin is a near-tie either path may flip.
+
+    ``length``: run the forward padded to that many tokens (one compiled program for every sequence up to it) and
+    read the rows and entries of the unpadded sequence only: the model is causal, so its rows are the unpadded
+    forward's, and its ``n // ratio`` complete groups are the entries they see (asserted: every later entry is
+    unselectable on those rows)."""
     from v41cp import model
 
-    _, _, inter = model.forward_debug(params, cfg, np.asarray(tokens)[None])
+    tokens = np.asarray(tokens)
+    n = len(tokens)
+    padded = tokens[None]
+    if length is not None and length > n:
+        padded = np.full((1, length), cfg.pad_token_id, np.int32)
+        padded[0, :n] = tokens
+    _, _, inter = model.forward_debug(params, cfg, padded)
     worst = (np.inf, "none")
     for role in cfg.layer_roles:
         layer = inter[f"layers_{role.index}"]
         gaps = {} if cfg.hash_routed(role.index) else {     # a hash-routed layer's experts come from its table
-            "moe": boundary_gap(np.asarray(layer["ffn"]["route_scores"][0]), cfg.num_experts_per_tok)}
+            "moe": boundary_gap(np.asarray(layer["ffn"]["route_scores"][0])[:n], cfg.num_experts_per_tok)}
         if role.is_index_source and "index_scores" in layer["attn"]:
-            scores = np.asarray(layer["attn"]["index_scores"][0])
+            scores = np.asarray(layer["attn"]["index_scores"][0])[:, :n]
+            entries = n // role.ratio
+            assert (scores[:, :, entries:] == -np.inf).all(), (role.index, "an entry past the sequence is visible")
+            scores = scores[:, :, :entries]
             gaps["index"] = boundary_gap(scores[0], min(cfg.index_topk, scores.shape[-1]))
             if role.candidate_source:
                 blocks = candidate_block_scores(scores, role.ratio, cfg.candidate_block_size)
@@ -574,11 +588,26 @@ def sharded_teacher_forcing(cfg, params, seqs: dict, start: dict, block: int, ma
             {rid: run.flips.get(rid, []) for rid in seqs})
 
 
+def full_forward_rows(params, cfg, seq, length: int) -> np.ndarray:
+    """Logits ``[len(seq), V]`` (FP32) of the full forward of the 1-D ``seq``, run padded to ``length`` tokens: one
+    compiled program for every sequence up to that length, where the unpadded forward compiles one per length. The
+    model is causal, so the rows are the unpadded forward's (to the rounding of another program's shapes)."""
+    from v41cp import model
+
+    seq = np.asarray(seq)
+    if length < len(seq):
+        raise ValueError(f"length {length} is shorter than the sequence ({len(seq)} tokens)")
+    padded = np.full((1, length), cfg.pad_token_id, np.int32)
+    padded[0, :len(seq)] = seq
+    return np.asarray(model.forward(params, cfg, padded))[0, :len(seq)]
+
+
 def greedy_reference(cfg, params, prompts: dict, new: int, length: int) -> tuple[dict, dict]:
     """The full forward's greedy continuation of each prompt (id → token list) by ``new`` tokens, with the logits
     behind each: ``({id: tokens}, {id: logits [new, V]})``. Every forward runs at one padded length ``length`` (one
     compile; the model is causal, so the rows before the padding are those of the unpadded sequence). Asserts no
-    greedy near-tie (1e-4 relative) and no selection near-tie (`selection_margin` > 1e-5) on any row."""
+    greedy near-tie (1e-4 relative) and no selection near-tie (`selection_margin` > 1e-5, at the same padded length)
+    on any row."""
     from v41cp import model
 
     want, want_logits = {}, {}
@@ -591,7 +620,7 @@ def greedy_reference(cfg, params, prompts: dict, new: int, length: int) -> tuple
             assert top_gap(logits) > 1e-4, (rid, len(seq), "greedy near-tie")
             rows.append(logits)
             seq.append(int(logits.argmax()))
-        margin, where = selection_margin(cfg, params, seq, 0)
+        margin, where = selection_margin(cfg, params, seq, 0, length)
         assert margin > 1e-5, (rid, where)
         want[rid], want_logits[rid] = seq[len(prompt):], np.stack(rows)
     return want, want_logits

@@ -116,7 +116,6 @@ def test_indexer_topk_kernel_ids_equal_reference(dtype, values):
         assert rel_err(np.asarray(vals)[fin], np.asarray(vals_ref)[fin]) <= 1e-5
 
 
-@pytest.mark.fast
 def test_bf16_index_scores_round_inside_jitted_programs():
     """XLA drops an f32 → bf16 → f32 convert pair in a jitted program (excess precision), which left the XLA
     path's BF16 index scores unrounded under `jax.jit` and its top-k ids unlike the kernel's (every row of an

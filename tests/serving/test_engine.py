@@ -105,7 +105,6 @@ def test_seeded_sampling_is_deterministic(tiny):
     assert runs[0] == runs[1] and runs[0] != runs[2]
 
 
-@pytest.mark.fast
 def test_bad_input_is_rejected_and_others_unharmed(tiny):
     cfg, params = tiny
     eng = Engine(params, cfg, CAP)

@@ -19,13 +19,13 @@ import pytest
 from helpers import (
     assert_prefix_hit_bit_identical,
     decode_teacher_forcing,
+    full_forward_rows,
     greedy_reference,
     greedy_rounds,
     perturbed_model,
     rel_err,
 )
 
-from v41cp import model
 from v41cp.config import preset
 from v41cp.serving.engine import Capacity, Engine, SamplingParams
 
@@ -41,9 +41,10 @@ def test_decode_teacher_forcing_matches_full_forward(v4):
     cfg, params = v4
     rng = np.random.default_rng(7)
     seqs = {"a": rng.integers(3, cfg.vocab_size, 41), "b": rng.integers(3, cfg.vocab_size, 23)}
-    got = decode_teacher_forcing(cfg, params, seqs, {"a": 0, "b": 9}, BLOCK, 3, 8, 24, 45)
+    # test_v4_parallel's capacity (4 slots, 8 pages each, 32 pages): the same compiled step, loaded, not compiled again
+    got = decode_teacher_forcing(cfg, params, seqs, {"a": 0, "b": 9}, BLOCK, 4, 8, 32, 45)
     for rid, seq in seqs.items():
-        err = rel_err(got[rid], np.asarray(model.forward(params, cfg, seq[None]))[0])
+        err = rel_err(got[rid], full_forward_rows(params, cfg, seq, 64))          # the greedy fixture's program
         print(f"\n[v4 decode teacher forcing] {rid} ({len(seq)} tokens): logits rel err {err:.2e}")
         assert err <= 1e-5
 

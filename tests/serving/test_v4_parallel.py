@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import decode_teacher_forcing, greedy_reference, greedy_rounds, perturbed, rel_err
+from helpers import decode_teacher_forcing, full_forward_rows, greedy_reference, greedy_rounds, perturbed, rel_err
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -82,7 +82,7 @@ def test_sharded_decode_equals_one_device(v4, single_device, name):
     seqs, start, want = single_device
     got = decode_teacher_forcing(cfg, params, seqs, start, BLOCK, 4, 8, 32, 45, parallel=TOPOLOGIES[name])
     for rid, seq in seqs.items():
-        full = np.asarray(model.forward(params, cfg, seq[None]))[0]
+        full = full_forward_rows(params, cfg, seq, 64)                       # the greedy fixture's program
         err, err_full = rel_err(got[rid], want[rid]), rel_err(got[rid], full)
         print(f"\n[v4 {name}] {rid} ({len(seq)} tokens): vs one device {err:.2e}, vs full forward {err_full:.2e}")
         assert err <= 1e-5 and err_full <= 1e-5

@@ -24,6 +24,7 @@ from helpers import (
     assert_prefix_hit_bit_identical,
     assert_rows_agree,
     decode_teacher_forcing,
+    full_forward_rows,
     greedy_reference,
     greedy_rounds,
     perturbed_model,
@@ -186,7 +187,7 @@ def test_record_pages_compute_exactly_the_fake_quant_values(v4r, teacher_forced)
     seqs, _, records, values = teacher_forced
     for rid, seq in seqs.items():
         np.testing.assert_array_equal(records[rid], values[rid], err_msg=rid)
-        full = np.asarray(model.forward(params, cfg, seq[None]))[0]
+        full = full_forward_rows(params, cfg, seq, 48)                       # one forward program for the three
         err = rel_err(records[rid], full)
         print(f"\n[v4 records] {rid} ({len(seq)} tokens): vs the fake-quant forward {err:.2e}")
         assert err <= FLIP, rid

@@ -301,7 +301,8 @@ def test_verification_rows_equal_feeding_one_token_at_a_time(n, sparse):
           f"equal the one-at-a-time caches over {ROUNDS} rounds (lengths {[len(h) for h in hist.values()]})")
     assert compared > 40
     # the inputs hold no near-tie a rounding difference could flip (else the equality below is not meaningful)
-    margin = min(selection_margin(cfg, _model(sparse)[1], h, prompt[rid]) for rid, h in hist.items())
+    longest = max(len(h) for h in hist.values())                   # one padded forward program for the three
+    margin = min(selection_margin(cfg, _model(sparse)[1], h, prompt[rid], longest) for rid, h in hist.items())
     assert margin[0] > TIE_GAP, f"verification inputs sit on a selection near-tie: {margin}"
     assert worst <= 1e-5
 
