@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -81,7 +82,7 @@ def summarize(log: Path, top: int, durations: dict[str, float]) -> dict:
             continue
         pid, kind, name, sec, test = parts[0], parts[1], parts[2], float(parts[3]), parts[4]
         key = parts[5] if len(parts) == 6 and parts[5] != "-" else None
-        if key is not None and kind in ("hit", "compile"):
+        if key is not None and kind in ("hit", "compile") and test != "-":      # (outside any test: not a file)
             users[key].add(test.split("::")[0])
         if kind == "compile" and key is not None and not pending[pid]:
             compiled_keys[key] += 1
@@ -152,23 +153,27 @@ def main() -> None:
     peak = {"sum_kb": 0, "largest_kb": 0}
     stop = threading.Event()
     t0 = time.perf_counter()
+    # its own session: a timeout stops run_suite.py, both pytest runs and their workers and children together
     proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "run_suite.py"), *args.pytest_args, "--durations=0"],
-                            cwd=ROOT, env=env,
+                            cwd=ROOT, env=env, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     sampler = threading.Thread(target=_sample_memory, args=(proc.pid, stop, peak), daemon=True)
     sampler.start()
     try:
-        stdout, _ = proc.communicate(timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise SystemExit(f"the suite ran past --timeout {args.timeout} s: stopped")
+        try:
+            stdout, _ = proc.communicate(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise SystemExit(f"the suite ran past --timeout {args.timeout} s: stopped")
+        finally:
+            stop.set()
+        wall = time.perf_counter() - t0
+        outcomes = [line.strip("= ") for line in stdout.splitlines()
+                    if " in " in line and ("passed" in line or "failed" in line)]       # one per tier
+        distinct = sum(1 for f in Path(cache).rglob("*-cache") if f.is_file())      # jax lru_cache: <key>-cache
     finally:
-        stop.set()
-    wall = time.perf_counter() - t0
-    outcomes = [line.strip("= ") for line in stdout.splitlines()
-                if " in " in line and ("passed" in line or "failed" in line)]       # one per tier
-    distinct = sum(1 for f in Path(cache).rglob("*-cache") if f.is_file())      # jax lru_cache: <key>-cache
-    shutil.rmtree(cache, ignore_errors=True)
+        shutil.rmtree(cache, ignore_errors=True)
     result = {"pytest_args": args.pytest_args, "returncode": proc.returncode, "wall_s": round(wall, 1),
               "outcome": outcomes, "distinct_programs": distinct,
               "peak_rss_sum_gb": round(peak["sum_kb"] / 2**20, 2),

@@ -15,7 +15,7 @@ memory mappings, and a worker that kept every program of half the suite passed t
 release) and died inside a compile with a segmentation fault. Later modules reload programs from the compilation
 cache. Keeping them instead until a worker neared the mapping limit was measured and bought nothing (2026-12-07:
 eight runner / engine modules in one process, side by side, 431 s kept vs 425 s released, peak memory 4.0 GB vs
-2.6 GB; in the whole suite 0.9 k fewer cache loads, 1.7 GB more resident): the programs a later module uses
+2.6 GB; in the whole suite 0.9 k fewer cache loads, 1.3 GB more resident summed): the programs a later module uses
 again are few, and most of a module's programs are its own."""
 
 import os

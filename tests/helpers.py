@@ -118,7 +118,9 @@ def selection_margin(cfg, params, tokens, first: int, length: int | None = None)
     tokens = np.asarray(tokens)
     n = len(tokens)
     padded = tokens[None]
-    if length is not None and length > n:
+    if length is not None:
+        if length < n:
+            raise ValueError(f"length {length} is shorter than the sequence ({n} tokens)")
         padded = np.full((1, length), cfg.pad_token_id, np.int32)
         padded[0, :n] = tokens
     _, _, inter = model.forward_debug(params, cfg, padded)
@@ -132,10 +134,11 @@ def selection_margin(cfg, params, tokens, first: int, length: int | None = None)
             entries = n // role.ratio
             assert (scores[:, :, entries:] == -np.inf).all(), (role.index, "an entry past the sequence is visible")
             scores = scores[:, :, :entries]
-            gaps["index"] = boundary_gap(scores[0], min(cfg.index_topk, scores.shape[-1]))
-            if role.candidate_source:
-                blocks = candidate_block_scores(scores, role.ratio, cfg.candidate_block_size)
-                gaps["blocks"] = boundary_gap(blocks[0], cfg.candidate_topk_blocks)
+            if entries:                                     # (none yet: nothing selected, no boundary)
+                gaps["index"] = boundary_gap(scores[0], min(cfg.index_topk, scores.shape[-1]))
+                if role.candidate_source:
+                    blocks = candidate_block_scores(scores, role.ratio, cfg.candidate_block_size)
+                    gaps["blocks"] = boundary_gap(blocks[0], cfg.candidate_topk_blocks)
         for kind, gap in gaps.items():
             at = first + int(np.argmin(gap[first:]))
             if gap[at] < worst[0]:

@@ -2,7 +2,7 @@
 process of the run that imports jax (the pytest workers and every CLI / server / notebook / two-process child), one
 line per XLA backend compile, per load from the persistent compilation cache, and per trace / lowering to
 ``$V41CP_SUITE_PROBE_LOG``, with the test that was running (``PYTEST_CURRENT_TEST``, inherited by the children);
-a compile or load line also carries the program's persistent-cache key (the last one jax computed in the process,
+a compile or load line also carries the program's persistent-cache key (the last one jax computed in its thread,
 read by wrapping `compilation_cache.get_cache_key`, whose result it returns unchanged), so a run's distinct
 programs and the tests that share one can be counted. Inactive unless that variable is set; it only listens
 (`jax.monitoring`), it changes nothing the run computes."""
@@ -20,11 +20,13 @@ if _LOG:
                "/jax/core/compile/jaxpr_trace_duration": "trace",
                "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower"}
 
-    _KEY = ["-"]                                     # the last persistent-cache key computed in this process
+    import threading
+
+    _KEY = threading.local()                         # the last persistent-cache key computed in this thread
 
     def _write(kind: str, name: str, seconds: float) -> None:
         test = os.environ.get("PYTEST_CURRENT_TEST", "-").split(" ")[0]
-        key = f"\t{_KEY[0]}" if kind in ("compile", "hit") else ""
+        key = f"\t{getattr(_KEY, 'key', '-')}" if kind in ("compile", "hit") else ""
         with open(_LOG, "a") as f:                   # one short line per append: whole lines across processes
             f.write(f"{os.getpid()}\t{kind}\t{name}\t{seconds:.4f}\t{test}{key}\n")
 
@@ -35,7 +37,7 @@ if _LOG:
         inner = compilation_cache.get_cache_key
 
         def get_cache_key(*args, **kwargs):
-            _KEY[0] = key = inner(*args, **kwargs)
+            _KEY.key = key = inner(*args, **kwargs)
             return key
 
         compilation_cache.get_cache_key = get_cache_key

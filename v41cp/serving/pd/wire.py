@@ -127,6 +127,8 @@ def _pack(sources: tuple, rows: tuple, in_pages: tuple, bucket: int) -> jax.Arra
     None) — concatenated and zero-padded."""
     parts = [_to_bytes(src if r is None else src[r, p]) for src, r, p in zip(sources, rows, in_pages)]
     vec = jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.uint8)
+    if vec.shape[0] > bucket:
+        raise ValueError(f"the pieces hold {vec.shape[0]} bytes, over the {bucket}-byte vector")
     return jnp.pad(vec, (0, bucket - vec.shape[0]))
 
 
@@ -196,7 +198,11 @@ class Wire:
                 sources.append(shard.data)
                 rows.append(jax.device_put(np.asarray(s_rows, np.int32), dev))
                 in_pages.append(jax.device_put(np.asarray(in_page, np.int32), dev))
-            sent += layout.nbytes(self.dst_ranks[i])
+            nbytes = sum((src.size if r is None else len(r) * int(np.prod(src.shape[2:]))) * src.dtype.itemsize
+                         for src, r in zip(sources, rows))               # what the shards give, not the layout
+            if nbytes > bucket:
+                raise AssertionError(f"prefill device {i} packs {nbytes} bytes, over the {bucket}-byte vector")
+            sent += nbytes
             vectors[dev] = _pack(tuple(sources), tuple(rows), tuple(in_pages), bucket)
         got = self._exchange(vectors, bucket)
         return (sent, got) if received else sent
@@ -226,6 +232,9 @@ class Wire:
                 if name not in names:
                     names[name] = len(targets)
                     targets.append(new[piece.pool][piece.group][piece.key][dev])
+                if targets[names[name]].shape[2:] != piece.shape[1:]:
+                    raise AssertionError(f"decode device {i}: {name} holds rows of {targets[names[name]].shape[2:]}, "
+                                         f"the layout's piece {piece.shape[1:]}")
                 _, d_rows, in_page = plan.copies[piece.group][piece.pair]
                 metas.append((piece.shape, np.dtype(piece.dtype), names[name]))
                 rows.append(jax.device_put(np.asarray(d_rows, np.int32), dev))
