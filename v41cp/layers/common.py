@@ -11,8 +11,8 @@ import jax.numpy as jnp
 
 from v41cp.kernels import match_varying
 
-__all__ = ["declare", "abstract_tree_cache", "rms_norm", "dtype_of", "normal_init", "ones_init", "zeros_init", "full_after", "stacked_loop",
-           "weight_for", "TIE_ROWS"]
+__all__ = ["declare", "abstract_tree_cache", "rms_norm", "dtype_of", "normal_init", "ones_init", "zeros_init",
+           "full_after", "stacked_loop", "weight_for", "TIE_ROWS"]
 
 normal_init = nn.initializers.normal(stddev=0.02)
 ones_init = nn.initializers.ones
