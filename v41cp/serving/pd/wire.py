@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 from v41cp.serving.cache.device_cache import POOLS, PagedCache
 from v41cp.serving.cache.paged import store_rows
 from v41cp.serving.cache.slot_state import put_slot_state
-from v41cp.serving.pd.transfer import TransferPlan, shard_rank
+from v41cp.serving.pd.transfer import TransferPlan, _gather_rows, _store_rows, shard_rank
 
 __all__ = ["WireLayout", "Wire", "check_pairing", "device_ranks"]
 
@@ -125,7 +125,7 @@ def _pack(sources: tuple, rows: tuple, in_pages: tuple, bucket: int) -> jax.Arra
     """One prefill device's vector ``[bucket]`` uint8, one program: each source's stored bytes in order — a pool
     shard ``[pages, page_tokens, ...]`` read at ``(rows[i], in_pages[i])``, or a slot-state leaf whole (its rows
     None) — concatenated and zero-padded."""
-    parts = [_to_bytes(src if r is None else src[r, p]) for src, r, p in zip(sources, rows, in_pages)]
+    parts = [_to_bytes(src if r is None else _gather_rows(src, r, p)) for src, r, p in zip(sources, rows, in_pages)]
     vec = jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.uint8)
     if vec.shape[0] > bucket:
         raise ValueError(f"the pieces hold {vec.shape[0]} bytes, over the {bucket}-byte vector")
@@ -145,7 +145,7 @@ def _unpack(vec: jax.Array, targets: tuple, rows: tuple, in_pages: tuple, pieces
         if target is None:
             state.append(values)
         else:
-            targets[target] = targets[target].at[r, p].set(values)
+            targets[target] = _store_rows(targets[target], r, p, values)
     return tuple(targets), tuple(state)
 
 
