@@ -62,6 +62,9 @@ def _sample_memory(root: int, stop: threading.Event, peak: dict) -> None:
         peak["largest_kb"] = max(peak["largest_kb"], largest)
 
 
+HEAVY_S = 1.0                                       # a compile this long is an engine-sized program
+
+
 def summarize(log: Path, top: int, durations: dict[str, float]) -> dict:
     """The probe's lines → figures (see the module docstring)."""
     pending = collections.Counter()
@@ -76,16 +79,23 @@ def summarize(log: Path, top: int, durations: dict[str, float]) -> dict:
     test_s = collections.Counter()                                    # test -> compile seconds
     users = collections.defaultdict(set)                            # cache key -> test files compiling / loading it
     compiled_keys = collections.Counter()                            # cache key -> backend compiles of it
+    heavy_keys = {}                                                  # cache key -> seconds, compiles over HEAVY_S
+    layouts = collections.defaultdict(set)                           # engine layout -> test files building it
     for line in log.read_text().splitlines():
         parts = line.split("\t")
         if len(parts) not in (5, 6):
             continue
         pid, kind, name, sec, test = parts[0], parts[1], parts[2], float(parts[3]), parts[4]
+        if kind == "runner":                                         # (the name column holds the layout)
+            layouts[name].add(test.split("::")[0])
+            continue
         key = parts[5] if len(parts) == 6 and parts[5] != "-" else None
         if key is not None and kind in ("hit", "compile") and test != "-":      # (outside any test: not a file)
             users[key].add(test.split("::")[0])
         if kind == "compile" and key is not None and not pending[pid]:
             compiled_keys[key] += 1
+            if sec > HEAVY_S:
+                heavy_keys[key] = heavy_keys.get(key, 0.0) + sec
         if kind == "hit":
             pending[pid] += 1
         elif kind == "trace":
@@ -123,6 +133,13 @@ def summarize(log: Path, top: int, durations: dict[str, float]) -> dict:
         "distinct_programs_compiled": len(compiled_keys),
         "programs_compiled_twice_or_more": sum(1 for n in compiled_keys.values() if n > 1),
         "programs_shared_across_files": sum(1 for files in users.values() if len(files) > 1),
+        # the engine-sized programs (a compile over HEAVY_S seconds): how many distinct ones, their compile seconds
+        "heavy_programs": len(heavy_keys),
+        "heavy_compile_s": round(sum(heavy_keys.values()), 1),
+        # distinct engine layouts (model config, capacity, topology, options: `ModelRunner`s built), and those built
+        # by more than one test file
+        "engine_layouts": len(layouts),
+        "engine_layouts_shared_across_files": sum(1 for files in layouts.values() if len(files) > 1),
         "compile_s_per_process_top": sorted((round(v, 1) for v in compile_s.values()), reverse=True)[:6],
         "top_functions": [{"function": f, "compiles": by_fun_n[f], "seconds": round(s, 1)}
                           for f, s in by_fun.most_common(top)],

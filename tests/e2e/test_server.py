@@ -28,7 +28,8 @@ PROMPTS = ["w1 w2 w3", "W4 w9 w30 W31 w2", "w7", "x200 w5 W5 w6 w6 w100", "w3 w3
 @pytest.fixture(scope="module")
 def server():
     srv = ServerProcess("--max-batch", "8", "--max-context", str(CAPACITY), "--max-waiting", "8",
-                        "--max-prefill-tokens", "64")             # 3 prefill buckets to warm up (16, 32, 64)
+                        "--max-prefill-tokens", "64",             # one prefill bucket to warm up (64 rows; the
+                        "--prefill-bucket-count", "1")            # ladder's warm-up: test_prefill_rounds.py)
     yield srv
     assert srv.stop() in CLEAN_EXIT, srv.output()[-3000:]
 

@@ -9,7 +9,7 @@ from v41cp import model
 from v41cp.checkpoint import default_checkpoint, load
 from v41cp.serving.engine import Capacity, Engine, SamplingParams
 
-CAP = Capacity(max_batch=3, max_tokens=48, block_tokens=4, prefill_chunk=8)
+CAP = Capacity(prefill_bucket_count=1, max_batch=3, max_tokens=48, block_tokens=4, prefill_chunk=8)
 
 
 @pytest.fixture(scope="module")

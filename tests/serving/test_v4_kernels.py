@@ -68,7 +68,8 @@ def test_engine_with_the_kernels_equals_xla(v4):
     prompts, out = _prompts(cfg), {}
     for backend in ("xla", "pallas"):
         c = cfg.replace(attention_backend=backend, indexer_backend=backend)
-        eng = Engine(params, c, Capacity(max_batch=2, max_tokens=64, block_tokens=8), record_logits=True)
+        eng = Engine(params, c, Capacity(prefill_bucket_count=1,
+                                         max_batch=2, max_tokens=64, block_tokens=8), record_logits=True)
         out[backend] = greedy_rounds(eng, prompts, (("r0", "r2"), ("hit",)), 4)
         assert eng.result("hit")["cached_tokens"] == 40
     assert out["pallas"][0] == out["xla"][0]

@@ -32,7 +32,7 @@ from v41cp.serving.engine import Capacity, Engine, SamplingParams
 from v41cp.serving.runner.mtp_draft import mtp_draft_step
 from v41cp.serving.runner.speculative import Speculative
 
-CAP = Capacity(max_batch=3, max_tokens=48, block_tokens=8)
+CAP = Capacity(prefill_bucket_count=1, max_batch=3, max_tokens=48, block_tokens=8)
 N = 2                                                         # chained MTP rows per step
 NEW = 12
 LENGTH = 48                                                   # the full forwards' padded length (one compile)

@@ -157,7 +157,8 @@ def test_sharded_engine_greedy_equals_full_forward(v4, greedy, name, prefill):
     forward's greedy tokens, each output token's logits within 1e-5."""
     cfg, params = v4
     prompts, want, want_logits = greedy
-    cap = Capacity(max_batch=2, max_tokens=64, block_tokens=BLOCK, span_prefill=prefill != "token-serial",
+    cap = Capacity(prefill_bucket_count=1,
+                   max_batch=2, max_tokens=64, block_tokens=BLOCK, span_prefill=prefill != "token-serial",
                    prefill_tokens=16 if prefill == "span-16-row-passes" else None)
     eng = Engine(params, cfg, cap, parallel={**TOPOLOGIES, **PREFILL_TOPOLOGIES}[name], record_logits=True)
     got, logits = greedy_rounds(eng, prompts, (("r0", "r2"), ("hit", "short")), NEW)

@@ -240,7 +240,8 @@ def test_record_engine_greedy_equals_the_fake_quant_forward(v4r_dense, greedy, n
     prompts, want, want_logits = greedy
     parallel = ParallelConfig(tp_size=2, query_context_parallel_size=2, kv_parallel_size=2,
                               decode_context_parallel_size=2) if name == "qcp2-kvp2" else None
-    eng = Engine(params, cfg, Capacity(max_batch=2, max_tokens=64, block_tokens=BLOCK), parallel=parallel,
+    eng = Engine(params, cfg, Capacity(prefill_bucket_count=1,
+                                       max_batch=2, max_tokens=64, block_tokens=BLOCK), parallel=parallel,
                  record_logits=True)
     got, logits = greedy_rounds(eng, prompts, (("r0", "r2"), ("hit",)), NEW)
     assert got == want
@@ -256,7 +257,7 @@ def test_record_prefix_hit_is_bit_identical_to_a_cold_prefill(v4r_dense, greedy)
     """The hit's first-token logits and every byte of its record pages and rings equal a cold prefill's."""
     cfg, params = v4r_dense
     prompts = greedy[0]
-    cap = Capacity(max_batch=2, max_tokens=64, block_tokens=BLOCK)
+    cap = Capacity(prefill_bucket_count=1, max_batch=2, max_tokens=64, block_tokens=BLOCK)
     sp = SamplingParams(max_new_tokens=NEW, stop_on_eos=False)
 
     keys = assert_prefix_hit_bit_identical(params, cfg, cap, prompts, ("r2",), "hit", sp, 40)

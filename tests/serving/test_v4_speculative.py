@@ -31,7 +31,7 @@ from v41cp.config import preset
 from v41cp.serving.engine import Capacity, Engine, SamplingParams
 from v41cp.serving.runner.speculative import Speculative
 
-CAP = Capacity(max_batch=3, max_tokens=48, block_tokens=8)
+CAP = Capacity(prefill_bucket_count=1, max_batch=3, max_tokens=48, block_tokens=8)
 N = 3                                                         # drafts per step
 PROMPT_LENGTHS = (6, 15, 29)
 NEW = 14

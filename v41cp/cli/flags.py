@@ -308,6 +308,11 @@ class PrefillFlags(_Group):
         help="span prefill rows per round across requests (like vLLM's --max-num-batched-tokens / SGLang's "
              "--chunked-prefill-size): longer prompts continue over rounds while others decode; default "
              "min(8192, max batch × max context)")
+    prefill_bucket_count: int | None = flag(
+        "--prefill-bucket-count", type=int,
+        help="span prefill row buckets compiled at most (one program each: the largest of the halving ladder from "
+             "--max-prefill-tokens down to 16 rows); fewer: a shorter warm-up and fewer programs held, short passes "
+             "padded to a larger bucket; default: the whole ladder")
     ced: bool = flag("--ced", default=False, action="store_true", help="CED narrowing of prefill (exact)")
     enable_prefix_caching: bool = flag(
         "--enable-prefix-caching", default=True, action=argparse.BooleanOptionalAction,
@@ -319,7 +324,8 @@ class PrefillFlags(_Group):
     def options(self) -> dict:
         """The engine's prefill options (`Capacity` fields)."""
         return {"span_prefill": False if self.token_serial_prefill else None, "ced": self.ced,
-                "prefill_tokens": self.max_prefill_tokens, "prefix_caching": self.enable_prefix_caching,
+                "prefill_tokens": self.max_prefill_tokens, "prefill_bucket_count": self.prefill_bucket_count,
+                "prefix_caching": self.enable_prefix_caching,
                 "prefix_states": self.prefix_states}
 
 

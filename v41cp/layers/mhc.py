@@ -25,7 +25,9 @@ def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
     The ``iters − 1`` row-then-column passes are one loop on a CPU and unrolled elsewhere, the same arithmetic in the
     same order: XLA:CPU compiles the unrolled passes, which its fusion duplicates into long recomputed chains, in about
     twice the time of the loop (`docs/benchmarks.md`), while a GPU runs them as a few fused kernels where a loop would
-    launch the body's kernels once per pass."""
+    launch the body's kernels once per pass. The unrolled passes are a fully unrolled ``fori_loop``: the body is
+    traced once and called per pass (XLA inlines the calls: the compiled program is the unrolled one), so tracing for
+    a CPU, which traces both branches, does not trace the passes one by one."""
     x = jax.nn.softmax(logits, axis=-1) + eps
     x = x / (jnp.sum(x, axis=-2, keepdims=True) + eps)
 
@@ -33,13 +35,9 @@ def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
         x = x / (jnp.sum(x, axis=-1, keepdims=True) + eps)
         return x / (jnp.sum(x, axis=-2, keepdims=True) + eps)
 
-    def unrolled(x):
-        for i in range(iters - 1):
-            x = row_then_column(i, x)
-        return x
-
-    return jax.lax.platform_dependent(x, cpu=lambda x: jax.lax.fori_loop(0, iters - 1, row_then_column, x),
-                                      default=unrolled)
+    return jax.lax.platform_dependent(
+        x, cpu=lambda x: jax.lax.fori_loop(0, iters - 1, row_then_column, x),
+        default=lambda x: jax.lax.fori_loop(0, iters - 1, row_then_column, x, unroll=True))
 
 
 def collapse(streams: jax.Array, pre: jax.Array) -> jax.Array:

@@ -38,6 +38,10 @@ class Capacity:
     ced: bool = False                      # CED narrowing of prefill (exact; off by default)
     span_prefill: bool | None = None       # None / True: span prefill; False: token-serial (the reference)
     prefill_tokens: int | None = None      # span prefill rows per round (default: DEFAULT_PREFILL_TOKENS, capped)
+    # the span prefill's row buckets at most (one compiled program each): the largest ``prefill_bucket_count`` of the
+    # halving ladder (`prefill_buckets`); None: the whole ladder down to 16 rows. Fewer buckets: a shorter warm-up
+    # and fewer programs held, a short pass padded to a larger bucket (1: every pass computes `round_tokens` rows)
+    prefill_bucket_count: int | None = None
     max_waiting: int = 64                  # queued requests beyond this are rejected at submit
     # admission reserves each request's whole output budget (no request is ever preempted, fewer run at once)
     # instead of pages on demand
@@ -56,6 +60,10 @@ class Capacity:
             raise ValueError(f"capacity prefill_tokens must be a positive integer or None, got {self.prefill_tokens!r}")
         if type(self.max_logprobs) is not int or self.max_logprobs < 0:
             raise ValueError(f"capacity max_logprobs must be a non-negative integer, got {self.max_logprobs!r}")
+        if self.prefill_bucket_count is not None and (type(self.prefill_bucket_count) is not int
+                                                      or self.prefill_bucket_count <= 0):
+            raise ValueError("capacity prefill_bucket_count must be a positive integer or None, got "
+                             f"{self.prefill_bucket_count!r}")
         if self.span_prefill not in (None, True, False):
             raise ValueError(f"capacity span_prefill must be True, False or None, got {self.span_prefill!r}")
         for name in ("max_batch", "max_tokens", "block_tokens", "prefill_chunk"):
@@ -93,12 +101,13 @@ class Capacity:
     def prefill_buckets(self) -> tuple[int, ...]:
         """The span prefill's row buckets, ascending: `round_tokens` and its halves, quarters, … down to 16 rows
         (multiples of 8) — a pass of ``T`` rows computes the smallest bucket ≥ ``T``, less than 2× ``T`` (but the
-        smallest bucket); ⌈log2(round_tokens / 16)⌉ + 1 programs in all (8192 rows: 10)."""
+        smallest bucket); ⌈log2(round_tokens / 16)⌉ + 1 programs in all (8192 rows: 10), or the largest
+        ``prefill_bucket_count`` of them."""
         out, r = [], -(-self.round_tokens // 8) * 8
         while True:
             out.append(r)
             nxt = -(-(r // 2) // 8) * 8
-            if r <= 16 or nxt < 16 or nxt >= r:
+            if r <= 16 or nxt < 16 or nxt >= r or len(out) == self.prefill_bucket_count:
                 break
             r = nxt
         return tuple(sorted(out))

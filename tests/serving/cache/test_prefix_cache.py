@@ -217,7 +217,7 @@ def test_prefix_hits_equal_cold_prefill_on_one_device(tiny_tp8, prefill):
     from v41cp.serving.engine import Capacity
 
     cfg, params = tiny_tp8
-    cap = Capacity(max_batch=3, max_tokens=32, block_tokens=BT, prefill_chunk=8,
+    cap = Capacity(prefill_bucket_count=1, max_batch=3, max_tokens=32, block_tokens=BT, prefill_chunk=8,
                    span_prefill=None if prefill == "span" else False)
     cold, warm = _lockstep(params, cfg, cap)
     st = warm.prefix_stats()
@@ -250,7 +250,8 @@ def test_prefix_hits_with_ced_equal_cold_prefill(tiny_tp8, layout):
     from v41cp.sharding.topology import ParallelConfig
 
     cfg, params = tiny_tp8
-    cap = Capacity(max_batch=3, max_tokens=48, block_tokens=BT, prefill_chunk=8, ced=True, prefill_tokens=48,
+    cap = Capacity(prefill_bucket_count=1,
+                   max_batch=3, max_tokens=48, block_tokens=BT, prefill_chunk=8, ced=True, prefill_tokens=48,
                    span_prefill=False if layout == "serial" else None)
     par = spec = None
     if layout == "qcp8-kvp8":
@@ -302,7 +303,8 @@ def cold_tokens(tiny_tp8):
     def tokens(n):
         if n not in out:
             batch = 1 if n == 1 else 3
-            eng = Engine(params, cfg, Capacity(max_batch=batch, max_tokens=32, block_tokens=BT, prefill_chunk=8,
+            eng = Engine(params, cfg, Capacity(prefill_bucket_count=1,
+                                               max_batch=batch, max_tokens=32, block_tokens=BT, prefill_chunk=8,
                                                prefix_caching=False), parallel=_parallel(n))
             for rid, prompt, new in _tight_workload(cfg):
                 eng.submit(rid, prompt, SamplingParams(max_new_tokens=new, stop_on_eos=False))
@@ -324,7 +326,8 @@ def test_tight_capacity_admits_every_request_and_returns_every_page(tiny_tp8, co
     from v41cp.serving.engine import Capacity, Engine, SamplingParams
 
     cfg, params = tiny_tp8
-    cap = Capacity(max_batch=batch, max_tokens=32, block_tokens=BT, prefill_chunk=8, prefix_caching=True,
+    cap = Capacity(prefill_bucket_count=1,
+                   max_batch=batch, max_tokens=32, block_tokens=BT, prefill_chunk=8, prefix_caching=True,
                    num_blocks=8)
     eng = Engine(params, cfg, cap, parallel=_parallel(n))
     assert eng.num_blocks == cap.max_blocks == 8                                 # no spare page

@@ -17,7 +17,7 @@ import os
 from v41cp.serving.engine import Capacity, EngineLike, SamplingParams
 from v41cp.sharding.topology import ParallelConfig
 
-CAP = Capacity(max_batch=2, max_tokens=32, block_tokens=4, prefill_chunk=8)
+CAP = Capacity(prefill_bucket_count=1, max_batch=2, max_tokens=32, block_tokens=4, prefill_chunk=8)
 PREFILL = ParallelConfig(tp_size=4)
 DECODE = ParallelConfig(tp_size=4, kv_parallel_size=4, decode_context_parallel_size=4)
 # ragged: a partial last page (13), shorter than a page (3), whole pages (8), one more partial (6)

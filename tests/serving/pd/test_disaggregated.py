@@ -18,7 +18,7 @@ from v41cp.serving.pd.transfer import plan_transfer
 from v41cp.serving.pd.wire import check_pairing
 from v41cp.sharding.topology import ParallelConfig
 
-CAP = Capacity(max_batch=3, max_tokens=32, block_tokens=4, prefill_chunk=8)
+CAP = Capacity(prefill_bucket_count=1, max_batch=3, max_tokens=32, block_tokens=4, prefill_chunk=8)
 # ragged prompts: a partial last page (13), one shorter than a page (2: most ranks own none of its pages), whole
 # pages (8), a late arrival that reuses a freed slot
 PROMPTS = {"a": (13, 5, 0), "b": (2, 3, 0), "c": (8, 6, 0), "late": (11, 4, 3)}
@@ -212,7 +212,7 @@ def _v4_aggregated(dtype: str):
     params = perturbed(model.init_params(cfg, jax.random.key(0)))
     rng = np.random.default_rng(4)
     prompts = {rid: rng.integers(3, cfg.vocab_size, n).tolist() for rid, (n, _, _) in V4_PROMPTS.items()}
-    cap = Capacity(max_batch=3, max_tokens=64, block_tokens=8, prefill_chunk=8)
+    cap = Capacity(prefill_bucket_count=1, max_batch=3, max_tokens=64, block_tokens=8, prefill_chunk=8)
     record = []
     _drive(Engine(params, cfg, cap, parallel=DECODE, record_logits=True), prompts, _recorder(record), V4_PROMPTS)
     return cfg, params, cap, prompts, record

@@ -46,6 +46,13 @@ def test_the_default_engine_prefills_by_span_and_warms_every_bucket(tiny):
     with pytest.raises(ValueError, match="exceeds the round's budget"):
         eng.span_buckets(1025)
     assert eng.span_buckets(17) == {"span": 32, "capacity": 32, "dec_capacity": None}
+    # fewer buckets: the largest of the ladder, a short pass padded to the smallest kept
+    two = Capacity(prefill_bucket_count=2)
+    assert two.prefill_buckets == (512, 1024) and Capacity(prefill_bucket_count=99).prefill_buckets == cap.prefill_buckets
+    assert Engine(params, cfg, two).span_buckets(17)["span"] == 512
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match=f"prefill_bucket_count must be a positive integer or None, got {bad!r}"):
+            Capacity(prefill_bucket_count=bad)
 
 
 def _arrivals(cfg, count: int, seed: int, greedy_only: bool, pace: int = 3):

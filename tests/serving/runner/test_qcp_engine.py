@@ -70,7 +70,8 @@ def _cached(n: int, block_tokens: int = 4) -> int:
 def serial_run():
     cfg = preset("tiny-tp8", engram_token_map=TOKEN_MAP)
     params = perturbed(model.init_params(cfg, jax.random.key(0)))
-    cap = Capacity(max_batch=3, max_tokens=32, block_tokens=4, prefill_chunk=8, span_prefill=False)
+    cap = Capacity(prefill_bucket_count=1,
+                   max_batch=3, max_tokens=32, block_tokens=4, prefill_chunk=8, span_prefill=False)
     eng, prompts, res = _engine_run(params, cfg, cap)
     return cfg, params, cap, eng, prompts, res
 

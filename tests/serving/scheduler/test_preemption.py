@@ -16,7 +16,8 @@ from v41cp.serving.engine import Engine, SamplingParams
 from v41cp.serving.scheduler.scheduler import Scheduler
 from v41cp.sharding.topology import ParallelConfig
 
-AMPLE = Capacity(max_batch=2, max_tokens=48, block_tokens=4, prefill_chunk=8)       # 24 blocks: two whole budgets
+AMPLE = Capacity(prefill_bucket_count=1,
+                 max_batch=2, max_tokens=48, block_tokens=4, prefill_chunk=8)       # 24 blocks: two whole budgets
 TIGHT = dataclasses.replace(AMPLE, num_blocks=14)
 
 
