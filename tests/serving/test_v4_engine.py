@@ -93,8 +93,7 @@ def test_prefix_hit_is_bit_identical_to_a_cold_prefill(v4, greedy, prefill):
     pages, window rings, every compressor's ring (`Engine.request_state`)."""
     cfg, params = v4
     prompts = greedy[0]
-    cap = Capacity(prefill_bucket_count=1,
-                   max_batch=3, max_tokens=64, block_tokens=BLOCK, span_prefill=prefill != "token-serial",
+    cap = Capacity(max_batch=3, max_tokens=64, block_tokens=BLOCK, span_prefill=prefill != "token-serial",
                    prefill_tokens=16 if prefill == "span-16-row-passes" else None)
     sp = SamplingParams(max_new_tokens=NEW, stop_on_eos=False)
 

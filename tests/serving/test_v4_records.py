@@ -257,7 +257,7 @@ def test_record_prefix_hit_is_bit_identical_to_a_cold_prefill(v4r_dense, greedy)
     """The hit's first-token logits and every byte of its record pages and rings equal a cold prefill's."""
     cfg, params = v4r_dense
     prompts = greedy[0]
-    cap = Capacity(prefill_bucket_count=1, max_batch=2, max_tokens=64, block_tokens=BLOCK)
+    cap = Capacity(max_batch=2, max_tokens=64, block_tokens=BLOCK)
     sp = SamplingParams(max_new_tokens=NEW, stop_on_eos=False)
 
     keys = assert_prefix_hit_bit_identical(params, cfg, cap, prompts, ("r2",), "hit", sp, 40)

@@ -9,6 +9,7 @@ import flax.linen as nn
 from flax import errors as flax_errors
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from v41cp.kernels import match_varying
 
@@ -58,8 +59,8 @@ def declare(module: nn.Module, name: str, shape: Sequence[int], axes: Sequence[s
         shape = shard.local_shape(tuple(shape), tuple(axes))
     if not module.is_initializing() and module.has_variable("params", name):
         value = nn.meta.unbox(module.get_variable("params", name))
-        if tuple(value.shape) != tuple(shape):
-            raise flax_errors.ScopeParamShapeError(name, module.scope.path_text, tuple(value.shape), tuple(shape))
+        if np.shape(value) != tuple(shape):
+            raise flax_errors.ScopeParamShapeError(name, module.scope.path_text, np.shape(value), tuple(shape))
         return value
     return module.param(name, nn.with_logical_partitioning(init, tuple(axes)), tuple(shape), dtype)
 

@@ -40,7 +40,8 @@ class Capacity:
     prefill_tokens: int | None = None      # span prefill rows per round (default: DEFAULT_PREFILL_TOKENS, capped)
     # the span prefill's row buckets at most (one compiled program each): the largest ``prefill_bucket_count`` of the
     # halving ladder (`prefill_buckets`); None: the whole ladder down to 16 rows. Fewer buckets: a shorter warm-up
-    # and fewer programs held, a short pass padded to a larger bucket (1: every pass computes `round_tokens` rows)
+    # and fewer programs held, a short pass padded to a larger bucket (1: every pass computes `round_tokens` rows,
+    # rounded up to a multiple of 8)
     prefill_bucket_count: int | None = None
     max_waiting: int = 64                  # queued requests beyond this are rejected at submit
     # admission reserves each request's whole output budget (no request is ever preempted, fewer run at once)

@@ -217,8 +217,8 @@ def test_prefix_hits_equal_cold_prefill_on_one_device(tiny_tp8, prefill):
     from v41cp.serving.engine import Capacity
 
     cfg, params = tiny_tp8
-    cap = Capacity(prefill_bucket_count=1, max_batch=3, max_tokens=32, block_tokens=BT, prefill_chunk=8,
-                   span_prefill=None if prefill == "span" else False)
+    cap = Capacity(max_batch=3, max_tokens=32, block_tokens=BT, prefill_chunk=8,     # the whole ladder: hits and
+                   span_prefill=None if prefill == "span" else False)           # cold passes in other buckets
     cold, warm = _lockstep(params, cfg, cap)
     st = warm.prefix_stats()
     prompt_tokens = sum(shared + own for _, shared, own, _, _ in WORKLOAD)
@@ -250,8 +250,7 @@ def test_prefix_hits_with_ced_equal_cold_prefill(tiny_tp8, layout):
     from v41cp.sharding.topology import ParallelConfig
 
     cfg, params = tiny_tp8
-    cap = Capacity(prefill_bucket_count=1,
-                   max_batch=3, max_tokens=48, block_tokens=BT, prefill_chunk=8, ced=True, prefill_tokens=48,
+    cap = Capacity(max_batch=3, max_tokens=48, block_tokens=BT, prefill_chunk=8, ced=True, prefill_tokens=48,
                    span_prefill=False if layout == "serial" else None)
     par = spec = None
     if layout == "qcp8-kvp8":

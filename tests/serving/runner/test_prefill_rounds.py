@@ -49,7 +49,10 @@ def test_the_default_engine_prefills_by_span_and_warms_every_bucket(tiny):
     # fewer buckets: the largest of the ladder, a short pass padded to the smallest kept
     two = Capacity(prefill_bucket_count=2)
     assert two.prefill_buckets == (512, 1024) and Capacity(prefill_bucket_count=99).prefill_buckets == cap.prefill_buckets
-    assert Engine(params, cfg, two).span_buckets(17)["span"] == 512
+    short = Engine(params, cfg, two)
+    assert short.span_buckets(17)["span"] == 512
+    assert [n for n, _ in short.runner.warm_up_programs()][:3] == ["prefill 512 rows", "prefill 1024 rows",
+                                                                    "prefix-cache slot state"]
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match=f"prefill_bucket_count must be a positive integer or None, got {bad!r}"):
             Capacity(prefill_bucket_count=bad)
