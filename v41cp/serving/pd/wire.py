@@ -126,9 +126,7 @@ def _pack(sources: tuple, rows: tuple, in_pages: tuple, bucket: int) -> jax.Arra
     shard ``[pages, page_tokens, ...]`` read at ``(rows[i], in_pages[i])``, or a slot-state leaf whole (its rows
     None) — concatenated and zero-padded."""
     parts = [_to_bytes(src if r is None else _gather_rows(src, r, p)) for src, r, p in zip(sources, rows, in_pages)]
-    vec = jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.uint8)
-    if vec.shape[0] > bucket:
-        raise ValueError(f"the pieces hold {vec.shape[0]} bytes, over the {bucket}-byte vector")
+    vec = jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.uint8)      # (≤ bucket: `Wire.send` checks)
     return jnp.pad(vec, (0, bucket - vec.shape[0]))
 
 
