@@ -15,6 +15,11 @@ counted once per iteration: `v41cp.sharding.hlo_stats.program_cost`), ``argument
 ``temp`` bytes, the bytes of its collectives (`v41cp.sharding.hlo_stats`); the weights' and the cache's
 bytes; the analytic floor (`floor_flops`) and the ratio; whether weights + cache + temporaries (+ outputs that
 are not aliased) fit the device memory; the dot FLOPs by source operation (loop-aware; where the FLOPs go).
+
+With ``target="h100" | "h200"`` the program is compiled for that GPU on this host without one (`v41cp.targets`), and
+the report adds what the GPU executes: its kernels and their launches per step (loop trips counted), the loops and
+conditionals the host drives, collectives, each Pallas kernel's grid / shared memory / registers / spills, and a
+roofline prediction of the step's time (`v41cp.targets.roofline`; docs/gpu-plan.md).
 """
 
 from __future__ import annotations
@@ -47,12 +52,12 @@ __all__ = ["plan_program", "floor_flops", "abstract_sharded_params"]
 _LOOKUPS = ("embed", "embed_fp8", "embed_scale")          # gathered rows, no multiply-adds
 
 
-def abstract_sharded_params(cfg: ModelConfig, mesh, rules):
-    """The unboxed parameter tree as ``jax.ShapeDtypeStruct`` leaves with their shardings (``mesh`` None: the
-    first device)."""
+def abstract_sharded_params(cfg: ModelConfig, mesh, rules, device=None):
+    """The unboxed parameter tree as ``jax.ShapeDtypeStruct`` leaves with their shardings (``mesh`` None: on
+    ``device``, default the first device)."""
     boxed = abstract_params(cfg)
     if mesh is None:
-        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        one = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
         shardings = jax.tree.map(lambda _: one, nn.unbox(boxed))
     else:
         shardings = param_shardings(boxed, mesh, rules)
@@ -116,30 +121,29 @@ def floor_flops(cfg: ModelConfig, mode: str, batch: int, context: int, ced: bool
     return out
 
 
-def _decode_program(cfg, batch, context, block_tokens, parallel, mesh, params):
+def _decode_program(cfg, batch, context, block_tokens, parallel, mesh, params, device):
     import jax.numpy as jnp
 
     plan = DCPPlan.build(cfg, parallel, mesh) if parallel is not None and parallel.kv_parallel_size > 1 else None
     n = plan.n if plan is not None else 1
     max_blocks = -(-context // block_tokens)
     num_blocks = n * batch * -(-max_blocks // n)
+    one = jax.sharding.SingleDeviceSharding(device)
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None else None
-    cache = cache_layout(cfg, num_blocks, block_tokens, batch, None if plan else rep, plan=plan)
+    cache = cache_layout(cfg, num_blocks, block_tokens, batch, None if plan else (rep or one), plan=plan)
     if plan is None and mesh is not None and mesh.shape["tp"] * mesh.shape["cp"] > 1:
         plan = DCPPlan.split_selection(mesh)            # plain TP: the engine's selection split (replicated pages)
     n_eng = len(cfg.engram_layer_ids)
-    arg = lambda shape, dt=jnp.int32: jax.ShapeDtypeStruct(shape, dt, sharding=rep or jax.sharding.SingleDeviceSharding(
-        jax.devices()[0]))
+    arg = lambda shape, dt=jnp.int32: jax.ShapeDtypeStruct(shape, dt, sharding=rep or one)
     meta = StepBatch(arg((batch, 1)), arg((batch,)), arg((batch,)), arg((batch,)), arg((batch, max_blocks)),
                      arg((batch, 1, n_eng, cfg.engram_hash_heads if n_eng else 0)), batch, max_blocks, 1)
-    sampling = SamplingRows.abstract(batch, rep or jax.sharding.SingleDeviceSharding(jax.devices()[0]),
-                                     mask_words(cfg.vocab_size))         # with the grammar masks the engine carries
+    sampling = SamplingRows.abstract(batch, rep or one, mask_words(cfg.vocab_size))  # with the engine's grammar masks
     # with the log-probability work a server's engine compiles in (run only when a request asks)
-    counts = TokenCounts.abstract(batch, cfg.vocab_size, mesh)      # the penalties' token counts
+    counts = TokenCounts.abstract(batch, cfg.vocab_size, mesh, one)  # the penalties' token counts
     return decode_and_sample.lower(params, cache, meta, sampling, counts, cfg, plan, Capacity().max_logprobs), cache
 
 
-def _prefill_program(cfg, batch, context, block_tokens, parallel, mesh, params, ced, tile_bytes=None):
+def _prefill_program(cfg, batch, context, block_tokens, parallel, mesh, params, ced, device, tile_bytes=None):
     layout = SpanLayout.from_parallel(parallel, mesh) if parallel is not None else SpanLayout()
     if tile_bytes is not None:
         layout = dataclasses.replace(layout, tile_bytes=tile_bytes)
@@ -148,7 +152,8 @@ def _prefill_program(cfg, batch, context, block_tokens, parallel, mesh, params, 
     max_blocks = -(-context // block_tokens)
     num_blocks = n * batch * -(-max_blocks // n)
     tables = np.arange(num_blocks, dtype=np.int32)[:batch * max_blocks].reshape(batch, max_blocks)
-    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None else None
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None else \
+        jax.sharding.SingleDeviceSharding(device)
     cache = cache_layout(cfg, num_blocks, block_tokens, batch, None if plan else rep, plan=plan)
     prompts = [[3 + (i * 7919 + b) % (cfg.vocab_size - 3) for i in range(context)] for b in range(batch)]
     # a synthetic prompt: without the checkpoint's tokenizer its Engram ids are hashed from a stand-in token map
@@ -161,29 +166,67 @@ def _prefill_program(cfg, batch, context, block_tokens, parallel, mesh, params, 
 
 
 def plan_program(cfg: ModelConfig, mode: str, batch: int, context: int, parallel=None, *,
-                 block_tokens: int | None = None, ced: bool = False, device_memory_gb: float = 141.0,
-                 top_ops: int = 20, tile_bytes: int | None = None) -> dict:
+                 block_tokens: int | None = None, ced: bool = False, device_memory_gb: float | None = None,
+                 top_ops: int = 20, tile_bytes: int | None = None, target: str | None = None,
+                 dump_dir: str | None = None) -> dict:
     """Compile the ``mode`` step (see the module docstring) and report its per-device structure. ``parallel``: a
     `v41cp.sharding.topology.ParallelConfig` (None: one device); ``block_tokens``: the cache page (default the model's,
     `ModelConfig.page_tokens`). ``top_ops``: how many source operations the
     dot-FLOP and all-FLOP breakdowns list (`v41cp.sharding.hlo_stats.dot_flops_by_op` / `flops_by_op`, largest first); ``tile_bytes``: the
-    prefill's selection / attention tile budget (default `v41cp.layers.tiled_select.ROW_TILE_BYTES`)."""
+    prefill's selection / attention tile budget (default `v41cp.layers.tiled_select.ROW_TILE_BYTES`).
+
+    ``target`` (``h100`` / ``h200``, `v41cp.targets`): compile for that GPU instead of this host's devices — on a
+    host without one — and add what the GPU program executes (`_gpu_report`); ``dump_dir``: keep XLA's dump of that
+    compile there (default: a temporary folder, removed). ``device_memory_gb``: the memory ``fits`` is judged
+    against (default: the target's, else an H200's 141 GB)."""
     if mode not in ("decode", "prefill"):
         raise ValueError(f"plan: mode must be 'decode' or 'prefill', got {mode!r}")
     block_tokens = cfg.page_tokens if block_tokens is None else block_tokens
     for name, v in (("batch", batch), ("context", context), ("block_tokens", block_tokens)):
         if type(v) is not int or v <= 0:
             raise ValueError(f"plan: {name} must be a positive integer, got {v!r}")
-    mesh = parallel.make_mesh(jax.devices()[:parallel.num_devices]) if parallel is not None else None
-    devices = 1 if mesh is None else mesh.devices.size
-    params = abstract_sharded_params(cfg, mesh, parallel.rules() if parallel is not None else None)
+    gpu = None
+    if target is not None:
+        from v41cp.targets import compile_devices, get_target
+
+        gpu = get_target(target)
+        devices = compile_devices(gpu, parallel.num_devices if parallel is not None else 1)
+    else:
+        devices = jax.devices()[:parallel.num_devices if parallel is not None else 1]
+    if device_memory_gb is None:
+        device_memory_gb = gpu.memory_bytes / 1e9 if gpu is not None else 141.0
+    mesh = parallel.make_mesh(devices) if parallel is not None else None
+    n_devices = 1 if mesh is None else mesh.devices.size
+    params = abstract_sharded_params(cfg, mesh, parallel.rules() if parallel is not None else None, devices[0])
     with jax.default_matmul_precision("highest" if cfg.dtype == "float32" else "default"):
         if mode == "decode":
-            lowered, cache = _decode_program(cfg, batch, context, block_tokens, parallel, mesh, params)
+            lowered, cache = _decode_program(cfg, batch, context, block_tokens, parallel, mesh, params, devices[0])
         else:
             lowered, cache = _prefill_program(cfg, batch, context, block_tokens, parallel, mesh, params, ced,
-                                              tile_bytes)
-    compiled = lowered.compile()
+                                              devices[0], tile_bytes)
+    dump = None
+    if gpu is not None:
+        from v41cp.targets.gpu_program import compile_with_dump
+
+        compiled, dump = compile_with_dump(lowered, dump_dir)
+    else:
+        compiled = lowered.compile()
+    try:
+        report = _report(cfg, mode, batch, context, block_tokens, ced, parallel, n_devices, compiled, params, cache,
+                         device_memory_gb, top_ops)
+        report["target"] = gpu.name if gpu is not None else None
+        if gpu is not None:
+            report.update(_gpu_report(gpu, compiled, dump, n_devices, report))
+    finally:
+        if dump is not None and dump_dir is None:
+            import shutil
+
+            shutil.rmtree(dump, ignore_errors=True)
+    return report
+
+
+def _report(cfg, mode, batch, context, block_tokens, ced, parallel, devices, compiled, params, cache,
+            device_memory_gb, top_ops) -> dict:
     cost = program_cost(compiled)                    # loop bodies counted once per iteration
     mem = compiled.memory_analysis()
     text = compiled.as_text()
@@ -223,4 +266,33 @@ def plan_program(cfg: ModelConfig, mode: str, batch: int, context: int, parallel
         "memory_needed_bytes_per_device": need,
         "device_memory_bytes": int(device_memory_gb * 1e9),                  # GB = 10⁹ bytes (H200: 141 GB)
         "fits": need <= device_memory_gb * 1e9,
+    }
+
+
+def _gpu_report(gpu, compiled, dump: str, devices: int, report: dict) -> dict:
+    """What the GPU program executes (`v41cp.targets.gpu_program`) and its roofline prediction
+    (`v41cp.targets.roofline`): ``bytes_accessed_per_device`` becomes the kernels' own (slice-aware; XLA's model,
+    which counts a gather's whole operand, stays as ``xla_bytes_accessed_per_device``)."""
+    from v41cp.targets.gpu_program import analyse
+    from v41cp.targets.roofline import predict
+
+    kernels = analyse(dump, compiled.as_text())
+    prediction = predict(kernels, collectives(compiled.as_text()), gpu, devices)
+    counted = [k for k in kernels.kernels if k.bytes is not None]
+    spilling = sorted({k.name for k in kernels.kernels if k.spill_bytes})
+    return {
+        "target_figures": gpu.describe(),
+        "xla_bytes_accessed_per_device": report["bytes_accessed_per_device"],
+        "bytes_accessed_per_device": float(sum(k.launches * k.bytes for k in counted)),
+        "kernel_launches_per_step": kernels.launches,
+        "kernel_launches_outside_graphs": sum(k.launches for k in kernels.kernels if not k.in_graph),
+        "host_driven_loops": kernels.host_driven_loops,
+        "host_driven_conditionals": kernels.host_driven_conditionals,
+        "command_buffers": kernels.command_buffers,
+        # the Pallas (Triton) kernels, merged by name; every kernel that spills; the most registers any uses
+        "kernels": kernels.by_name("v41cp_"),
+        "kernels_spilling": spilling,
+        "max_registers": max((k.registers or 0 for k in kernels.kernels), default=0),
+        "predicted_step_s": prediction.pop("predicted_step_s"),
+        "prediction": prediction,
     }

@@ -7,7 +7,9 @@ One folder per kernel (tokamax-style op / reference / kernel split):
 * ``__init__.py`` — the op: dispatch on a `Backend` and the wrapper logic shared by both.
 
 Backends (`BACKENDS`): ``"xla"`` (the reference, default) and ``"pallas"`` (the Pallas Triton kernel on a
-GPU; on any other platform the same kernel runs in Pallas interpret mode, which is how CPU CI checks it).
+GPU; on any other platform the same kernel runs in Pallas interpret mode, which is how CPU CI checks it). Which of
+the two a program holds is decided when it is lowered, for the platform it is compiled for (`on_platform`), so a
+plan compiled for a GPU target on a CPU host (`v41cp.targets`) holds the Triton kernels.
 The model config's ``attention_backend`` / ``indexer_backend`` fields select them; the serving engine,
 the decode step and the DCP path pass them down. Record formats are decoded inside the kernels
 (`v41cp.kernels.dequant`). jax_triton is not used (Pallas lowers to Triton itself), so nothing here
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import jax
 
-__all__ = ["BACKENDS", "GRID_TARGET", "check_backend", "interpret_mode", "match_varying", "out_struct", "pow2_at_least",
+__all__ = ["BACKENDS", "GRID_TARGET", "check_backend", "interpret_mode", "on_platform", "match_varying", "out_struct", "pow2_at_least",
            "default_splits"]
 
 BACKENDS = ("xla", "pallas")
@@ -33,8 +35,23 @@ def check_backend(name: str, field: str = "backend") -> str:
 
 
 def interpret_mode() -> bool:
-    """Pallas kernels run compiled on a GPU and in interpret mode anywhere else."""
+    """Whether a Pallas kernel traced now may be lowered in interpret mode: this host's default backend is not a
+    GPU. (What a program holds is chosen at lowering: `on_platform`.)"""
     return jax.default_backend() != "gpu"
+
+
+def on_platform(call, *operands, interpret: bool | None = None):
+    """``call(*operands, interpret=...)`` — a Pallas kernel — compiled (Triton) where the program is lowered for a
+    GPU (``cuda`` / ``rocm``) and in interpret mode for any other platform. The choice is made at lowering for the
+    program's own platform (``jax.lax.platform_dependent``: the other branch is not lowered), not from
+    ``jax.default_backend()``, so a program compiled for a GPU target on a CPU host holds the kernels themselves.
+    ``interpret`` True / False forces one. ``operands``: arrays (pytrees; None allowed); static parameters go in
+    ``call``."""
+    if interpret is not None:
+        return call(*operands, interpret=interpret)
+    compiled = lambda *ops: call(*ops, interpret=False)
+    return jax.lax.platform_dependent(*operands, cuda=compiled, rocm=compiled,
+                                      default=lambda *ops: call(*ops, interpret=True))
 
 
 def pow2_at_least(n: int, minimum: int = 16) -> int:

@@ -197,35 +197,59 @@ def _xla_cost_of(hlo_text: str, client) -> dict:
     return _jax.hlo_module_cost_analysis(client, _hlo.hlo_module_from_text(hlo_text))
 
 
+def _module_cost(module, client) -> dict:
+    from jax._src.lib import _jax
+
+    return _jax.hlo_module_cost_analysis(client, module)
+
+
 @functools.lru_cache(maxsize=None)
-def _xla_counts_trips(platform: str) -> bool:
-    """Whether this backend's cost analysis already multiplies a loop body by its trip count (a probe program:
-    a 4-step loop of one 32×32 matmul)."""
+def _xla_counts_trips(platform: str | None) -> bool:
+    """Whether XLA's cost analysis already multiplies a loop body by its trip count (a probe program: a 4-step loop
+    of one 32×32 matmul): the backend ``platform``'s own analysis, or (None) the module analysis through the CPU
+    client that `program_cost` falls back to."""
     import jax
     import jax.numpy as jnp
+    from jax._src import xla_bridge
 
-    x = jnp.ones((32, 32), jnp.float32)
+    x = jax.ShapeDtypeStruct((32, 32), jnp.float32)
     probe = jax.jit(lambda x: jax.lax.fori_loop(0, 4, lambda i, a: a @ x, x)).lower(x).compile()
-    cost = probe.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    if platform is None:
+        cost = _module_cost(probe.runtime_executable().hlo_modules()[0], xla_bridge.get_backend("cpu"))
+    else:
+        cost = probe.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     return float(cost.get("flops", 0.0)) >= 4 * 2 * 32 ** 3
+
+
+def _whole_program_cost(compiled) -> tuple[dict, object, str | None]:
+    """XLA's cost analysis of ``compiled`` with the client to analyse its loop bodies through and the platform whose
+    analysis it is. A compile-only executable (compiled for a GPU target on a host without one:
+    `v41cp.targets`) has none of its own (``cost_analysis()`` is None): XLA's module cost analysis of the optimized
+    module through the CPU client stands in (platform None), as it reads the GPU module's fusions and shapes."""
+    import jax
+    from jax._src import xla_bridge
+
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    if cost:
+        client = jax.devices()[0].client
+        return cost, client, client.platform
+    cpu = xla_bridge.get_backend("cpu")
+    return _module_cost(compiled.runtime_executable().hlo_modules()[0], cpu), cpu, None
 
 
 def program_cost(compiled) -> dict:
     """``{"flops", "bytes accessed"}`` per device of a compiled program, every while loop counted as many times as
     it runs (see the module docstring)."""
-    import jax
-
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    cost, client, platform = _whole_program_cost(compiled)
     keys = ("flops", "bytes accessed")
     total = {k: float(cost.get(k, 0.0)) for k in keys}
     text = compiled.as_text()
     comps, entry = _computations(text)
     if entry is None or not any(_WHILE.search(l) for lines in comps.values() for l in lines):
         return total
-    client = jax.devices()[0].client
-    if _xla_counts_trips(client.platform):
+    if _xla_counts_trips(platform):
         return total
     memo = {}
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from v41cp.kernels import check_backend, interpret_mode, pow2_at_least
+from v41cp.kernels import check_backend, on_platform, pow2_at_least
 from v41cp.kernels.dequant import split_channels
 from v41cp.kernels.grouped_matmul.pallas_triton import grouped_fp4_matmul_pallas
 from v41cp.kernels.grouped_matmul.reference import grouped_fp4_matmul_reference
@@ -56,7 +56,8 @@ def grouped_fp4_matmul(x: jax.Array, tiles: jax.Array, packed: jax.Array, scale:
     gp = pow2_at_least(g)
     x_e, x_o = (jnp.pad(h, ((0, 0), (0, gp - g), (0, 0))) for h in split_channels(x))
     live = jnp.ones((c,), jnp.int32) if live is None else live.astype(jnp.int32)
-    y = grouped_fp4_matmul_pallas(x_e, x_o, tiles.astype(jnp.int32), live, packed, scale, block_n=block_n,
-                                  block_k=block_k, num_warps=num_warps, num_stages=num_stages,
-                                  interpret=interpret_mode() if interpret is None else interpret)
+    call = lambda x_e, x_o, tiles, live, packed, scale, interpret: grouped_fp4_matmul_pallas(
+        x_e, x_o, tiles, live, packed, scale, block_n=block_n, block_k=block_k, num_warps=num_warps,
+        num_stages=num_stages, interpret=interpret)
+    y = on_platform(call, x_e, x_o, tiles.astype(jnp.int32), live, packed, scale, interpret=interpret)
     return y[:, :g].astype(x.dtype)

@@ -27,7 +27,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from v41cp.kernels import check_backend, default_splits, interpret_mode, pow2_at_least
+from v41cp.kernels import check_backend, default_splits, on_platform, pow2_at_least
 from v41cp.kernels.dequant import record_refs, split_channels
 from v41cp.kernels.indexer_topk.pallas_triton import index_scan_pallas
 from v41cp.kernels.indexer_topk.reference import index_scan_reference
@@ -89,10 +89,11 @@ def _scan(q, w, store, pages, page_ids, visible, block_mask, groups, *, epb, gro
     mask = None if block_mask is None else block_mask.astype(jnp.int32)
     n_groups = groups.shape[1] if groups is not None else pages.shape[1] * epb // group
     splits = splits or default_splits(q.shape[0], n_groups * group // tile)
-    return index_scan_pallas(q_e, q_o, wp, record_refs(store, fmt), fmt, visible.astype(jnp.int32), pages, page_ids,
-                             groups, mask, epb=epb, group=group, tile=tile, cbs=cbs, mode=mode, splits=splits,
-                             num_warps=num_warps, num_stages=num_stages,
-                             interpret=interpret_mode() if interpret is None else interpret)
+    call = lambda q_e, q_o, wp, refs, visible, pages, page_ids, groups, mask, interpret: index_scan_pallas(
+        q_e, q_o, wp, refs, fmt, visible, pages, page_ids, groups, mask, epb=epb, group=group, tile=tile, cbs=cbs,
+        mode=mode, splits=splits, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+    return on_platform(call, q_e, q_o, wp, record_refs(store, fmt), visible.astype(jnp.int32), pages, page_ids, groups,
+                       mask, interpret=interpret)
 
 
 def indexer_topk(q, w, store, pages, page_ids, visible, k: int, *, epb: int, block_mask=None, cbs: int = 1,

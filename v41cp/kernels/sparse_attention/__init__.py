@@ -27,7 +27,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from v41cp.kernels import check_backend, default_splits, interpret_mode, pow2_at_least
+from v41cp.kernels import check_backend, default_splits, on_platform, pow2_at_least
 from v41cp.kernels.dequant import merge_channels, record_refs, split_channels
 from v41cp.kernels.sparse_attention.pallas_triton import sparse_attention_pallas
 from v41cp.kernels.sparse_attention.reference import gather_keys, sparse_attention_reference
@@ -99,10 +99,11 @@ def sparse_attention(q: jax.Array, stores, indices, lengths=None, sink: jax.Arra
         lens = jnp.stack([jnp.minimum(n, i.shape[1]) for n, i in zip(lengths, indices)], axis=1).astype(jnp.int32)
         tiles = sum(i.shape[1] // block_k for i in idx)
         splits = splits or default_splits(r * q_e.shape[1] // block_h, tiles)
-        o_e, o_o, lse = sparse_attention_pallas(
-            q_e, q_o, refs, formats, idx, lens, block_h=block_h, block_k=block_k, splits=splits,
-            num_warps=num_warps or (8 if block_h >= 64 else 4), num_stages=num_stages,
-            interpret=interpret_mode() if interpret is None else interpret)
+        warps = num_warps or (8 if block_h >= 64 else 4)
+        call = lambda q_e, q_o, refs, idx, lens, interpret: sparse_attention_pallas(
+            q_e, q_o, refs, formats, idx, lens, block_h=block_h, block_k=block_k, splits=splits, num_warps=warps,
+            num_stages=num_stages, interpret=interpret)
+        o_e, o_o, lse = on_platform(call, q_e, q_o, refs, idx, lens, interpret=interpret)
         o, lse = merge_channels(o_e, o_o)[:, :, :h], lse[:, :, :h]            # [R, splits, H, D], [R, splits, H]
         if splits == 1:
             o, lse = o[:, 0], lse[:, 0]
