@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import jax
 
-__all__ = ["BACKENDS", "GRID_TARGET", "check_backend", "interpret_mode", "on_platform", "match_varying", "out_struct", "pow2_at_least",
+__all__ = ["BACKENDS", "GRID_TARGET", "check_backend", "interpret_mode", "on_platform", "cost_scope", "nbytes",
+           "row_bytes", "match_varying", "out_struct", "pow2_at_least",
            "default_splits"]
 
 BACKENDS = ("xla", "pallas")
@@ -52,6 +53,31 @@ def on_platform(call, *operands, interpret: bool | None = None):
     compiled = lambda *ops: call(*ops, interpret=False)
     return jax.lax.platform_dependent(*operands, cuda=compiled, rocm=compiled,
                                       default=lambda *ops: call(*ops, interpret=True))
+
+
+def nbytes(*arrays) -> int:
+    """Bytes of arrays (or their abstract values; None skipped)."""
+    import numpy as np
+
+    return int(sum(np.prod(a.shape, dtype=np.int64) * np.dtype(a.dtype).itemsize for a in arrays if a is not None))
+
+
+def row_bytes(arrays) -> int:
+    """Bytes of one row (leading index) of each of ``arrays`` together: a store's record per entry."""
+    import numpy as np
+
+    return int(sum(np.prod(a.shape[1:], dtype=np.int64) * np.dtype(a.dtype).itemsize for a in arrays))
+
+
+def cost_scope(read: int, written: int, flops: int, dot_dtype):
+    """A name scope that carries a Pallas call's cost — ``read`` + ``written`` bytes and ``flops`` of one call,
+    counted from its operands' shapes by the op — into the compiled program's metadata (the custom call's
+    ``op_name``): XLA cannot see into a custom kernel, and the GPU plan reads the count back
+    (`v41cp.targets.gpu_program.kernel_cost`)."""
+    import numpy as np
+
+    return jax.named_scope(f"kernel_cost:bytes={int(read) + int(written)}:flops={int(flops)}:"
+                           f"dtype={np.dtype(dot_dtype).name}")
 
 
 def pow2_at_least(n: int, minimum: int = 16) -> int:

@@ -46,6 +46,7 @@ _COLLECTIVES = {"kAllReduce", "kAllGather", "kReduceScatter", "kAllToAll", "kCol
                 "kCollectiveBroadcast", "kSend", "kRecv"}
 _THUNK = re.compile(r"^(?P<indent>\s*)(?P<id>\d+): (?P<kind>k\w+)\s+\[[^\]]*\]\s*(?P<rest>.*)$")
 _BLOCK = re.compile(r"^(?P<indent>\s*)(?P<block>condition|body|\w*branch\w*):\s*$")
+_DTYPE_NAMES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16", "float8_e4m3fn": "f8e4m3fn"}
 # an HLO instruction, tuple-shaped ones included
 _DEF = re.compile(r"^\s*(?:ROOT )?%(?P<name>[\w.\-]+) = (?P<shape>\([^=]*?\)|\S+?)(?:\{[^}]*\})? "
                   r"(?P<op>[\w\-]+)\((?P<args>[^)]*)\)")
@@ -113,11 +114,17 @@ def ptxas_path() -> str | None:
     return shutil.which("ptxas")
 
 
+# XLA's default backend optimization level: a deployment's. The process's XLA_FLAGS may lower it (the test suite
+# does, for its CPU programs), which changes the GPU kernels' registers and spills (measured: the sparse-attention
+# kernel at V4.1-Flash's shapes spills 1,708 B at level 3 and none at level 0).
+_DEPLOYED = {"xla_backend_optimization_level": 3}
+
+
 def compile_with_dump(lowered, dump_dir: str | None = None):
-    """``(compiled, dump_dir)``: ``lowered.compile()`` with XLA's dump of this compile in ``dump_dir`` (default: a new
-    temporary folder, the caller's to remove)."""
+    """``(compiled, dump_dir)``: ``lowered.compile()`` at XLA's default optimization level (`_DEPLOYED`) with XLA's
+    dump of this compile in ``dump_dir`` (default: a new temporary folder, the caller's to remove)."""
     dump_dir = dump_dir or tempfile.mkdtemp(prefix="v41cp-gpu-plan-")
-    return lowered.compile(compiler_options={"xla_dump_to": dump_dir}), dump_dir
+    return lowered.compile(compiler_options={"xla_dump_to": dump_dir, **_DEPLOYED}), dump_dir
 
 
 def parse_thunks(text: str) -> tuple[list[dict], dict]:
@@ -270,8 +277,9 @@ def kernel_cost(line: str, shapes: dict, comps: dict) -> tuple[float | None, flo
     """``(bytes, flops, dot dtype)`` of one launch of the HLO instruction ``line`` (``shapes``: its computation's
     instruction shapes): a fusion reads each operand (slice-aware, `_read_bytes`) and writes its result (an in-place
     ``dynamic-update-slice`` root writes its update); its FLOPs are its dots'. A copy reads and writes its result;
-    a cuBLAS GEMM reads its operands and writes its result. A Triton custom call (a Pallas kernel) is not counted
-    here (None): its operands are the whole buffers it indexes into."""
+    a cuBLAS GEMM reads its operands and writes its result. A Triton custom call (a Pallas kernel) counts what its
+    op recorded in the call's metadata (`v41cp.kernels.cost_scope`; its operands are the whole buffers it indexes
+    into), or nothing (None) without it."""
     d = _DEF.match(line)
     if d is None:
         return None, None, None
@@ -294,8 +302,11 @@ def kernel_cost(line: str, shapes: dict, comps: dict) -> tuple[float | None, flo
     if op == "custom-call":
         target = re.search(r'custom_call_target="([^"]*)"', line)
         target = target.group(1) if target else ""
-        if "triton" in target:
-            return None, None, None
+        if "triton" in target:                     # a Pallas kernel: the count its op recorded (kernels.cost_scope)
+            cost = re.search(r"kernel_cost:bytes=(\d+):flops=(\d+):dtype=(\w+)", line)
+            if cost is None:
+                return None, None, None
+            return float(cost.group(1)), float(cost.group(2)), _DTYPE_NAMES.get(cost.group(3), "bf16")
         if "gemm" in target.lower() or "matmul" in target.lower():        # cuBLAS: (result, workspace)
             out = _arrays(shape)[0][0] if _arrays(shape) else 0
             lhs = _dims(shapes.get(operands[0], "")) if operands else []
@@ -315,7 +326,7 @@ def ptx_resources(dump_dir: str, ptxas: str | None = None, arch: str = "sm_90a")
     """``{kernel name: {"registers", "spill_bytes"}}`` of every kernel in the dump's PTX files, from ``ptxas -v``
     (``spill_bytes``: spill stores + spill loads). Empty where no ``ptxas`` is installed."""
     ptxas = ptxas or ptxas_path()
-    files = sorted(Path(dump_dir).glob("*.ptx"))
+    files = [f for f in sorted(Path(dump_dir).glob("*.ptx")) if f.stat().st_size]   # (empty: a module of no kernel)
     if ptxas is None or not files:
         return {}
 
@@ -348,7 +359,9 @@ def ptx_resources(dump_dir: str, ptxas: str | None = None, arch: str = "sm_90a")
 def analyse(dump_dir: str, hlo_text: str, resources: bool = True) -> ProgramKernels:
     """The kernels of the program compiled into ``dump_dir`` (see the module docstring); ``hlo_text``: its
     optimized HLO (`compiled.as_text()`). ``resources``: read registers and spills with ptxas."""
-    seqs = sorted(Path(dump_dir).glob("*.thunk_sequence_after_thunk_passes.txt"))
+    # the sequence after the thunk passes (command buffers formed); XLA writes it only where a pass ran
+    seqs = sorted(Path(dump_dir).glob("*.thunk_sequence_after_thunk_passes.txt")) or \
+        sorted(Path(dump_dir).glob("*.thunk_sequence.txt"))
     if not seqs:
         raise FileNotFoundError(f"no thunk sequence in {dump_dir}: was the program compiled for a GPU?")
     thunks, counts = parse_thunks(seqs[-1].read_text())

@@ -22,7 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from v41cp.kernels import check_backend, on_platform, pow2_at_least
+from v41cp.kernels import check_backend, cost_scope, nbytes, on_platform, pow2_at_least
 from v41cp.kernels.dequant import split_channels
 from v41cp.kernels.grouped_matmul.pallas_triton import grouped_fp4_matmul_pallas
 from v41cp.kernels.grouped_matmul.reference import grouped_fp4_matmul_reference
@@ -59,5 +59,8 @@ def grouped_fp4_matmul(x: jax.Array, tiles: jax.Array, packed: jax.Array, scale:
     call = lambda x_e, x_o, tiles, live, packed, scale, interpret: grouped_fp4_matmul_pallas(
         x_e, x_o, tiles, live, packed, scale, block_n=block_n, block_k=block_k, num_warps=num_warps,
         num_stages=num_stages, interpret=interpret)
-    y = on_platform(call, x_e, x_o, tiles.astype(jnp.int32), live, packed, scale, interpret=interpret)
+    # per call: every expert's packed weights and scales (all live: an upper bound), the tokens, the FP32 result
+    read = nbytes(x_e, x_o, tiles, live, packed, scale)
+    with cost_scope(read, c * gp * o * 4, 2 * c * gp * n * o, x.dtype):
+        y = on_platform(call, x_e, x_o, tiles.astype(jnp.int32), live, packed, scale, interpret=interpret)
     return y[:, :g].astype(x.dtype)

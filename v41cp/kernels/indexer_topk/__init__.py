@@ -27,7 +27,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from v41cp.kernels import check_backend, default_splits, on_platform, pow2_at_least
+from v41cp.kernels import check_backend, cost_scope, default_splits, nbytes, on_platform, pow2_at_least, row_bytes
 from v41cp.kernels.dequant import record_refs, split_channels
 from v41cp.kernels.indexer_topk.pallas_triton import index_scan_pallas
 from v41cp.kernels.indexer_topk.reference import index_scan_reference
@@ -92,8 +92,15 @@ def _scan(q, w, store, pages, page_ids, visible, block_mask, groups, *, epb, gro
     call = lambda q_e, q_o, wp, refs, visible, pages, page_ids, groups, mask, interpret: index_scan_pallas(
         q_e, q_o, wp, refs, fmt, visible, pages, page_ids, groups, mask, epb=epb, group=group, tile=tile, cbs=cbs,
         mode=mode, splits=splits, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
-    return on_platform(call, q_e, q_o, wp, record_refs(store, fmt), visible.astype(jnp.int32), pages, page_ids, groups,
-                       mask, interpret=interpret)
+    # per call: the queries and the page lists, every listed key's record (all listed keys valid: an upper bound),
+    # the scores or group maxima written; one product per key and index head
+    refs = record_refs(store, fmt)
+    keys = q.shape[0] * n_groups * group
+    read = nbytes(q_e, q_o, wp, pages, page_ids, groups, mask) + keys * row_bytes(refs)
+    written = keys * 8 if mode == "scores" else keys // group * 4
+    with cost_scope(read, written, 2 * keys * q_e.shape[1] * 2 * q_e.shape[2], q_e.dtype):
+        return on_platform(call, q_e, q_o, wp, refs, visible.astype(jnp.int32), pages, page_ids, groups, mask,
+                           interpret=interpret)
 
 
 def indexer_topk(q, w, store, pages, page_ids, visible, k: int, *, epb: int, block_mask=None, cbs: int = 1,

@@ -27,7 +27,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from v41cp.kernels import check_backend, default_splits, on_platform, pow2_at_least
+from v41cp.kernels import check_backend, cost_scope, default_splits, nbytes, on_platform, pow2_at_least, row_bytes
 from v41cp.kernels.dequant import merge_channels, record_refs, split_channels
 from v41cp.kernels.sparse_attention.pallas_triton import sparse_attention_pallas
 from v41cp.kernels.sparse_attention.reference import gather_keys, sparse_attention_reference
@@ -103,7 +103,13 @@ def sparse_attention(q: jax.Array, stores, indices, lengths=None, sink: jax.Arra
         call = lambda q_e, q_o, refs, idx, lens, interpret: sparse_attention_pallas(
             q_e, q_o, refs, formats, idx, lens, block_h=block_h, block_k=block_k, splits=splits, num_warps=warps,
             num_stages=num_stages, interpret=interpret)
-        o_e, o_o, lse = on_platform(call, q_e, q_o, refs, idx, lens, interpret=interpret)
+        # per call: the queries, every listed entry's record and index (all listed entries valid: an upper
+        # bound), the split partials written; QKᵀ and PV over every listed entry
+        listed = sum(i.shape[0] * i.shape[1] for i in idx)
+        read = nbytes(q_e, q_o, lens) + sum(i.shape[0] * i.shape[1] * (row_bytes(f) + 4) for i, f in zip(idx, refs))
+        written = r * splits * q_e.shape[1] * (2 * q_e.shape[2] + 1) * 4
+        with cost_scope(read, written, 4 * listed * q_e.shape[1] * d, q.dtype):
+            o_e, o_o, lse = on_platform(call, q_e, q_o, refs, idx, lens, interpret=interpret)
         o, lse = merge_channels(o_e, o_o)[:, :, :h], lse[:, :, :h]            # [R, splits, H, D], [R, splits, H]
         if splits == 1:
             o, lse = o[:, 0], lse[:, 0]
