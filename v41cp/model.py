@@ -76,8 +76,14 @@ class Block(nn.Module):
             y, out["state"], out["cache"] = attention(x, state, rows, cache)
             return y
 
+        # the cached steps' MoE (no model-wide context): the attention-TP island of the rows' mesh, so that every
+        # backend — the Pallas expert kernel included — runs on each rank's weight slices (in the GSPMD step XLA
+        # would replicate an opaque kernel's operands: every expert matrix all-gathered per layer)
+        moe_shard = self.shard
+        if moe_shard is None and cfg.moe_backend == "sparse":
+            moe_shard = getattr(rows, "columns", None)
         if cfg.is_v4:                                       # each site collapses with its own pre
-            moe = MoE(cfg, self.shard, hash_routed=cfg.hash_routed(self.layer), name="ffn")
+            moe = MoE(cfg, moe_shard, hash_routed=cfg.hash_routed(self.layer), name="ffn")
             streams = mhc_layer_v4(streams, HyperConnection(cfg, name="hc_attn"), attn_norm, attend,
                                    HyperConnection(cfg, name="hc_ffn"),
                                    RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="ffn_norm"),
@@ -86,7 +92,7 @@ class Block(nn.Module):
         streams, pre_f = mhc_layer(streams, pre_prev, HyperConnection(cfg, name="hc_attn"), attn_norm, attend,
                                    HyperConnection(cfg, name="hc_ffn"),
                                    RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, name="ffn_norm"),
-                                   MoE(cfg, self.shard, name="ffn"))
+                                   MoE(cfg, moe_shard, name="ffn"))
         return streams, pre_f, out["state"], out["cache"]
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import shutil
 
 import flax.linen as nn
 import jax
@@ -46,6 +47,9 @@ from v41cp.serving.runner.steps import decode_and_sample
 from v41cp.serving.step_batch import StepBatch
 from v41cp.sharding.hlo_stats import collectives, data_dependent_loops, dot_flops_by_op, flops_by_op, program_cost
 from v41cp.sharding.rules import param_shardings
+from v41cp.targets import compile_devices, get_target
+from v41cp.targets.gpu_program import analyse, compile_with_dump
+from v41cp.targets.roofline import predict
 
 __all__ = ["plan_program", "floor_flops", "abstract_sharded_params"]
 
@@ -187,8 +191,6 @@ def plan_program(cfg: ModelConfig, mode: str, batch: int, context: int, parallel
             raise ValueError(f"plan: {name} must be a positive integer, got {v!r}")
     gpu = None
     if target is not None:
-        from v41cp.targets import compile_devices, get_target
-
         gpu = get_target(target)
         devices = compile_devices(gpu, parallel.num_devices if parallel is not None else 1)
     else:
@@ -206,8 +208,6 @@ def plan_program(cfg: ModelConfig, mode: str, batch: int, context: int, parallel
                                               devices[0], tile_bytes)
     dump = None
     if gpu is not None:
-        from v41cp.targets.gpu_program import compile_with_dump
-
         compiled, dump = compile_with_dump(lowered, dump_dir)
     else:
         compiled = lowered.compile()
@@ -219,8 +219,6 @@ def plan_program(cfg: ModelConfig, mode: str, batch: int, context: int, parallel
             report.update(_gpu_report(gpu, compiled, dump, n_devices, report))
     finally:
         if dump is not None and dump_dir is None:
-            import shutil
-
             shutil.rmtree(dump, ignore_errors=True)
     return report
 
@@ -273,9 +271,6 @@ def _gpu_report(gpu, compiled, dump: str, devices: int, report: dict) -> dict:
     """What the GPU program executes (`v41cp.targets.gpu_program`) and its roofline prediction
     (`v41cp.targets.roofline`): ``bytes_accessed_per_device`` becomes the kernels' own (slice-aware; XLA's model,
     which counts a gather's whole operand, stays as ``xla_bytes_accessed_per_device``)."""
-    from v41cp.targets.gpu_program import analyse
-    from v41cp.targets.roofline import predict
-
     kernels = analyse(dump, compiled.as_text())
     prediction = predict(kernels, collectives(compiled.as_text()), gpu, devices)
     counted = [k for k in kernels.kernels if k.bytes is not None]

@@ -9,6 +9,7 @@ import json
 
 from v41cp.cli import flags
 from v41cp.plan import plan_program
+from v41cp.targets import use_cpu_host
 
 
 def add_arguments(parser) -> None:
@@ -44,10 +45,9 @@ def check(args) -> str | None:
 
 def run(args) -> int:
     if args.target:
-        from v41cp.targets import use_cpu_host
-
         use_cpu_host()                       # before anything starts JAX's backends (the CUDA plugin must not)
-    flags.CompileCacheFlags.from_args(args).start()
+    else:                                    # (a compile-only GPU program cannot be cached: nothing to load it into)
+        flags.CompileCacheFlags.from_args(args).start()
     if args.preset and args.checkpoint:
         raise ValueError("plan: give --preset or --checkpoint, not both")
     cfg = flags.ModelFlags.from_args(args).config()          # weights as stored (a preset: as the release)

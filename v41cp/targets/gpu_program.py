@@ -36,7 +36,7 @@ import numpy as np
 from v41cp.sharding.hlo_stats import _CALLEES, _WHILE, _arrays, _computations, _dims, _trip_count
 
 __all__ = ["Kernel", "ProgramKernels", "compile_with_dump", "parse_thunks", "thunk_instructions", "kernel_cost",
-           "ptx_resources",
+           "ptx_resources", "ptx_global_loads",
            "analyse", "ptxas_path"]
 
 # thunks that hold others or only order them: no kernel of their own
@@ -104,7 +104,7 @@ class ProgramKernels:
 def ptxas_path() -> str | None:
     """``ptxas`` from the nvcc wheel (the gpu-plan extra), else from ``PATH``."""
     try:
-        import nvidia.cuda_nvcc as nvcc
+        import nvidia.cuda_nvcc as nvcc          # optional: the nvcc wheel of the gpu-plan extra
 
         p = Path(list(nvcc.__path__)[0]) / "bin" / "ptxas"
         if p.exists():
@@ -122,7 +122,9 @@ _DEPLOYED = {"xla_backend_optimization_level": 3}
 
 def compile_with_dump(lowered, dump_dir: str | None = None):
     """``(compiled, dump_dir)``: ``lowered.compile()`` at XLA's default optimization level (`_DEPLOYED`) with XLA's
-    dump of this compile in ``dump_dir`` (default: a new temporary folder, the caller's to remove)."""
+    dump of this compile in ``dump_dir`` (default: a new temporary folder, the caller's to remove). (JAX's persistent
+    compilation cache, where a process turned it on, stores a compile-only executable but cannot load it back: it
+    warns and compiles again. ``plan --target`` does not turn the cache on.)"""
     dump_dir = dump_dir or tempfile.mkdtemp(prefix="v41cp-gpu-plan-")
     return lowered.compile(compiler_options={"xla_dump_to": dump_dir, **_DEPLOYED}), dump_dir
 
@@ -354,6 +356,26 @@ def ptx_resources(dump_dir: str, ptxas: str | None = None, arch: str = "sm_90a")
         for got in pool.map(one, files):
             found.update(got)
     return found
+
+
+def ptx_global_loads(dump_dir: str) -> dict[str, dict]:
+    """``{kernel name: {load kind: count}}`` for each PTX file of the dump that holds one kernel: its global loads
+    by width (``v4.b32`` = 16-byte vector loads, ``u8`` = single bytes; ``cp.async.NB``: asynchronous global →
+    shared copies of N bytes, which Triton's pipelining issues for loads inside loops). Static instruction counts."""
+    out = {}
+    for f in Path(dump_dir).glob("*.ptx"):
+        ptx = f.read_text()
+        entries = re.findall(r"\.entry\s+([\w.$]+)\(", ptx)
+        if len(entries) != 1:
+            continue
+        loads: dict[str, int] = {}
+        for m in re.finditer(r"\bld\.global((?:\.[a-z0-9]+)*)", ptx):
+            loads[m.group(1).lstrip(".")] = loads.get(m.group(1).lstrip("."), 0) + 1
+        for m in re.finditer(r"cp\.async\.c[ag]\.shared\.global\s+\[[^\]]*\],\s*\[[^\]]*\],\s*(0x[0-9a-f]+|\d+)", ptx):
+            key = f"cp.async.{int(m.group(1), 0)}B"
+            loads[key] = loads.get(key, 0) + 1
+        out[entries[0]] = loads
+    return out
 
 
 def analyse(dump_dir: str, hlo_text: str, resources: bool = True) -> ProgramKernels:

@@ -59,8 +59,9 @@ def grouped_fp4_matmul(x: jax.Array, tiles: jax.Array, packed: jax.Array, scale:
     call = lambda x_e, x_o, tiles, live, packed, scale, interpret: grouped_fp4_matmul_pallas(
         x_e, x_o, tiles, live, packed, scale, block_n=block_n, block_k=block_k, num_warps=num_warps,
         num_stages=num_stages, interpret=interpret)
-    # per call: every expert's packed weights and scales (all live: an upper bound), the tokens, the FP32 result
-    read = nbytes(x_e, x_o, tiles, live, packed, scale)
+    # per call: each tile reads its expert's packed weights and scales (every tile live: an upper bound; tiles of
+    # one expert share them only through the L2), its tokens, and writes its FP32 result
+    read = nbytes(x_e, x_o, tiles, live) + c * (nbytes(packed, scale) // packed.shape[0])
     with cost_scope(read, c * gp * o * 4, 2 * c * gp * n * o, x.dtype):
         y = on_platform(call, x_e, x_o, tiles.astype(jnp.int32), live, packed, scale, interpret=interpret)
     return y[:, :g].astype(x.dtype)
