@@ -279,6 +279,9 @@ def _gpu_report(gpu, compiled, dump: str, devices: int, report: dict) -> dict:
         "target_figures": gpu.describe(),
         "xla_bytes_accessed_per_device": report["bytes_accessed_per_device"],
         "bytes_accessed_per_device": float(sum(k.launches * k.bytes for k in counted)),
+        # the kernels' dot FLOPs, the Pallas kernels' recorded counts included (XLA's model counts a custom call
+        # as nothing: `flops_per_device` leaves them out)
+        "kernel_flops_per_device": float(sum(k.launches * (k.flops or 0.0) for k in counted)),
         "kernel_launches_per_step": kernels.launches,
         "kernel_launches_outside_graphs": sum(k.launches for k in kernels.kernels if not k.in_graph),
         "host_driven_loops": kernels.host_driven_loops,
