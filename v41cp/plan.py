@@ -25,6 +25,7 @@ roofline prediction of the step's time (`v41cp.targets.roofline`; docs/gpu-plan.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import shutil
 
@@ -189,6 +190,8 @@ def plan_program(cfg: ModelConfig, mode: str, batch: int, context: int, parallel
     for name, v in (("batch", batch), ("context", context), ("block_tokens", block_tokens)):
         if type(v) is not int or v <= 0:
             raise ValueError(f"plan: {name} must be a positive integer, got {v!r}")
+    if dump_dir is not None and os.path.isdir(dump_dir) and os.listdir(dump_dir):
+        raise ValueError(f"plan: dump_dir {dump_dir!r} is not empty (give a new or empty folder)")
     gpu = None
     if target is not None:
         gpu = get_target(target)
@@ -284,7 +287,11 @@ def _gpu_report(gpu, compiled, dump: str, devices: int, report: dict) -> dict:
         "kernel_flops_per_device": float(sum(k.launches * (k.flops or 0.0) for k in counted)),
         "kernel_launches_per_step": kernels.launches,
         "kernel_launches_outside_graphs": sum(k.launches for k in kernels.kernels if not k.in_graph),
+        "graph_launches": kernels.graph_launches,
+        # while loops outside command buffers (the host launches each trip); of them, those of unknown trip count
+        # (the host also reads the condition back every trip)
         "host_driven_loops": kernels.host_driven_loops,
+        "host_synchronizing_loops": kernels.host_synchronizing_loops,
         "host_driven_conditionals": kernels.host_driven_conditionals,
         "command_buffers": kernels.command_buffers,
         # the Pallas (Triton) kernels, merged by name; every kernel that spills; the most registers any uses

@@ -38,9 +38,6 @@ def _assert_kernels_fit(report):
         assert k["spill_bytes"] == 0, k
     # every Pallas kernel carries its cost into the prediction
     assert not [n for n in report["prediction"]["uncosted"] if n.startswith("v41cp_")]
-    parts = report["prediction"]
-    assert report["predicted_step_s"] == pytest.approx(parts["kernels_s"] + parts["launches_s"]
-                                                       + parts["collectives_s"])
 
 
 def test_tiny_decode_compiles_for_h200_with_every_pallas_kernel(tmp_path):
@@ -63,9 +60,10 @@ def test_tiny_decode_compiles_for_h200_with_every_pallas_kernel(tmp_path):
     # the gathers are the router's logits (its expert columns split over the group): [rows, experts] FP32 each
     gathers = [c for c in ffn if c["op"] == "all-gather"]
     assert len(gathers) == cfg.num_hidden_layers and max(c["bytes"] for c in gathers) <= 4 * cfg.n_routed_experts * 4
-    # the Pallas decode has no loop for the host to drive
+    # the Pallas decode has no loop for the host to drive; each layer's attention and indexer kernels run once
     assert out["host_driven_loops"] == 0
-    assert out["kernel_launches_per_step"] >= sum(k["launches"] for k in out["kernels"])
+    attention = sum(k["launches"] for k in out["kernels"] if k["name"].startswith("v41cp_sparse_attention"))
+    assert attention == cfg.num_hidden_layers
     _assert_kernels_fit(out)
 
 
@@ -97,16 +95,20 @@ def test_flash_kernels_fit_an_h200(flash_kernels, op):
 
 @pytest.mark.fast
 def test_a_pallas_call_records_its_analytic_cost(flash_kernels):
-    """The sparse attention at V4.1-Flash's shapes (`kernel_resources`' defaults: 8 requests of 131,072 tokens):
-    bytes = the queries, each listed window (FP8 + scales) and selected (NVFP4 + scales) record with its int32
-    index, the lengths, the split partials; FLOPs = QKᵀ and PV over every listed entry."""
+    """The sparse attention at V4.1-Flash's shapes (`kernel_resources`' defaults: 8 requests of 131,072 tokens), from
+    its compiled grid (rows × head blocks × splits) and block specs: each program loads its head block's queries
+    (both channel halves, BF16) and its row's two lengths, and its split of the listed window (FP8 + scales) and
+    selected (NVFP4 + scales) records with their int32 indices; the split partials are written; FLOPs = QKᵀ and PV
+    over every listed entry."""
     s = SHAPES["flash"]
     batch = 8
     h, d, win, k = s["heads"], s["head_dim"], s["window"], s["topk"]
     (kern,) = [r for r in flash_kernels if r["op"] == "sparse_attention"]
-    splits = kern["grid"][2]
-    read = 2 * batch * h * (d // 2) * 2 + batch * 2 * 4 \
-        + batch * win * (d + d // 32 + 4) + batch * k * (d // 2 + d // 16 + 4)
+    rows, blocks, splits = kern["grid"]
+    assert rows == batch
+    programs = rows * blocks * splits
+    read = programs * ((h // blocks) * d * 2 + 2 * 4) \
+        + blocks * batch * (win * (d + d // 32 + 4) + k * (d // 2 + d // 16 + 4))
     written = batch * splits * h * (d + 1) * 4
     assert kern["bytes"] == read + written
     assert kern["flops"] == 4 * batch * h * d * (win + k)

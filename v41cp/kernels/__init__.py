@@ -35,10 +35,12 @@ def check_backend(name: str, field: str = "backend") -> str:
     return name
 
 
-def interpret_mode() -> bool:
-    """Whether a Pallas kernel traced now may be lowered in interpret mode: this host's default backend is not a
-    GPU. (What a program holds is chosen at lowering: `on_platform`.)"""
-    return jax.default_backend() != "gpu"
+def interpret_mode(mesh=None) -> bool:
+    """Whether a Pallas kernel of a program over ``mesh`` (default: this host's default backend) is lowered in
+    interpret mode: its devices are not GPUs. (A mesh of a GPU target's compile-only devices is a GPU mesh on a CPU
+    host; what a program holds is chosen at lowering: `on_platform`.)"""
+    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    return platform != "gpu"
 
 
 def on_platform(call, *operands, interpret: bool | None = None):

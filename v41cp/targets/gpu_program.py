@@ -8,15 +8,17 @@ Read from XLA's own dump of the compile (``--xla_dump_to``, given per compile: `
   (``*.thunk_metadata.txt``) names each thunk's HLO instruction (a kernel's own name can be another fusion's
   whose identical kernel it reuses);
 * the optimized HLO (`compiled.as_text()`): each loop's ``known_trip_count``, so a kernel in a loop body counts once
-  per trip (its condition's kernels once more), and each kernel's operands, result and fused computation, from
-  which its bytes and FLOPs are counted (`kernel_cost`);
+  per trip (a condition's kernels run only where the trip count is not known: then once more), and each kernel's
+  operands, result and fused computation, from which its bytes and FLOPs are counted (`kernel_cost`);
 * the PTX of every kernel (``*.ptx``), assembled by the nvcc wheel's ``ptxas -v`` for the target's architecture:
   registers per thread and spill bytes (`ptx_resources`).
 
 `analyse(dump_dir, hlo_text)` → `ProgramKernels`: one `Kernel` row per launch site, with its launches per program
-execution. A while loop's condition is evaluated by the host each trip (it reads the predicate back and launches the
-next trip), so a program with loops cannot be held by one CUDA graph: `ProgramKernels.host_driven_loops` (likewise
-a conditional outside a command buffer: the host reads its predicate). A conditional's branches are both listed and
+execution. A while loop outside a command buffer is driven by the host, which launches each trip's kernels:
+`ProgramKernels.host_driven_loops` counts the while loops outside command buffers, which no CUDA graph
+holds; of them, `host_synchronizing_loops` have no known trip count, so the host also reads the condition back every
+trip (XLA's while thunk runs a loop of known trip count without evaluating its condition). A conditional outside a
+command buffer is likewise driven by the host (it reads the predicate). A conditional's branches are both listed and
 both counted: the launch count is an upper bound by the smaller branches' kernels.
 """
 
@@ -80,13 +82,21 @@ class ProgramKernels:
 
     kernels: list = field(default_factory=list)
     host_driven_loops: int = 0
+    host_synchronizing_loops: int = 0
     host_driven_conditionals: int = 0
     command_buffers: int = 0
+    graph_launches: int = 0
 
     @property
     def launches(self) -> int:
         """Kernel launches per execution (collectives included; loop trips counted)."""
         return sum(k.launches for k in self.kernels)
+
+    @property
+    def host_launches(self) -> int:
+        """Launches the host issues one by one per execution: the kernels outside command buffers and one per
+        command-buffer (CUDA graph) execution."""
+        return sum(k.launches for k in self.kernels if not k.in_graph) + self.graph_launches
 
     def by_name(self, prefix: str) -> list[dict]:
         """The launch sites whose kernel name starts with ``prefix``, merged by name (launches summed)."""
@@ -134,7 +144,8 @@ def parse_thunks(text: str) -> tuple[list[dict], dict]:
     "shared_memory_bytes", "block", "in_graph"}`` (``block``: the index of the innermost loop condition / body /
     branch holding it, -1 at the top; ``in_graph``: inside a command buffer) and the blocks ``[(kind, parent)]`` in
     ``counts["blocks"]``, with the number of thunks of each kind (a while / conditional inside a command buffer, a
-    CUDA graph's conditional node, counted as ``kWhileInGraph`` / ``kConditionalInGraph``)."""
+    CUDA graph's conditional node, counted as ``kWhileInGraph`` / ``kConditionalInGraph``); ``counts["containers"]``:
+    the while and command-buffer thunks ``{"kind", "id", "block", "in_graph"}``."""
     thunks, blocks = [], []
     stack: list[tuple[int, str, int]] = []           # (indent, "thunk kind" or "block", block index)
     counts = {"kWhile": 0, "kConditional": 0, "kCommandBuffer": 0}
@@ -163,6 +174,9 @@ def parse_thunks(text: str) -> tuple[list[dict], dict]:
             kind_key = kind
         counts[kind_key] = counts.get(kind_key, 0) + 1
         stack.append((indent, kind, block))
+        if kind in ("kWhile", "kCommandBuffer"):
+            counts.setdefault("containers", []).append({"kind": kind, "id": int(t.group("id")), "block": block,
+                                                        "in_graph": in_graph})
         if kind in _CONTAINERS:
             continue
         m = _LAUNCH.search(t.group("rest"))
@@ -172,14 +186,16 @@ def parse_thunks(text: str) -> tuple[list[dict], dict]:
                        "grid": ints(m.group("grid")) if m else (), "threads": ints(m.group("threads")) if m else (),
                        "shared_memory_bytes": int(m.group("smem")) if m else 0})
     counts["blocks"] = blocks
+    counts.setdefault("containers", [])
     return thunks, counts
 
 
 def _executions(hlo_text: str) -> tuple[dict, dict, dict]:
-    """``(runs, where, comps)``: how many times each computation runs per execution (while bodies × trips, their
-    conditions × (trips + 1), fusions and branches as their caller), which computation defines each instruction (and
-    its line),
-    (thunk-style name: ``.`` / ``-`` → ``_``), and the computations' lines."""
+    """``(runs, where, comps)``: how many times each computation runs per execution (while bodies × trips; a
+    condition × (trips + 1) where the trip count depends on the data, never where it is known: XLA's while thunk
+    then runs the body that many times without evaluating the condition; fusions and branches as their caller),
+    which computation defines each instruction (and its line), and the computations' lines. A loop of unknown trip
+    count is counted as one trip, as XLA's cost analysis counts it."""
     comps, entry = _computations(hlo_text)
     runs: dict[str, int] = {}
     todo = [(entry, 1)] if entry else []
@@ -192,7 +208,8 @@ def _executions(hlo_text: str) -> tuple[dict, dict, dict]:
             w = _WHILE.search(line)
             if w:
                 trips = _trip_count(line)
-                todo += [(w.group("body"), m * trips), (w.group("cond"), m * (trips + 1))]
+                known = '"known_trip_count"' in line
+                todo += [(w.group("body"), m * trips), (w.group("cond"), 0 if known else m * (trips + 1))]
                 continue
             for one, many in _CALLEES.findall(line):
                 todo += [(x, m) for x in ([one] if one else re.findall(r"%([\w.\-]+)", many))]
@@ -324,11 +341,12 @@ def kernel_cost(line: str, shapes: dict, comps: dict) -> tuple[float | None, flo
     return float(sum(sizes) + _shape_bytes(shape)), 0.0, None
 
 
-def ptx_resources(dump_dir: str, ptxas: str | None = None, arch: str = "sm_90a") -> dict[str, dict]:
-    """``{kernel name: {"registers", "spill_bytes"}}`` of every kernel in the dump's PTX files, from ``ptxas -v``
-    (``spill_bytes``: spill stores + spill loads). Empty where no ``ptxas`` is installed."""
+def ptx_resources(dump_dir: str, ptxas: str | None = None, arch: str = "sm_90a", prefix: str = "") -> dict[str, dict]:
+    """``{kernel name: {"registers", "spill_bytes"}}`` of every kernel in the dump's PTX files (those whose name
+    starts with ``prefix``: one compile's), from ``ptxas -v`` (``spill_bytes``: spill stores + spill loads). Empty
+    where no ``ptxas`` is installed."""
     ptxas = ptxas or ptxas_path()
-    files = [f for f in sorted(Path(dump_dir).glob("*.ptx")) if f.stat().st_size]   # (empty: a module of no kernel)
+    files = [f for f in sorted(Path(dump_dir).glob(f"{prefix}*.ptx")) if f.stat().st_size]  # (empty: no kernel)
     if ptxas is None or not files:
         return {}
 
@@ -358,12 +376,12 @@ def ptx_resources(dump_dir: str, ptxas: str | None = None, arch: str = "sm_90a")
     return found
 
 
-def ptx_global_loads(dump_dir: str) -> dict[str, dict]:
+def ptx_global_loads(dump_dir: str, prefix: str = "") -> dict[str, dict]:
     """``{kernel name: {load kind: count}}`` for each PTX file of the dump that holds one kernel: its global loads
     by width (``v4.b32`` = 16-byte vector loads, ``u8`` = single bytes; ``cp.async.NB``: asynchronous global →
     shared copies of N bytes, which Triton's pipelining issues for loads inside loops). Static instruction counts."""
     out = {}
-    for f in Path(dump_dir).glob("*.ptx"):
+    for f in Path(dump_dir).glob(f"{prefix}*.ptx"):
         ptx = f.read_text()
         entries = re.findall(r"\.entry\s+([\w.$]+)\(", ptx)
         if len(entries) != 1:
@@ -381,14 +399,20 @@ def ptx_global_loads(dump_dir: str) -> dict[str, dict]:
 def analyse(dump_dir: str, hlo_text: str, resources: bool = True) -> ProgramKernels:
     """The kernels of the program compiled into ``dump_dir`` (see the module docstring); ``hlo_text``: its
     optimized HLO (`compiled.as_text()`). ``resources``: read registers and spills with ptxas."""
-    # the sequence after the thunk passes (command buffers formed); XLA writes it only where a pass ran
-    seqs = sorted(Path(dump_dir).glob("*.thunk_sequence_after_thunk_passes.txt")) or \
-        sorted(Path(dump_dir).glob("*.thunk_sequence.txt"))
+    # this program's files (a dump folder may hold other compiles): module_NNNN.<HloModule name>.*, the newest
+    name = re.match(r"HloModule ([\w.\-]+)", hlo_text)
+    stem = f".{name.group(1)}." if name else "."
+    seqs = [p for p in Path(dump_dir).glob("module_*.thunk_sequence*.txt") if stem in p.name]
     if not seqs:
-        raise FileNotFoundError(f"no thunk sequence in {dump_dir}: was the program compiled for a GPU?")
-    thunks, counts = parse_thunks(seqs[-1].read_text())
-    meta = sorted(Path(dump_dir).glob("*.thunk_metadata.txt"))
-    instr = thunk_instructions(meta[-1].read_text()) if meta else {}
+        raise FileNotFoundError(f"no thunk sequence of {stem.strip('.')} in {dump_dir}: was it compiled for a GPU?")
+    module = max(p.name.split(".")[0] for p in seqs)              # module_NNNN
+    prefix = f"{module}{stem}"
+    # the sequence after the thunk passes (command buffers formed); XLA writes it only where a pass ran
+    after = Path(dump_dir) / f"{prefix}thunk_sequence_after_thunk_passes.txt"
+    seq = after if after.exists() else Path(dump_dir) / f"{prefix}thunk_sequence.txt"
+    thunks, counts = parse_thunks(seq.read_text())
+    meta = Path(dump_dir) / f"{prefix}thunk_metadata.txt"
+    instr = thunk_instructions(meta.read_text()) if meta.exists() else {}
     runs, where, comps = _executions(hlo_text)
     blocks = counts["blocks"]
     # each loop body / condition / branch runs as often as the HLO computation of any named kernel it holds
@@ -404,10 +428,15 @@ def analyse(dump_dir: str, hlo_text: str, resources: bool = True) -> ProgramKern
             b = blocks[b][1]                       # a block with no named kernel: as its parent
         return block_runs.get(b, 1)
 
-    res = ptx_resources(dump_dir) if resources else {}
-    out = ProgramKernels(host_driven_loops=counts.get("kWhile", 0),
+    res = ptx_resources(dump_dir, prefix=prefix) if resources else {}
+    loops = [c for c in counts["containers"] if c["kind"] == "kWhile" and not c["in_graph"]]
+    unknown = [c for c in loops
+               if '"known_trip_count"' not in where.get(instr.get(c["id"], ""), ("", '"known_trip_count"'))[1]]
+    out = ProgramKernels(host_driven_loops=len(loops), host_synchronizing_loops=len(unknown),
                          host_driven_conditionals=counts.get("kConditional", 0),
-                         command_buffers=counts.get("kCommandBuffer", 0))
+                         command_buffers=counts.get("kCommandBuffer", 0),
+                         graph_launches=sum(runs_of(c["block"]) for c in counts["containers"]
+                                            if c["kind"] == "kCommandBuffer" and not c["in_graph"]))
     shapes_of: dict[str, dict] = {}
     for t in thunks:
         hit = where.get(instr.get(t["id"], ""))

@@ -1,10 +1,12 @@
 """A roofline prediction of one execution of a program compiled for a GPU target (derivation: docs/gpu-plan.md).
 
 ``predicted_step_s = Σ_kernels launches · max(bytes / HBM bandwidth, FLOPs / peak)
-                   + kernel launches · launch cost
+                   + host launches · launch cost
                    + Σ_collectives (executions · latency + wire bytes / link bandwidth)``
 
-per device, with the target's published figures (`v41cp.targets.GpuTarget`). A kernel's bytes and FLOPs are
+per device, with the target's published figures (`v41cp.targets.GpuTarget`). Host launches are the kernels the
+host launches one by one (outside command buffers) and one per command-buffer (CUDA graph) execution: a kernel
+inside a graph pays no launch of its own. A kernel's bytes and FLOPs are
 `v41cp.targets.gpu_program.kernel_cost`'s (slice-aware reads; the dots' FLOPs at the peak of their operand dtype).
 A collective's wire bytes per device, from its result bytes ``R`` over a group of ``n`` (ring algorithms):
 all-gather and all-to-all ``R · (n−1)/n``, all-reduce ``2 · R · (n−1)/n``, reduce-scatter ``R · (n−1)``,
@@ -37,13 +39,13 @@ def predict(kernels: ProgramKernels, collectives: list[dict], target: GpuTarget,
     `v41cp.sharding.hlo_stats.collectives` of the program (bytes per execution); ``devices``: the program's
     devices (a group of "all")."""
     compute = memory = kernel_s = 0.0
-    launches = collective_runs = 0
+    launches, collective_runs = kernels.graph_launches, 0
     uncosted: dict[str, int] = {}
     for k in kernels.kernels:
         if k.kind in _COLLECTIVES:
             collective_runs += k.launches
             continue
-        launches += k.launches
+        launches += 0 if k.in_graph else k.launches
         if k.bytes is None:
             uncosted[k.name] = uncosted.get(k.name, 0) + k.launches
             continue
@@ -58,6 +60,7 @@ def predict(kernels: ProgramKernels, collectives: list[dict], target: GpuTarget,
     return {
         "predicted_step_s": kernel_s + launch_s + collective_s,
         "kernels_s": kernel_s, "kernels_memory_bound_s": memory, "kernels_compute_bound_s": compute,
-        "launches_s": launch_s, "collectives_s": collective_s, "collective_wire_bytes": wire,
+        "launches_s": launch_s, "host_launches": launches, "collectives_s": collective_s,
+        "collective_wire_bytes": wire,
         "uncosted": uncosted,
     }

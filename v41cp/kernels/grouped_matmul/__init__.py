@@ -59,9 +59,10 @@ def grouped_fp4_matmul(x: jax.Array, tiles: jax.Array, packed: jax.Array, scale:
     call = lambda x_e, x_o, tiles, live, packed, scale, interpret: grouped_fp4_matmul_pallas(
         x_e, x_o, tiles, live, packed, scale, block_n=block_n, block_k=block_k, num_warps=num_warps,
         num_stages=num_stages, interpret=interpret)
-    # per call: each tile reads its expert's packed weights and scales (every tile live: an upper bound; tiles of
-    # one expert share them only through the L2), its tokens, and writes its FP32 result
-    read = nbytes(x_e, x_o, tiles, live) + c * (nbytes(packed, scale) // packed.shape[0])
+    # per call (grid: tiles × output blocks): each program loads its tile's tokens and its block of the tile's
+    # expert's packed weights and scales (every tile live: an upper bound; tiles of one expert share them only
+    # through the L2), and writes its FP32 block
+    read = (o // block_n) * nbytes(x_e, x_o, tiles, live) + c * (nbytes(packed, scale) // packed.shape[0])
     with cost_scope(read, c * gp * o * 4, 2 * c * gp * n * o, x.dtype):
         y = on_platform(call, x_e, x_o, tiles.astype(jnp.int32), live, packed, scale, interpret=interpret)
     return y[:, :g].astype(x.dtype)

@@ -92,11 +92,13 @@ def _scan(q, w, store, pages, page_ids, visible, block_mask, groups, *, epb, gro
     call = lambda q_e, q_o, wp, refs, visible, pages, page_ids, groups, mask, interpret: index_scan_pallas(
         q_e, q_o, wp, refs, fmt, visible, pages, page_ids, groups, mask, epb=epb, group=group, tile=tile, cbs=cbs,
         mode=mode, splits=splits, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
-    # per call: the queries and the page lists, every listed key's record (all listed keys valid: an upper bound),
-    # the scores or group maxima written; one product per key and index head
+    # per call (grid: rows × splits): each program loads its row's queries, weights, page lists and groups, and its
+    # split of every listed key's record (all listed keys valid: an upper bound); the scores or group maxima
+    # written; one product per key and index head
     refs = record_refs(store, fmt)
     keys = q.shape[0] * n_groups * group
-    read = nbytes(q_e, q_o, wp, pages, page_ids, groups, mask) + keys * row_bytes(refs)
+    programs = max(1, min(splits, n_groups * group // tile))      # the kernel's own clamp: splits ≤ key chunks
+    read = programs * nbytes(q_e, q_o, wp, pages, page_ids, groups, mask) + keys * row_bytes(refs)
     written = keys * 8 if mode == "scores" else keys // group * 4
     with cost_scope(read, written, 2 * keys * q_e.shape[1] * 2 * q_e.shape[2], q_e.dtype):
         return on_platform(call, q_e, q_o, wp, refs, visible.astype(jnp.int32), pages, page_ids, groups, mask,

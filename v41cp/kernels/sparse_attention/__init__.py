@@ -103,12 +103,13 @@ def sparse_attention(q: jax.Array, stores, indices, lengths=None, sink: jax.Arra
         call = lambda q_e, q_o, refs, idx, lens, interpret: sparse_attention_pallas(
             q_e, q_o, refs, formats, idx, lens, block_h=block_h, block_k=block_k, splits=splits, num_warps=warps,
             num_stages=num_stages, interpret=interpret)
-        # per call: the queries, every listed entry's record and index once per head block (all listed entries
-        # valid: an upper bound), the split partials written; QKᵀ and PV over every listed entry
+        # per call (grid: rows × head blocks × splits): each program loads its query block and its row's lengths,
+        # and its split of every listed entry's record and index for its head block (all listed entries valid:
+        # an upper bound); the split partials written; QKᵀ and PV over every listed entry
         listed = sum(i.shape[0] * i.shape[1] for i in idx)
         blocks = q_e.shape[1] // block_h
-        read = nbytes(q_e, q_o, lens) + blocks * sum(i.shape[0] * i.shape[1] * (row_bytes(f) + 4)
-                                                     for i, f in zip(idx, refs))
+        read = splits * nbytes(q_e, q_o) + blocks * splits * nbytes(lens) \
+            + blocks * sum(i.shape[0] * i.shape[1] * (row_bytes(f) + 4) for i, f in zip(idx, refs))
         written = r * splits * q_e.shape[1] * (2 * q_e.shape[2] + 1) * 4
         with cost_scope(read, written, 4 * listed * q_e.shape[1] * d, q.dtype):
             o_e, o_o, lse = on_platform(call, q_e, q_o, refs, idx, lens, interpret=interpret)

@@ -139,7 +139,7 @@ class DCPPlan:
         JAX's Pallas HLO interpreter re-evaluates the kernel body with the kernel's own index constants
         (invariant) gathering from varying refs, which its varying-axes check rejects (jax 0.10, "pass
         check_vma=False as a temporary workaround"); the compiled GPU kernel keeps the check."""
-        check = not (backend == "pallas" and interpret_mode())
+        check = not (backend == "pallas" and interpret_mode(self.mesh))
         return jax.shard_map(f, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check)
 
 

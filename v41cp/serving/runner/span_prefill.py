@@ -149,7 +149,7 @@ def _run(params, cache, batch: StepBatch, cfg: ModelConfig, layout: SpanLayout, 
         score = scored is not None
         body = partial(_qcp_body, cfg=cfg, layout=layout, features=features, score=score)
         # as in the DCP islands: JAX's Pallas interpreter trips its own varying-axes check (CPU only)
-        check = not (cfg.indexer_backend == "pallas" and interpret_mode())
+        check = not (cfg.indexer_backend == "pallas" and interpret_mode(layout.mesh))
         out_specs = ((P(None, *hspec[1:]), cspec) + (((P(), P(), P(), P()),) if features else ())
                      + ((P(),) if score else ()))
         return jax.shard_map(body, mesh=layout.mesh, in_specs=(pspec, cspec, bspec, P()), out_specs=out_specs,
