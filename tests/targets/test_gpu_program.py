@@ -102,7 +102,7 @@ ENTRY %main (x: f32[1024,64], i: s32[], y: f32[8,16], z: f32[16,32], q: bf16[8,6
   %tuple.0 = (s32[], f32[8,16]{1,0}, f32[16,32]{1,0}) tuple(%i, %y, %z)
   %while.1 = (s32[], f32[8,16]{1,0}, f32[16,32]{1,0}) while(%tuple.0), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
   %all-reduce = f32[1,64]{1,0} all-reduce(%loop_dynamic_slice_fusion), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
-  %while.2 = (s32[], f32[8,16]{1,0}, f32[16,32]{1,0}) while(%tuple.0), condition=%cond2, body=%body2
+  %while.2 = (s32[], f32[8,16]{1,0}, /*index=2*/f32[16,32]{1,0}) while(%tuple.0), condition=%cond2, body=%body2
   %pallas_call = bf16[8,64,512]{2,1,0} custom-call(%q), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(probe)/kernel_cost:bytes=1000:flops=2000:dtype=bfloat16/pallas_call"}
   ROOT %out = f32[1,64]{1,0} add(%all-reduce, %all-reduce)
 }

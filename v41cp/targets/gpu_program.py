@@ -49,8 +49,8 @@ _COLLECTIVES = {"kAllReduce", "kAllGather", "kReduceScatter", "kAllToAll", "kCol
 _THUNK = re.compile(r"^(?P<indent>\s*)(?P<id>\d+): (?P<kind>k\w+)\s+\[[^\]]*\]\s*(?P<rest>.*)$")
 _BLOCK = re.compile(r"^(?P<indent>\s*)(?P<block>condition|body|\w*branch\w*):\s*$")
 _DTYPE_NAMES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16", "float8_e4m3fn": "f8e4m3fn"}
-# an HLO instruction, tuple-shaped ones included
-_DEF = re.compile(r"^\s*(?:ROOT )?%(?P<name>[\w.\-]+) = (?P<shape>\([^=]*?\)|\S+?)(?:\{[^}]*\})? "
+# an HLO instruction, tuple-shaped ones included (their element comments /*index=5*/ and layouts' S(1) too)
+_DEF = re.compile(r"^\s*(?:ROOT )?%(?P<name>[\w.\-]+) = (?P<shape>\((?:[^()]|\([^()]*\))*\)|\S+?)(?:\{[^}]*\})? "
                   r"(?P<op>[\w\-]+)\((?P<args>[^)]*)\)")
 _LAUNCH = re.compile(r"(?P<name>[\w.\-]+) grid: \[(?P<grid>[\d, ]+)\] threads: \[(?P<threads>[\d, ]+)\]\s+"
                      r"shared_memory: (?P<smem>\d+) bytes")
