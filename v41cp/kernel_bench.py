@@ -33,11 +33,12 @@ from v41cp.kernels.grouped_matmul import grouped_fp4_matmul
 from v41cp.kernels.indexer_topk import index_scan_pallas, indexer_topk, prepare_queries
 from v41cp.kernels.sparse_attention import sparse_attention
 from v41cp.layers.moe_dispatch import DispatchShape, dispatch
+from v41cp.targets import TARGETS
 
 __all__ = ["SHAPES", "run"]
 
-HBM_BYTES_PER_S = 4.8e12            # H200 datasheet: 4.8 TB/s HBM3e
-BF16_TENSOR_FLOP_PER_S = 989e12     # H200 datasheet: dense BF16 tensor peak
+HBM_BYTES_PER_S = TARGETS["h200"].hbm_bytes_per_s                     # the H200's published figures
+BF16_TENSOR_FLOP_PER_S = TARGETS["h200"].peak_flops("bf16")
 
 SHAPES = {
     "flash": dict(heads=64, head_dim=512, window=128, topk=512, index_heads=32, index_dim=128, epb=32,

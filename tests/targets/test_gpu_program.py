@@ -141,8 +141,8 @@ def test_launches_count_loop_trips_and_costs_are_slice_aware(dump):
                         "gemm_fusion_dot_1": 1}
     assert pk.launches == 11 and pk.command_buffers == 1
     assert (pk.host_driven_loops, pk.host_synchronizing_loops) == (2, 1)
-    # the host launches the graph once and every kernel outside it
-    assert pk.graph_launches == 1 and pk.host_launches == 1 + 10
+    # the host launches the graph once and every kernel outside it; the all-reduce is a collective run
+    assert pk.graph_launches == 1 and pk.host_launches == 1 + 9 and pk.collective_runs == 1
     by = {k.name: k for k in pk.kernels}
     # the slice reads one 64-float row of the 1024-row operand (+ its s32 index), writes one row
     assert by["loop_dynamic_slice_fusion"].bytes == 64 * 4 + 4 + 64 * 4

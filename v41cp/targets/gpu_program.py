@@ -94,9 +94,15 @@ class ProgramKernels:
 
     @property
     def host_launches(self) -> int:
-        """Launches the host issues one by one per execution: the kernels outside command buffers and one per
-        command-buffer (CUDA graph) execution."""
-        return sum(k.launches for k in self.kernels if not k.in_graph) + self.graph_launches
+        """Kernel launches the host issues one by one per execution: the kernels outside command buffers and one per
+        command-buffer (CUDA graph) execution (collectives apart: `collective_runs`)."""
+        return sum(k.launches for k in self.kernels if not k.in_graph and k.kind not in _COLLECTIVES) + \
+            self.graph_launches
+
+    @property
+    def collective_runs(self) -> int:
+        """Collective executions per execution of the program."""
+        return sum(k.launches for k in self.kernels if k.kind in _COLLECTIVES)
 
     def by_name(self, prefix: str) -> list[dict]:
         """The launch sites whose kernel name starts with ``prefix``, merged by name (launches summed)."""

@@ -39,13 +39,11 @@ def predict(kernels: ProgramKernels, collectives: list[dict], target: GpuTarget,
     `v41cp.sharding.hlo_stats.collectives` of the program (bytes per execution); ``devices``: the program's
     devices (a group of "all")."""
     compute = memory = kernel_s = 0.0
-    launches, collective_runs = kernels.graph_launches, 0
+    launches, collective_runs = kernels.host_launches, kernels.collective_runs
     uncosted: dict[str, int] = {}
     for k in kernels.kernels:
         if k.kind in _COLLECTIVES:
-            collective_runs += k.launches
             continue
-        launches += 0 if k.in_graph else k.launches
         if k.bytes is None:
             uncosted[k.name] = uncosted.get(k.name, 0) + k.launches
             continue
