@@ -76,17 +76,17 @@ class DispatchShape:
 
     @classmethod
     def build(cls, tokens: int, k: int, experts: int, tile_weight_bytes: int,
-              chunk_bytes: int = CHUNK_WEIGHT_BYTES, min_tile: int = 1) -> "DispatchShape":
-        """Geometry for ``tokens`` rows routed to ``k`` of ``experts`` experts; ``tile_weight_bytes``: the
-        gathered weights of one tile (sets the chunk size under ``chunk_bytes``); ``min_tile``: the smallest
-        tile (16 for the grouped kernel)."""
+              chunk_bytes: int = CHUNK_WEIGHT_BYTES, min_tile: int = 1, slot_bytes: int = 0) -> "DispatchShape":
+        """Geometry for ``tokens`` rows routed to ``k`` of ``experts`` experts; ``tile_weight_bytes`` (+ the tile's
+        slots × ``slot_bytes``): what one tile holds in flight, which sets the chunk size under ``chunk_bytes``;
+        ``min_tile``: the smallest tile (16 for the grouped kernel)."""
         pairs = tokens * k
         capacity = lambda g: -(-(pairs + min(experts, pairs) * (g - 1)) // g)      # tiles that hold any routing
         tile = min_tile
         while tile < MAX_TILE and capacity(2 * tile) * 2 * tile <= TILE_PADDING * pairs:
             tile *= 2
         need = capacity(tile)
-        per_chunk = max(1, chunk_bytes // max(1, tile_weight_bytes))
+        per_chunk = max(1, chunk_bytes // max(1, tile_weight_bytes + tile * slot_bytes))
         chunks = -(-need // per_chunk)
         return cls(pairs, experts, tile, -(-need // chunks), chunks)
 
@@ -191,9 +191,10 @@ def sparse_routed_output(x: jax.Array, idx: jax.Array, weights: jax.Array, exper
     n_experts, width = expert_width(experts)
     kernel = backend == "pallas" and isinstance(experts["w2"], tuple)
     # per tile in flight: the XLA path's gathered, decoded weights; the kernel's are read in place, so only the
-    # tile's activations count (rows in and out, gate / up / act; FP32 bound, the largest tile)
-    per_tile = MAX_TILE * (2 * h + 3 * width) * 4 if kernel else 3 * h * width * x.dtype.itemsize
-    shape = DispatchShape.build(t, idx.shape[1], n_experts, per_tile, chunk_bytes, min_tile=16 if kernel else 1)
+    # tile's activations count, per slot of the tile chosen (rows in and out, gate / up / act; FP32 bound)
+    shape = DispatchShape.build(t, idx.shape[1], n_experts, 0 if kernel else 3 * h * width * x.dtype.itemsize,
+                                chunk_bytes, min_tile=16 if kernel else 1,
+                                slot_bytes=(2 * h + 3 * width) * 4 if kernel else 0)
     like = (x, idx, weights, experts)
     k = idx.shape[1]
     pairs = t * k
